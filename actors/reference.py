@@ -1,0 +1,37 @@
+"""ReferenceWorker: the frozen initial policy, scoring prompt+response tokens for the KL penalty.
+
+Owns: a transformers causal LM in eval mode with gradients off. Does not own: the KL itself (learner/algo/losses).
+A plain class: Ray wraps it in `cluster/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from learner.algo.sequences import batched_logprobs, pad_sequences, unpad_per_token
+
+
+class ReferenceWorker:
+    """Per-token logprobs of given sequences under the frozen initial policy."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1, micro_batch_size: int = 64,
+                 temperature: float = 1.0):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.eval().requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+
+    def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
+                         response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log pi_ref of every response token: [B][T_resp_i]."""
+        batch = pad_sequences(prompt_ids, response_ids, self.pad_id)
+        return unpad_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
+
+    def ready(self) -> bool:
+        return True

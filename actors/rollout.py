@@ -1,0 +1,91 @@
+"""RolloutWorker: one vLLM engine that samples G completions per prompt and takes new weights in place.
+
+Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, and the
+sync probe (a seeded sample from a fixed prompt whose logprobs the driver compares with the learner's).
+Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actors.engine import EngineSettings, SampledCompletion, VllmEngine
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are sampled (the rollout config's sampling knobs)."""
+
+    group_size: int  # G completions per prompt
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion of one prompt, with what the learner needs to score it."""
+
+    prompt_ids: list[int]  # [T_prompt]
+    response_ids: list[int]  # [T_resp]
+    behavior_logprobs: list[float]  # [T_resp], from the engine that sampled (weights `weights_version`)
+    text: str  # the response text, EOS dropped
+    finish_reason: str  # "stop" | "length"
+    weights_version: int
+
+
+class RolloutWorker:
+    """Owns one vLLM engine; `generate` samples, `load_weights` updates it in place."""
+
+    def __init__(self, settings: EngineSettings, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.engine = VllmEngine(settings)
+        self.tokenizer = self.engine.tokenizer
+        self.weights_version = 0
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings) -> list[list[Rollout]]:
+        """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
+        prompt's completions do not depend on which worker serves it or what else is in the batch."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
+                                      sampling.max_new_tokens, list(seeds))
+        return [[self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups)]
+
+    def load_weights(self, version: int, *buckets: list[tuple[str, np.ndarray | torch.Tensor]]) -> int:
+        """Load every bucket of (name, array) pairs into the engine in place; return the version now served."""
+        named = [(name, _as_tensor(array)) for bucket in buckets for name, array in bucket]
+        self.engine.load_weights(named)
+        self.weights_version = version
+        return version
+
+    def probe(self, prompt: str, max_tokens: int, temperature: float,
+              seed: int) -> tuple[list[int], list[int], list[float], int]:
+        """Sample one seeded completion of a fixed prompt: (prompt ids, response ids, their logprobs, version)."""
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        [[c]] = self.engine.generate([prompt_ids], 1, temperature, 1.0, max_tokens, [seed])
+        return prompt_ids, c.response_ids, c.logprobs, self.weights_version
+
+    def ready(self) -> int:
+        return self.weights_version
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _rollout(self, prompt_ids: list[int], c: SampledCompletion) -> Rollout:
+        return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)
+
+
+def _as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
+    with warnings.catch_warnings():
+        # Arrays read zero-copy from Ray's object store are read-only; the reload copies them into the model.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)

@@ -1,0 +1,315 @@
+"""The demo's base model: a character tokenizer and a tiny Qwen2 warmed up on addition, built locally.
+
+Owns building, saving (atomically) and caching the model directory that the demo's engines and learner load,
+and the transformers-based accuracy check used to tune it. Does not own the RL loop, the reward (that is
+`rewards.arithmetic`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
+
+The warm-up deliberately stops early: the built model answers most problems greedily but samples the right
+answer far less often at temperature 1, like a pretrained base that RL then sharpens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rewards.arithmetic import Problem, exact_match, make_problems
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+CHARACTERS = "0123456789+-*= "
+DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe below changes the built weights
+REPORT_FILE = "relay_demo_report.json"
+SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
+
+
+def build_char_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
+    """One token per character of `CHARACTERS`; `<pad>` is id 0, `<eos>` id 1; no BOS, nothing added on encode.
+
+    Characters outside the vocabulary raise on encode (there is deliberately no unknown token).
+    """
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {char: 2 + i for i, char in enumerate(CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char, space included
+    backend.decoder = decoders.Fuse()  # concatenate tokens; WordLevel's default would join them with spaces
+    backend.add_special_tokens([AddedToken(PAD_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def tiny_qwen2_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 64,
+    tie_word_embeddings: bool = False,
+) -> Qwen2Config:
+    """A small Qwen2 config whose special-token ids match `build_char_tokenizer` (BOS = EOS, never prepended).
+
+    Untied embeddings by default: vLLM's CPU backend keeps a stale output head after a weight reload when tied.
+    """
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    head_dim = hidden_size // num_heads
+    assert head_dim >= 32 and head_dim in SUPPORTED_CPU_HEAD_DIMS, (
+        f"head_dim = hidden_size / num_heads = {hidden_size}/{num_heads} = {head_dim}, but vLLM's CPU attention "
+        f"supports only head_dim in {SUPPORTED_CPU_HEAD_DIMS}: raise hidden_size or lower num_heads"
+    )
+    eos_id, pad_id = 1, 0  # fixed by build_char_tokenizer's vocabulary
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=eos_id,
+    )
+
+
+def save_model_dir(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    out_dir: str | os.PathLike[str],
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Writes config, safetensors weights, tokenizer, generation config and `extra_files` (name -> text).
+
+    Atomic: everything goes to a temporary sibling directory that is renamed to `out_dir` at the end, so a
+    reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` already exists.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"model dir {out_dir} already exists: delete it or choose another path")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=model.config.bos_token_id,
+        )
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        for name, text in (extra_files or {}).items():
+            (tmp_dir / name).write_text(text)
+        os.rename(tmp_dir, out_dir)  # fails if another process renamed its copy first
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def make_random_model_dir(out_dir: str | os.PathLike[str], seed: int = 0, **config_kwargs: object) -> Path:
+    """Saves a randomly initialised tiny Qwen2 (`tiny_qwen2_config(**config_kwargs)`) and the char tokenizer.
+
+    For tests that need a real model directory and nothing learned.
+    """
+    tokenizer = build_char_tokenizer()
+    config = tiny_qwen2_config(vocab_size=len(tokenizer), **config_kwargs)  # type: ignore[arg-type]
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
+@dataclass(frozen=True)
+class WarmupRecipe:
+    """Model shape and supervised warm-up of the demo model; changing it means bumping `DEMO_MODEL_NAME`."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4  # head_dim 32
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    steps: int = 600
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    label_smoothing: float = 0.0
+    num_eval_problems: int = 512
+    eval_seed: int = 12345  # the held-out problems; excluded from training
+    max_new_tokens: int = 5  # longest answer "198" + <eos> is 4 tokens
+
+
+def _encode_batch(tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + label + <eos>` ids and labels that are -100 except on the answer and `<eos>`.
+
+    Right padding keeps positions starting at 0 as in the engines; pads sit after every real token, so the
+    causal mask alone keeps them out of the loss positions. Returns input_ids, labels: both [B, T].
+    """
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
+    answer_ids = [tokenizer.encode(p.label) + [eos_id] for p in problems]
+    width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids))
+    input_ids = torch.full((len(problems), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(problems), width), -100, dtype=torch.long)
+    for row, (prompt, answer) in enumerate(zip(prompt_ids, answer_ids)):
+        end = len(prompt) + len(answer)
+        input_ids[row, :end] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : end] = torch.tensor(answer)
+    return input_ids, labels
+
+
+def _smoothed_answer_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float, answer_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on answer positions against (1 - smoothing) * one-hot + smoothing * uniform(answer tokens).
+
+    Smoothing only over the digits and `<eos>` keeps the model's doubt about *which* answer (a wrong digit, an
+    early stop) rather than about emitting `+` or `<pad>`; at the optimum the right token gets probability
+    1 - smoothing + smoothing / A (A = len(answer_ids)). logits: [B, T, V], labels: [B, T] (-100 = no loss).
+    """
+    mask = labels != -100
+    logprobs = torch.log_softmax(logits[mask], dim=-1)  # [N, V]
+    nll = -logprobs.gather(1, labels[mask].unsqueeze(1)).squeeze(1)  # [N]
+    uniform = -logprobs[:, answer_ids].mean(dim=-1)  # [N]
+    return ((1.0 - smoothing) * nll + smoothing * uniform).mean()
+
+
+def _train_warmup(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    recipe: WarmupRecipe,
+    held_out_prompts: set[str],
+    seed: int,
+) -> None:
+    """AdamW on the smoothed loss of answer tokens and `<eos>`: linear warm-up, cosine decay, fixed steps."""
+    rng = random.Random(seed)
+    answer_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789") + [EOS_TOKEN]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(1.0, (step + 1) / recipe.warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / recipe.steps)),
+    )
+    model.train()
+    for _ in range(recipe.steps):
+        problems = [p for p in make_problems(rng, recipe.batch_size) if p.prompt not in held_out_prompts]
+        input_ids, labels = _encode_batch(tokenizer, problems)
+        logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]: position t predicts token t+1
+        loss = _smoothed_answer_loss(logits, labels[:, 1:], recipe.label_smoothing, answer_ids)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    model.eval()
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: Sequence[Problem],
+    temperature: float,
+    max_new_tokens: int = 5,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> float:
+    """Mean `exact_match` reward of one completion per problem: greedy if `temperature == 0`, else sampled.
+
+    A completion is the generated text up to the first `<eos>` (all of it if none came); sampling uses the
+    full distribution (no top-k/top-p) and its own seeded RNG, leaving the global torch RNG untouched.
+    """
+    model.eval()
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    sampling: dict[str, object] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0
+        else {"do_sample": False}
+    )
+    rewards = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            batch = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left")
+            output = model.generate(
+                **batch, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **sampling
+            )
+            for problem, ids in zip(chunk, output[:, batch["input_ids"].shape[1] :].tolist()):
+                completion_ids = ids[: ids.index(eos_id)] if eos_id in ids else ids
+                rewards.append(exact_match(tokenizer.decode(completion_ids), problem.label))
+    return sum(rewards) / len(rewards)
+
+
+def build_demo_model(out_dir: str | os.PathLike[str], seed: int = 0, recipe: WarmupRecipe = WarmupRecipe()) -> dict:
+    """Builds, warms up, evaluates and atomically saves the demo model; returns the report (also saved as JSON).
+
+    Deterministic for a given seed and recipe on a given machine (fixed seeds, 2 torch threads).
+    """
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokenizer = build_char_tokenizer()
+        config = tiny_qwen2_config(
+            vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
+            num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads,
+            intermediate_size=recipe.intermediate_size,
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        held_out = make_problems(random.Random(recipe.eval_seed), recipe.num_eval_problems)
+        _train_warmup(model, tokenizer, recipe, {p.prompt for p in held_out}, seed)
+        train_seconds = time.perf_counter() - started
+        report = {
+            "name": DEMO_MODEL_NAME,
+            "seed": seed,
+            "params": sum(p.numel() for p in model.parameters()),
+            "steps": recipe.steps,
+            "train_seconds": round(train_seconds, 2),
+            "num_eval_problems": len(held_out),
+            "greedy_accuracy": evaluate_accuracy(model, tokenizer, held_out, 0.0, recipe.max_new_tokens),
+            "sampled_accuracy": evaluate_accuracy(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed),
+            "recipe": asdict(recipe),
+        }
+        report["seconds"] = round(time.perf_counter() - started, 2)
+        save_model_dir(model, tokenizer, out_dir, extra_files={REPORT_FILE: json.dumps(report, indent=2) + "\n"})
+        return report
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def demo_model_dir() -> Path:
+    """`$RELAY_CACHE_DIR/demo-model-v1`, or `~/.cache/relay/demo-model-v1` when the variable is unset."""
+    cache_dir = os.environ.get("RELAY_CACHE_DIR")
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "relay"
+    return root / DEMO_MODEL_NAME
+
+
+def ensure_demo_model(log: Callable[[str], object] = print) -> Path:
+    """Returns the demo model's directory, building it first (about a minute) if it is not there yet."""
+    path = demo_model_dir()
+    if path.exists():
+        return path
+    log(f"Building the demo model in {path} (one time, about a minute on 2 cores)...")
+    try:
+        report = build_demo_model(path)
+    except FileExistsError:
+        if not path.exists():
+            raise
+        return path  # another process finished building it first; its copy is complete (atomic rename)
+    log(
+        f"Built the demo model in {report['seconds']:.0f} s: greedy accuracy {report['greedy_accuracy']:.2f}, "
+        f"sampled accuracy (T=1) {report['sampled_accuracy']:.2f}"
+    )
+    return path

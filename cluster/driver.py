@@ -1,0 +1,232 @@
+"""The driver: one training run, step by step, over the actors that `cluster.remote` placed.
+
+Owns: the step of DESIGN.md (sample prompts -> generate -> score -> reference logprobs -> learn -> sync weights ->
+record), splitting prompts across rollout workers, the deadline on every remote call, and the verified weight sync
+(every worker must serve the learner's new version, and a probe must agree with the learner's logprobs).
+Does not own: the math (learner/), the engines (actors/), or placement (cluster/remote.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.config import ConfigError, RunConfig, dump_config
+from cluster.data import ArithmeticPrompts, sampling_seeds
+from cluster.metrics import MetricsLog, ProgressDisplay
+from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
+from rewards.arithmetic import Problem
+from rewards.registry import RULE_VERIFIERS
+
+
+class SyncError(RunError):
+    """An engine does not serve the learner's weights after a sync."""
+
+
+class Trainer:
+    """Runs steps over a started fleet; each `step` returns that step's metrics record."""
+
+    def __init__(self, config: RunConfig, fleet: Fleet):
+        from actors.rollout import SamplingSettings
+
+        self.config = config
+        self.fleet = fleet
+        self.data = ArithmeticPrompts(config.data, config.seed)
+        ro = config.rollout
+        self.sampling = SamplingSettings(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p)
+        self.verifier = RULE_VERIFIERS[config.reward.verifier]
+        self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
+        self.num_buckets = get([fleet.learner.count_buckets.remote(self.bucket_bytes)], config.timeouts.sync,
+                               ["learner"], "sync")[0]
+        self.weights_version = 0
+        self.timings: dict[str, float] = {}
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One on-policy step; the weights are synced to every rollout worker before it returns."""
+        self.timings = {}
+        started = time.perf_counter()
+        problems = self.data.next_batch()
+        with self.timed("generate"):
+            groups = self.generate(problems, step)
+        with self.timed("score"):
+            rewards = self.score(problems, groups)
+        rollouts = [r for group in groups for r in group]
+        with self.timed("reference"):
+            ref_logprobs = self.reference_logprobs(rollouts)
+        with self.timed("train"):
+            learner_metrics = self.train(rollouts, rewards, ref_logprobs)
+        with self.timed("sync"):
+            probe_diff = self.sync_weights()
+        return self.record(step, rollouts, rewards, learner_metrics, probe_diff, time.perf_counter() - started)
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.timings[f"time/{phase}"] = time.perf_counter() - start
+
+    def generate(self, problems: list[Problem], step: int) -> list[list[Any]]:
+        """Split the prompts into contiguous chunks, one per worker; returns [prompts][G] rollouts in order."""
+        workers = self.fleet.rollout_workers
+        prompts = [p.prompt for p in problems]
+        seeds = sampling_seeds(self.config.seed, step, len(prompts))
+        bounds = [round(i * len(prompts) / len(workers)) for i in range(len(workers) + 1)]
+        calls = [(i, bounds[i], bounds[i + 1]) for i in range(len(workers)) if bounds[i + 1] > bounds[i]]
+        refs = [workers[i].generate.remote(prompts[a:b], seeds[a:b], self.sampling) for i, a, b in calls]
+        results = get(refs, self.config.timeouts.generate, [f"rollout worker {i}" for i, _, _ in calls], "generate")
+        groups = [group for chunk in results for group in chunk]
+        stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
+        if stale:
+            raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
+                            f"{self.weights_version}: a worker missed a sync")
+        return groups
+
+    def score(self, problems: list[Problem], groups: list[list[Any]]) -> list[float]:
+        """One reward per completion, in rollout order. A verifier that raises stops the run (never a silent 0)."""
+        rewards = []
+        for problem, group in zip(problems, groups):
+            for rollout in group:
+                try:
+                    rewards.append(float(self.verifier(rollout.text, problem.label)))
+                except Exception as err:
+                    raise RunError(f"verifier '{self.config.reward.verifier}' failed on prompt {problem.prompt!r}: "
+                                   f"{err!r}") from err
+        return rewards
+
+    def reference_logprobs(self, rollouts: list[Any]) -> list[list[float]] | None:
+        if self.fleet.reference is None:
+            return None
+        ref = self.fleet.reference.compute_logprobs.remote([r.prompt_ids for r in rollouts],
+                                                           [r.response_ids for r in rollouts])
+        return get([ref], self.config.timeouts.reference, ["reference"], "reference")[0]
+
+    def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: list[list[float]] | None) -> dict:
+        from learner.learner import TrainBatch
+
+        batch = TrainBatch(prompt_ids=[r.prompt_ids for r in rollouts], response_ids=[r.response_ids for r in rollouts],
+                           behavior_logprobs=[r.behavior_logprobs for r in rollouts], rewards=rewards,
+                           group_size=self.config.rollout.group_size, ref_logprobs=ref_logprobs)
+        metrics = get([self.fleet.learner.train_step.remote(batch)], self.config.timeouts.train, ["learner"],
+                      "train")[0]
+        self.weights_version += 1
+        return metrics
+
+    def sync_weights(self) -> float:
+        """Put the learner's weights in the object store once (bucketed), load them into every worker, verify."""
+        buckets = self.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets).remote(self.bucket_bytes)
+        buckets = buckets if self.num_buckets > 1 else [buckets]
+        workers = self.fleet.rollout_workers
+        versions = get([w.load_weights.remote(self.weights_version, *buckets) for w in workers],
+                       self.config.timeouts.sync, [f"rollout worker {i}" for i in range(len(workers))], "sync")
+        for i, version in enumerate(versions):
+            if version != self.weights_version:
+                raise SyncError(f"rollout worker {i} serves weights version {version}, expected {self.weights_version}")
+        return self.verify_sync() if self.config.sync.probe else float("nan")
+
+    def verify_sync(self) -> float:
+        """Compare each engine's logprobs of a seeded probe sample with the learner's; return the largest gap."""
+        cfg, workers = self.config, self.fleet.rollout_workers
+        seed = self.weights_version
+        names = [f"rollout worker {i}" for i in range(len(workers))]
+        probes = get([w.probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed)
+                      for w in workers], cfg.timeouts.sync, names, "sync")
+        prompt_ids = [p[0] for p in probes]
+        learner_lps = get([self.fleet.learner.compute_logprobs.remote(prompt_ids, [p[1] for p in probes])],
+                          cfg.timeouts.sync, ["learner"], "sync")[0]
+        worst = 0.0
+        for name, (_, _, engine_lps, version), ours in zip(names, probes, learner_lps):
+            gap = max((abs(a - b) for a, b in zip(engine_lps, ours)), default=0.0)
+            if not gap <= cfg.sync.probe_tolerance:
+                raise SyncError(
+                    f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
+                    f"learner's by {gap:.3g} > sync.probe_tolerance={cfg.sync.probe_tolerance:g}; the engine is not "
+                    "serving the learner's weights")
+            worst = max(worst, gap)
+        return worst
+
+    def record(self, step: int, rollouts: list[Any], rewards: list[float], learner_metrics: dict[str, float],
+               probe_diff: float, step_seconds: float) -> dict[str, Any]:
+        lengths = [len(r.response_ids) for r in rollouts]
+        record: dict[str, Any] = {
+            "step": step,
+            "reward/mean": statistics.fmean(rewards),
+            "reward/std": statistics.pstdev(rewards),
+            "response_length/mean": statistics.fmean(lengths),
+            "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+            **learner_metrics,
+            "weights/version": self.weights_version,
+            "sync/probe_max_diff": probe_diff,
+            "verifier/failures": 0,
+            "rollout/workers": len(self.fleet.rollout_workers),
+            **self.timings,
+            "time/step": step_seconds,
+            "throughput/tokens_per_s": sum(lengths) / step_seconds,
+        }
+        if self.config.learner.kl_coef == 0:
+            record.pop("kl/mean", None)
+        return record
+
+
+def resolve_run_dir(config: RunConfig) -> Path:
+    """The run directory, refusing one that already holds a run (nothing is written here)."""
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+    else:
+        run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
+        raise ConfigError(f"run_dir '{run_dir}' already holds a run; pass a new run_dir=PATH or remove it")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir '{run_dir}' is a file; pass run_dir=PATH naming a directory")
+    return run_dir
+
+
+def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True) -> list[dict[str, Any]]:
+    """Start Ray (unless connected already) and the fleet, run `max_steps` steps, and clean up; returns the records."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = config.model_copy(update={"run_dir": str(run_dir)})
+    (run_dir / "config.yaml").write_text(dump_config(resolved))
+    started_ray = _init_ray(config)
+    log = MetricsLog(run_dir)
+    records: list[dict[str, Any]] = []
+    fleet = start_fleet(config, model_path)
+    try:
+        trainer = Trainer(config, fleet)
+        trainer.verify_sync() if config.sync.probe else None  # engines and learner agree before any update
+        progress = ProgressDisplay(config.max_steps) if display else None
+        with progress or _null():
+            for step in range(1, config.max_steps + 1):
+                record = trainer.step(step)
+                log.write(record)
+                records.append(record)
+                if progress:
+                    progress.update(record)
+        if progress:
+            progress.summary()
+    finally:
+        log.close()
+        stop_fleet(fleet)
+        if started_ray:
+            ray.shutdown()
+    return records
+
+
+def _init_ray(config: RunConfig) -> bool:
+    if ray.is_initialized():
+        return False
+    rc = config.ray
+    ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
+             include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
+             configure_logging=True, logging_level="WARNING")
+    return True
+
+
+@contextmanager
+def _null():
+    yield
+

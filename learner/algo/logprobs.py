@@ -1,0 +1,72 @@
+"""Token log-probabilities and entropies from a language model's logits.
+
+Owns the softmax arithmetic on logits: in float32 whatever the model's dtype (bf16 log-probabilities are too coarse
+for importance ratios), one sequence at a time so the float32 copy is [T, V], never [B, T, V]. Does not own running
+the model, shifting logits against labels (callers pass logits already aligned with the tokens they score), or
+masking padding (`losses.py`).
+
+Notation: B: sequences, T: tokens, V: vocabulary.
+"""
+
+import torch
+from torch import Tensor
+
+
+def _check_temperature(temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use the sampler's temperature), got {temperature}")
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each label under softmax(logits / temperature), computed in float32.
+
+    log pi(y_t) = z_{t,y_t} / tau - log sum_v exp(z_{t,v} / tau)   (log_softmax gathered at the label)
+
+    Args:
+        logits: [B, T, V] logits at the positions that predict labels (already shifted), any float dtype.
+        labels: [B, T] integer token ids in [0, V).
+        temperature: tau > 0, the sampling temperature, so the log-probabilities match the sampler's.
+
+    Returns:
+        [B, T] float32 log-probabilities; differentiable with respect to logits.
+
+    Notation: B: sequences, T: tokens, V: vocabulary.
+    """
+    _check_temperature(temperature)
+    if logits.dim() != 3 or labels.shape != logits.shape[:-1]:
+        raise ValueError(f"need logits [B, T, V] and labels [B, T], got {tuple(logits.shape)}, {tuple(labels.shape)}")
+    rows = []
+    for row_logits, row_labels in zip(logits, labels):  # per sequence: the float32 copy is [T, V]
+        scaled = row_logits.float() / temperature  # z / tau
+        label_logits = scaled.gather(-1, row_labels.long().unsqueeze(-1)).squeeze(-1)  # z_{t,y_t} / tau
+        rows.append(label_logits - torch.logsumexp(scaled, dim=-1))  # - log sum_v exp(z_{t,v} / tau)
+    if not rows:
+        return logits.new_zeros(labels.shape, dtype=torch.float32)
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the next-token distribution softmax(logits / temperature), computed in float32.
+
+    H_t = -sum_v p_{t,v} log p_{t,v} = log sum_v exp(z_{t,v}) - sum_v p_{t,v} z_{t,v},   z = logits / tau
+
+    Args:
+        logits: [B, T, V] logits, any float dtype.
+        temperature: tau > 0; the default 1 gives the entropy of the model's own distribution.
+
+    Returns:
+        [B, T] float32 entropies in nats; differentiable with respect to logits.
+
+    Notation: B: sequences, T: tokens, V: vocabulary.
+    """
+    _check_temperature(temperature)
+    if logits.dim() != 3:
+        raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
+    rows = []
+    for row_logits in logits:  # per sequence: the float32 copies are [T, V]
+        scaled = row_logits.float() / temperature  # z = logits / tau
+        probs = torch.softmax(scaled, dim=-1)  # p_{t,v}
+        rows.append(torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1))  # H = lse(z) - sum_v p z
+    if not rows:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return torch.stack(rows)

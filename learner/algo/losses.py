@@ -1,0 +1,188 @@
+"""Per-token policy losses, KL estimators, and the reduction of [B, T] token values to one scalar loss.
+
+Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), the k1/k2/k3 KL
+estimators, and the aggregation modes the config names. Does not own advantages (`advantages.py`), computing
+log-probabilities from logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
+
+Notation: B: sequences, T: tokens (response positions). mask [B, T] is 1 (or True) at response tokens, 0 at
+padding; padding may hold any finite value and never changes a result or receives gradient.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = log pi(x) - log pi_ref(x): unbiased for KL(pi || pi_ref) with x ~ pi, high variance, can be < 0."""
+    return logprobs - ref_logprobs  # k1 = -log r, r = pi_ref / pi
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = 1/2 (log pi(x) - log pi_ref(x))^2: biased, low variance, >= 0."""
+    return 0.5 * (logprobs - ref_logprobs).square()  # k2 = 1/2 (log r)^2
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 = pi_ref/pi - log(pi_ref/pi) - 1: unbiased for KL(pi || pi_ref) with x ~ pi, low variance, >= 0."""
+    log_r = ref_logprobs - logprobs  # log r, r = pi_ref / pi
+    return torch.exp(log_r) - log_r - 1  # k3 = (r - 1) - log r
+
+
+def kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, mask: Tensor | None = None) -> Tensor:
+    """Elementwise estimate of KL(pi || pi_ref) from the log-probabilities of tokens sampled from pi.
+
+    Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html), with r = pi_ref / pi:
+    k1 = -log r, k2 = 1/2 (log r)^2, k3 = (r - 1) - log r.
+
+    Args:
+        logprobs: [B, T] log pi(x_t) under the policy the samples are scored against (the first argument).
+        ref_logprobs: [B, T] log pi_ref(x_t) under the reference policy.
+        estimator: "k1", "k2" or "k3" (a key of KL_ESTIMATORS).
+        mask: optional [B, T]; where 0 the result is 0 and no gradient flows, whatever the inputs hold there
+            (without it, a large garbage log-ratio in padding gives exp(...) = inf and a NaN gradient).
+
+    Returns:
+        [B, T] per-token KL estimates (any shape works: the estimators are elementwise).
+
+    Notation: B: sequences, T: tokens.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    if mask is not None:
+        # Zero both inputs at padding before the exp, so padding gives log r = 0, k = 0 and a zero gradient.
+        keep = mask.bool()
+        logprobs = torch.where(keep, logprobs, 0.0)
+        ref_logprobs = torch.where(keep, ref_logprobs, 0.0)
+    return KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, norm_length: int | None = None) -> Tensor:
+    """Reduce per-token values (losses, KL) to one scalar, counting only response tokens.
+
+    Modes (m: mask, v: values, L: norm_length, B: all sequences, S: sequences with >= 1 token):
+        token-mean:              sum_bt v*m / sum_bt m           (each token weighs the same; DAPO, Yu et al. 2025)
+        seq-mean-token-mean:     1/|S| sum_{b in S} (sum_t v*m / sum_t m)   (each sequence weighs the same; GRPO)
+        seq-mean-token-sum:      1/B sum_b sum_t v*m             (long sequences weigh more)
+        seq-mean-token-sum-norm: sum_bt v*m / (B * L)            (constant normaliser; Dr.GRPO, Liu et al. 2025)
+
+    Args:
+        values: [B, T] per-token values; padding may hold any value (selected out by torch.where, not multiplied).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        mode: one of AGGREGATION_MODES.
+        norm_length: L, required (and > 0) for seq-mean-token-sum-norm, typically the max response length.
+
+    Returns:
+        [] scalar. With no response tokens at all it is 0, still attached to values' graph (zero gradient).
+
+    Notation: B: sequences, T: tokens.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
+    if values.shape != mask.shape or values.dim() != 2:
+        raise ValueError(f"need values and mask of one shape [B, T], got {tuple(values.shape)}, {tuple(mask.shape)}")
+    keep = mask.bool()
+    masked = torch.where(keep, values, 0.0)  # v*m, but padding's inf/NaN cannot leak through 0 * inf
+    num_sequences = max(values.shape[0], 1)  # clamps only the empty batch, whose sums are 0 anyway
+    if mode == "token-mean":
+        return masked.sum() / keep.sum().clamp(min=1)  # sum_bt v*m / sum_bt m
+    if mode == "seq-mean-token-mean":
+        tokens_per_seq = keep.sum(dim=1)  # [B]
+        seq_means = masked.sum(dim=1) / tokens_per_seq.clamp(min=1)  # [B] sum_t v*m / sum_t m; 0 for empty rows
+        return seq_means.sum() / (tokens_per_seq > 0).sum().clamp(min=1)  # mean over sequences in S
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / num_sequences  # 1/B sum_b sum_t v*m
+    if norm_length is None or norm_length <= 0:
+        raise ValueError(
+            f"mode 'seq-mean-token-sum-norm' needs norm_length > 0 (the max response length), got {norm_length}"
+        )
+    return masked.sum() / (num_sequences * norm_length)  # sum_bt v*m / (B * L)
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None = None,
+    mode: str = "token-mean",
+    norm_length: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate loss with an asymmetric clip range and optional dual clip.
+
+    Schulman et al. 2017 ("Proximal Policy Optimization Algorithms", eq. 7), as a loss to minimise:
+        r_t = exp(log pi(x_t) - log pi_old(x_t)),  l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)).
+    Asymmetric range (clip_high > clip_low lets unlikely tokens grow): DAPO "clip-higher", Yu et al. 2025.
+    Dual clip, Ye et al. 2020 ("Mastering Complex Control in MOBA Games with Deep RL"), for A_t < 0 only:
+        l_t = min(l_t, -A_t c), which bounds the loss when r_t is far above 1 on a bad token.
+
+    Args:
+        logprobs: [B, T] log pi(x_t) under the current policy (carries the gradient).
+        old_logprobs: [B, T] log pi_old(x_t) under the policy before this update (no gradient needed).
+        advantages: [B, T] per-token advantages (see advantages.broadcast_to_tokens).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
+        clip_c: dual-clip constant c > 1, or None for no dual clip.
+        mode, norm_length: how l_t is reduced to a scalar, see aggregate().
+
+    Returns:
+        loss: [] scalar to minimise.
+        metrics: detached [] tensors, each a mean over response tokens (whatever mode is):
+            clip_fraction: share of tokens where the clipped term was the larger one (its gradient is 0),
+            dual_clip_fraction: share of tokens where the dual clip bound was taken (0 when clip_c is None),
+            ratio_mean: mean of r_t,
+            approx_kl: k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r_t - 1) - log r_t.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
+        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, advantages, mask)]
+        raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
+    if not (0 <= clip_low <= 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if clip_c is not None and clip_c <= 1:
+        raise ValueError(f"dual-clip constant clip_c must be > 1 (or None to disable it), got {clip_c}")
+
+    keep = mask.bool()
+    # Select padding out before exp(): its log-ratio becomes 0 (r = 1) and gets no gradient, whatever it held.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)
+    advantages = torch.where(keep, advantages, 0.0)
+    ratio = torch.exp(log_ratio)  # r_t = pi(x_t) / pi_old(x_t)
+    loss_unclipped = -advantages * ratio  # -A_t r_t
+    loss_clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # -A_t clip(r_t, 1 - eps_low, 1 + eps_high)
+    token_losses = torch.maximum(loss_unclipped, loss_clipped)  # l_t = -min(A_t r_t, A_t clip(r_t))
+    clipped = loss_clipped > loss_unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if clip_c is not None:
+        loss_dual = -advantages * clip_c  # -A_t c
+        dual_clipped = (advantages < 0) & (loss_dual < token_losses)
+        token_losses = torch.where(dual_clipped, loss_dual, token_losses)  # A_t < 0: l_t = min(l_t, -A_t c)
+
+    loss = aggregate(token_losses, mask, mode, norm_length)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": aggregate(clipped.to(ratio.dtype), mask, "token-mean"),
+            "dual_clip_fraction": aggregate(dual_clipped.to(ratio.dtype), mask, "token-mean"),
+            "ratio_mean": aggregate(ratio, mask, "token-mean"),
+            "approx_kl": aggregate(ratio - 1 - log_ratio, mask, "token-mean"),  # k3 = (r - 1) - log r, x ~ pi_old
+        }
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+# The config's names for the KL estimators; one signature: (logprobs, ref_logprobs) -> per-token KL, same shape.
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+# The config's names for aggregate()'s modes.
+AGGREGATION_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)

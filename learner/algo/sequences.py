@@ -1,0 +1,88 @@
+"""Turning ragged prompt/response token lists into padded tensors, and scoring them with a causal LM.
+
+Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is
+prompt + response, right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from
+tokens 0..j; `response_mask` marks the response tokens. Does not own: models or optimizers. Imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from learner.algo.logprobs import logprobs_from_logits
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """B sequences of prompt + response tokens. L: longest prompt + response in the batch."""
+
+    input_ids: torch.Tensor  # [B, L] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
+    response_mask: torch.Tensor  # [B, L-1] float, 1 where position j predicts a response token (token j+1)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> SequenceBatch:
+        """A sub-batch, trimmed to its own longest sequence (saves compute on short micro-batches)."""
+        attention = self.attention_mask[index]
+        length = max(int(attention.sum(dim=1).max()), 2)
+        return SequenceBatch(self.input_ids[index][:, :length], attention[:, :length],
+                             self.response_mask[index][:, : length - 1])
+
+
+def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                  pad_id: int = 0) -> SequenceBatch:
+    """Concatenate each prompt with its response and right-pad to a [B, L] batch."""
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    length = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    batch = len(prompt_ids)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    response_mask = torch.zeros((batch, max(length - 1, 1)), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        if not prompt:
+            raise ValueError(f"sequence {i} has an empty prompt; every prompt needs at least one token")
+        n_prompt, n_total = len(prompt), len(prompt) + len(response)
+        input_ids[i, :n_total] = torch.tensor([*prompt, *response], dtype=torch.long)
+        attention_mask[i, :n_total] = 1
+        response_mask[i, n_prompt - 1 : n_total - 1] = 1.0  # position j scores token j+1
+    return SequenceBatch(input_ids, attention_mask, response_mask)
+
+
+def pad_per_token(values: Sequence[Sequence[float]], batch: SequenceBatch) -> torch.Tensor:
+    """Place per-response-token values ([B][T_resp_i]) at the response positions of a [B, L-1] tensor."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for i, row in enumerate(values):
+        positions = batch.response_mask[i].nonzero().squeeze(-1)
+        if len(row) != len(positions):
+            raise ValueError(f"sequence {i}: {len(row)} values for {len(positions)} response tokens")
+        out[i, positions] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[float]]:
+    """Inverse of `pad_per_token`: [B, L-1] -> [B][T_resp_i]."""
+    return [values[i][batch.response_mask[i].bool()].tolist() for i in range(len(batch))]
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:], temperature)
+
+
+@torch.no_grad()
+def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, micro_batch_size: int,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """`sequence_logprobs` without gradients, micro-batch by micro-batch: [B, L-1] (zeros past each sequence)."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for start in range(0, len(batch), micro_batch_size):
+        part = batch.select(slice(start, start + micro_batch_size))
+        out[start : start + micro_batch_size, : part.response_mask.shape[1]] = sequence_logprobs(
+            model, part, temperature).float()
+    return out

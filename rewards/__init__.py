@@ -1,0 +1,1 @@
+"""Reward functions and task data: pure Python, no torch, no Ray."""

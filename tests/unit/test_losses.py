@@ -1,0 +1,257 @@
+"""Policy loss, KL estimators and aggregation: hand-computed values, masking and micro-batching invariances."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from learner.algo.losses import AGGREGATION_MODES, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl
+
+F64 = torch.float64
+GARBAGE = 1e4  # what padding may hold: large enough that exp() of it overflows, or 0 * it dominates a sum
+
+
+def t(values):
+    return torch.tensor(values, dtype=F64)
+
+
+# ---------------------------------------------------------------- KL estimators
+
+
+def test_kl_estimators_match_hand_computed_values():
+    # d = logp - ref = [1, -2]
+    logprobs, ref_logprobs = t([0.0, -3.0]), t([-1.0, -1.0])
+    assert_close(kl(logprobs, ref_logprobs, "k1"), t([1.0, -2.0]))  # d
+    assert_close(kl(logprobs, ref_logprobs, "k2"), t([0.5, 2.0]))  # d^2 / 2
+    # k3 = exp(-d) + d - 1: exp(-1) + 1 - 1 = e^-1;  exp(2) - 2 - 1 = e^2 - 3
+    assert_close(kl(logprobs, ref_logprobs, "k3"), t([math.exp(-1), math.exp(2) - 3]))
+
+
+def test_kl_estimators_are_zero_when_policies_agree():
+    logprobs = t([-0.1, -2.5, -7.0])
+    for name in KL_ESTIMATORS:
+        assert_close(kl(logprobs, logprobs.clone(), name), torch.zeros(3, dtype=F64))
+
+
+def test_kl_mask_zeroes_padding_value_and_gradient():
+    logprobs = t([[-1.0, -GARBAGE]]).requires_grad_()
+    ref_logprobs = t([[-2.0, GARBAGE]])  # exp(ref - logp) = exp(2e4) = inf without the mask
+    mask = torch.tensor([[1, 0]])
+    for name in KL_ESTIMATORS:
+        values = kl(logprobs, ref_logprobs, name, mask=mask)
+        assert_close(values[:, 1], t([0.0]))
+        assert_close(values[:, 0], kl(t([-1.0]), t([-2.0]), name))
+        (grad,) = torch.autograd.grad(values.sum(), logprobs)
+        assert torch.isfinite(grad).all()
+        assert grad[0, 1] == 0
+
+
+def test_kl_rejects_unknown_estimator():
+    with pytest.raises(ValueError, match="k4"):
+        kl(t([0.0]), t([0.0]), "k4")
+
+
+def test_kl_registry_keys_are_the_config_names():
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+
+
+# ---------------------------------------------------------------- aggregation
+
+VALUES = [[1.0, 2.0, 3.0], [4.0, GARBAGE, -GARBAGE]]
+MASK = [[1, 1, 1], [1, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 2.5),  # (1 + 2 + 3 + 4) / 4
+        ("seq-mean-token-mean", 3.0),  # (6/3 + 4/1) / 2
+        ("seq-mean-token-sum", 5.0),  # (6 + 4) / 2
+        ("seq-mean-token-sum-norm", 1.25),  # (6 + 4) / (2 sequences * norm_length 4)
+    ],
+)
+def test_aggregate_matches_hand_computed_values(mode, expected):
+    assert_close(aggregate(t(VALUES), torch.tensor(MASK), mode, norm_length=4), t(expected))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 2.5),  # (1 + 2 + 3 + 4) / 4, the empty row adds no token
+        ("seq-mean-token-mean", 3.0),  # (2 + 4) / 2: the empty row is not a sequence to average over
+        ("seq-mean-token-sum", 10 / 3),  # (6 + 4 + 0) / 3: every row counts
+        ("seq-mean-token-sum-norm", 10 / 12),  # 10 / (3 * 4)
+    ],
+)
+def test_aggregate_with_an_empty_sequence(mode, expected):
+    values = t([*VALUES, [9.0, 9.0, 9.0]])
+    mask = torch.tensor([*MASK, [0, 0, 0]])
+    assert_close(aggregate(values, mask, mode, norm_length=4), t(expected))
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_aggregate_ignores_whatever_padding_holds(mode):
+    mask = torch.tensor(MASK)
+    reference = aggregate(t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]), mask, mode, norm_length=4)
+    for fill in (GARBAGE, -GARBAGE, math.inf, math.nan):
+        values = t([[1.0, 2.0, 3.0], [4.0, fill, fill]])
+        assert_close(aggregate(values, mask, mode, norm_length=4), reference)
+        assert_close(aggregate(values, mask.bool(), mode, norm_length=4), reference)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_aggregate_of_no_tokens_is_zero_with_a_gradient_path(mode):
+    values = t([[GARBAGE, 1.0], [2.0, 3.0]]).requires_grad_()
+    result = aggregate(values, torch.zeros(2, 2), mode, norm_length=4)
+    assert_close(result, t(0.0))
+    (grad,) = torch.autograd.grad(result, values)
+    assert_close(grad, torch.zeros(2, 2, dtype=F64))
+
+
+def test_aggregate_norm_mode_requires_norm_length():
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate(t(VALUES), torch.tensor(MASK), "seq-mean-token-sum-norm")
+
+
+def test_aggregate_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="token-median"):
+        aggregate(t(VALUES), torch.tensor(MASK), "token-median")
+
+
+def test_aggregation_modes_are_the_config_names():
+    names = {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
+    assert set(AGGREGATION_MODES) == names
+
+
+# ---------------------------------------------------------------- clipped policy loss
+
+# Four response tokens, pi_old = 1 (old logprob 0), so ratio = exp(logprob). Clip range [0.8, 1.28].
+#   t0: r=1.5, A=+1: max(-1.5, -1.28) = -1.28  clipped (upper bound 1 + clip_high, not 1 + clip_low)
+#   t1: r=0.5, A=+1: max(-0.5, -0.80) = -0.50
+#   t2: r=0.5, A=-1: max( 0.5,  0.80) =  0.80  clipped (lower bound 1 - clip_low)
+#   t3: r=1.5, A=-1: max( 1.5,  1.28) =  1.50
+# token-mean = (-1.28 - 0.5 + 0.8 + 1.5) / 4 = 0.13
+RATIOS = [1.5, 0.5, 0.5, 1.5]
+ADVANTAGES = [1.0, 1.0, -1.0, -1.0]
+CLIP = {"clip_low": 0.2, "clip_high": 0.28}
+
+
+def _hand_inputs():
+    logprobs = t([[math.log(r) for r in RATIOS]]).requires_grad_()
+    return logprobs, torch.zeros(1, 4, dtype=F64), t([ADVANTAGES]), torch.ones(1, 4)
+
+
+def test_clipped_policy_loss_matches_hand_computed_values():
+    logprobs, old_logprobs, advantages, mask = _hand_inputs()
+    loss, metrics = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)
+    assert_close(loss, t(0.13))
+    # Clipped tokens (t0, t2) get no gradient; others d(-A r)/d logp / 4 = -A r / 4: t1 -0.5/4, t3 +1.5/4.
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[0.0, -0.125, 0.0, 0.375]]))
+    assert_close(metrics["clip_fraction"], t(0.5))  # t0 and t2
+    assert_close(metrics["dual_clip_fraction"], t(0.0))
+    assert_close(metrics["ratio_mean"], t(1.0))  # (1.5 + 0.5 + 0.5 + 1.5) / 4
+    # k3 of KL(pi_old || pi) = (r - 1) - log r, averaged over the four tokens
+    k3 = [(r - 1) - math.log(r) for r in RATIOS]
+    assert_close(metrics["approx_kl"], t(sum(k3) / 4))
+
+
+def test_ratios_inside_the_clip_range_are_not_counted_as_clipped():
+    # r=1.1, A=+1: -1.1 vs -1.1 (equal);  r=0.9, A=-1: 0.9 vs 0.9;  only r=2, A=+1 (-2 vs -1.28) is clipped.
+    logprobs = t([[math.log(1.1), math.log(0.9), math.log(2.0)]])
+    advantages = t([[1.0, -1.0, 1.0]])
+    _, metrics = clipped_policy_loss(logprobs, torch.zeros(1, 3, dtype=F64), advantages, torch.ones(1, 3), **CLIP)
+    assert_close(metrics["clip_fraction"], t(1 / 3))
+
+
+def test_clipped_policy_loss_metrics_are_detached_scalars():
+    _, metrics = clipped_policy_loss(*_hand_inputs(), **CLIP)
+    assert set(metrics) == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    for value in metrics.values():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
+
+
+def test_clipped_policy_loss_uses_the_requested_aggregation():
+    # Row 0 losses: [-1.28, -0.5] (t0, t1), row 1: [0.8] (t2); seq-mean-token-mean = (-0.89 + 0.8) / 2
+    logprobs = t([[math.log(1.5), math.log(0.5)], [math.log(0.5), 0.0]])
+    advantages = t([[1.0, 1.0], [-1.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    old_logprobs = torch.zeros(2, 2, dtype=F64)
+    loss, _ = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP, mode="seq-mean-token-mean")
+    assert_close(loss, t((-1.78 / 2 + 0.8) / 2))
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_only():
+    # c = 3. A=-1: r=5 -> max(5, 1.28) = 5 -> min(5, 3) = 3 (dual clip);  r=2 -> 2 < 3 untouched.
+    #        A=+1: r=0.1 -> max(-0.1, -0.8) = -0.1; applying min(., -A c = -3) there would wrongly give -3.
+    logprobs = t([[math.log(5.0), math.log(2.0), math.log(0.1)]]).requires_grad_()
+    advantages = t([[-1.0, -1.0, 1.0]])
+    old_logprobs, mask = torch.zeros(1, 3, dtype=F64), torch.ones(1, 3)
+    loss, metrics = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP, clip_c=3.0)
+    assert_close(loss, t((3.0 + 2.0 - 0.1) / 3))
+    assert_close(metrics["dual_clip_fraction"], t(1 / 3))
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[0.0, 2.0 / 3, -0.1 / 3]]))  # the dual-clipped token gets no gradient
+
+    positive = t([[1.0, 0.5, 1.0]])
+    with_dual, _ = clipped_policy_loss(logprobs, old_logprobs, positive, mask, **CLIP, clip_c=3.0)
+    without_dual, _ = clipped_policy_loss(logprobs, old_logprobs, positive, mask, **CLIP)
+    assert_close(with_dual, without_dual)
+
+
+@pytest.mark.parametrize("clip_c", [1.0, 0.5])
+def test_dual_clip_constant_must_exceed_one(clip_c):
+    with pytest.raises(ValueError, match="clip_c"):
+        clipped_policy_loss(*_hand_inputs(), **CLIP, clip_c=clip_c)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_padding_changes_neither_loss_nor_metrics_nor_gradient(mode):
+    logprobs, old_logprobs, advantages, mask = _hand_inputs()
+    args = {**CLIP, "clip_c": 3.0, "mode": mode, "norm_length": 6}
+    loss, metrics = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **args)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+
+    # Same four tokens followed by two padding positions full of garbage (exp(2e4) overflows if not masked).
+    padded_logprobs = torch.cat([logprobs.detach(), t([[GARBAGE, -GARBAGE]])], dim=1).requires_grad_()
+    padded_old = torch.cat([old_logprobs, t([[-GARBAGE, GARBAGE]])], dim=1)
+    padded_advantages = torch.cat([advantages, t([[-GARBAGE, GARBAGE]])], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(1, 2)], dim=1)
+    padded_inputs = (padded_logprobs, padded_old, padded_advantages, padded_mask)
+    padded_loss, padded_metrics = clipped_policy_loss(*padded_inputs, **args)
+    (padded_grad,) = torch.autograd.grad(padded_loss, padded_logprobs)
+
+    assert_close(padded_loss, loss)
+    assert_close(padded_metrics, metrics)
+    assert_close(padded_grad, torch.cat([grad, torch.zeros(1, 2, dtype=F64)], dim=1))
+
+
+def test_micro_batches_weighted_by_token_share_give_the_whole_batch_gradient():
+    generator = torch.Generator().manual_seed(0)
+    batch, length = 5, 7
+    logprobs = (-torch.rand(batch, length, generator=generator, dtype=F64) * 3).requires_grad_()
+    old_logprobs = logprobs.detach() + 0.3 * torch.randn(batch, length, generator=generator, dtype=F64)
+    advantages = torch.randn(batch, length, generator=generator, dtype=F64)
+    lengths = torch.tensor([7, 2, 5, 1, 4])  # unequal, so token share differs from sequence share
+    mask = (torch.arange(length) < lengths[:, None]).to(F64)
+    args = {"clip_low": 0.2, "clip_high": 0.28, "clip_c": 3.0, "mode": "token-mean"}
+
+    whole_loss, whole_metrics = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **args)
+    (whole_grad,) = torch.autograd.grad(whole_loss, logprobs)
+    assert whole_metrics["clip_fraction"] > 0  # the clipped branch is exercised, not only the plain ratio
+
+    total_tokens = mask.sum()
+    accumulated = torch.zeros_like(logprobs)
+    for rows in (slice(0, 2), slice(2, 5)):  # 9 and 10 tokens
+        mb_loss, _ = clipped_policy_loss(logprobs[rows], old_logprobs[rows], advantages[rows], mask[rows], **args)
+        (mb_grad,) = torch.autograd.grad(mb_loss * mask[rows].sum() / total_tokens, logprobs)
+        accumulated += mb_grad
+    assert_close(accumulated, whole_grad)
+
+    # Without the token-share weights (plain mean of micro-batch losses) the gradient differs: the test can fail.
+    unweighted = torch.zeros_like(logprobs)
+    for rows in (slice(0, 2), slice(2, 5)):
+        mb_loss, _ = clipped_policy_loss(logprobs[rows], old_logprobs[rows], advantages[rows], mask[rows], **args)
+        unweighted += torch.autograd.grad(mb_loss / 2, logprobs)[0]
+    assert not torch.allclose(unweighted, whole_grad)
