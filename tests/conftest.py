@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny model directories built locally (no hub), disposable caches, and a local Ray instance.
+
+`tests/unit` needs only torch; `tests/actors` runs workers in-process (real vLLM); `tests/cluster` uses a real local
+Ray started here (never `ray stop`, which would kill every Ray process on the machine); `tests/e2e` runs the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="relay-vllm-cache-"))
+os.environ.setdefault("RELAY_CACHE_DIR", str(ROOT / ".cache" / "relay"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised Qwen2 (hidden 64, 2 heads of 32, 2 layers, untied) with the character tokenizer."""
+    from cluster.demo_model import make_random_model_dir
+
+    return make_random_model_dir(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory) -> Path:
+    """Like `tiny_model_dir` but with tied input/output embeddings (the CPU backend's stale-head trap)."""
+    from cluster.demo_model import make_random_model_dir
+
+    return make_random_model_dir(tmp_path_factory.mktemp("models") / "tiny_tied", seed=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The demo's warmed-up base model, built once into RELAY_CACHE_DIR (about a minute the first time)."""
+    from cluster.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance for the whole session, shut down (only it) at the end."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
