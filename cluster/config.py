@@ -180,14 +180,23 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed for prompts, sampling and shuffling."""
     model: ModelConfig = ModelConfig()
+    """The initial policy (also the reference)."""
     data: DataConfig = DataConfig()
+    """Where prompts come from and how many per step."""
     rollout: RolloutConfig = RolloutConfig()
+    """The rollout fleet (vLLM engines) and sampling."""
     reference: ReferenceConfig = ReferenceConfig()
+    """The frozen reference policy for the KL penalty."""
     reward: RewardConfig = RewardConfig()
+    """How completions are scored."""
     learner: LearnerConfig = LearnerConfig()
+    """The trained policy, its optimizer and the objective."""
     sync: SyncConfig = SyncConfig()
+    """Weight sync to the engines after every step, and its verification."""
     timeouts: TimeoutConfig = TimeoutConfig()
+    """A deadline for every remote call."""
     ray: RayConfig = RayConfig()
+    """The Ray cluster to run on."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

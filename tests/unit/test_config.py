@@ -1,0 +1,88 @@
+"""The config tree: overrides, YAML files, one-line errors naming the key, and registries matching the names."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from pydantic import BaseModel
+
+from cluster.config import ConfigError, LearnerConfig, RewardConfig, RunConfig, dump_config, load_config, parse_overrides
+from learner.algo.advantages import ADVANTAGE_ESTIMATORS
+from learner.algo.losses import KL_ESTIMATORS
+from rewards.registry import RULE_VERIFIERS
+
+
+def allowed(model, field) -> set[str]:
+    return set(typing.get_args(model.model_fields[field].annotation))
+
+
+def test_registries_match_the_config_names():
+    assert set(ADVANTAGE_ESTIMATORS) == allowed(LearnerConfig, "advantage")
+    assert set(KL_ESTIMATORS) == allowed(LearnerConfig, "kl_estimator")
+    assert set(RULE_VERIFIERS) == allowed(RewardConfig, "verifier")
+
+
+def test_overrides_are_typed_and_nested():
+    assert parse_overrides(["a.b=1", "a.c=true", "d=x", "e=1e-4"]) == {"a": {"b": 1, "c": True}, "d": "x", "e": "1e-4"}
+    config = load_config(None, ["learner.lr=5e-4", "max_steps=7", "rollout.num_workers=3", "run_dir=/tmp/x"])
+    assert (config.learner.lr, config.max_steps, config.rollout.num_workers, config.run_dir) == (5e-4, 7, 3, "/tmp/x")
+
+
+def test_yaml_file_then_overrides_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_steps: 5\nlearner:\n  lr: 0.1\n  kl_coef: 0.0\n")
+    config = load_config(path, ["learner.lr=0.2"])
+    assert (config.max_steps, config.learner.lr, config.learner.kl_coef) == (5, 0.2, 0.0)
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_config(None, ["learner.lr=5e-4", "sync.probe=false"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation)
+    walk(RunConfig)
+
+
+BAD = [
+    (["learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here: num_cpus"),
+    (["nope=1"], "unknown config key 'nope'"),
+    (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
+    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo' or 'rloo' (got 'ppo')"),
+    (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
+    (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
+    (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
+    (["learner.kl_coef=0.1", "reference.enabled=false"], "needs a reference policy: set reference.enabled=true"),
+    (["data.min_operand=9", "data.max_operand=2"], "min_operand (9) must not exceed max_operand (2)"),
+    (["learner.num_minibatches=3"], "learner.num_minibatches (3) must divide the batch"),
+    (["learnerlr"], "override 'learnerlr' is not of the form dotted.key=value"),
+    (["learner..lr=1"], "is not of the form dotted.key=value"),
+    (["sync.transport=nccl"], "sync.transport: Input should be 'object_store'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD)
+def test_bad_input_is_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("learner: [1,\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
