@@ -100,6 +100,9 @@ class LearnerConfig(_Section):
     """Advantage estimator: `grpo` ((r - group mean) / (group std + eps)) or `rloo` (leave-one-out baseline)."""
     lr: float = Field(1e-3, gt=0, le=1)
     """AdamW learning rate."""
+    warmup_steps: int = Field(10, ge=0, le=10_000_000)
+    """Optimizer steps over which the learning rate rises linearly from 0 to `lr` (lets Adam's moment estimates
+    settle before full-size steps: its first steps are sign-like and move every weight by about `lr`)."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -293,3 +296,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, loadable again by `load_config`."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def config_reference() -> str:
+    """Every key with its default and docstring, as Markdown (docs/configuration.md is this text)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `cluster/config.py` by `python -m cluster.config > docs/configuration.md`; a test keeps",
+             "the two equal. Set keys in a YAML file or as `dotted.key=value` overrides on the command line.", ""]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        rows = []
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            default = field.default
+            rows.append(f"| `{prefix}{name}` | `{default!r}` | {field.description} |")
+        if rows:
+            title = prefix.rstrip(".") or "top level"
+            lines.extend([f"## {title}", "", "| key | default | meaning |", "|---|---|---|", *rows, ""])
+
+    walk(RunConfig, "")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rewards.arithmetic import Problem, exact_match, make_problems
@@ -37,17 +37,26 @@ SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  #
 def build_char_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
     """One token per character of `CHARACTERS`; `<pad>` is id 0, `<eos>` id 1; no BOS, nothing added on encode.
 
-    Characters outside the vocabulary raise on encode (there is deliberately no unknown token).
+    Built as a byte-level BPE without merges because transformers reloads any qwen2 model directory with
+    `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the saved vocabulary and merges (a character-level
+    WordLevel tokenizer would silently lose its spaces). The space is therefore stored as byte-level "Ġ", and
+    `unk_token` is saved as null so the reload adds no `<|endoftext|>`. Characters outside the vocabulary are
+    dropped on encode, by this tokenizer and by the reloaded one alike.
     """
-    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {char: 2 + i for i, char in enumerate(CHARACTERS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char, space included
-    backend.decoder = decoders.Fuse()  # concatenate tokens; WordLevel's default would join them with spaces
+    byte_level = pre_tokenizers.ByteLevel.alphabet()  # printable stand-ins for bytes, e.g. " " -> "Ġ"
+    assert all(char in byte_level or char == " " for char in CHARACTERS)
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {
+        ("Ġ" if char == " " else char): 2 + i for i, char in enumerate(CHARACTERS)
+    }
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(PAD_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        unk_token=None,
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )

@@ -55,6 +55,9 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
@@ -119,6 +122,7 @@ class Learner:
         finite = np.isfinite(grad_norm) and np.isfinite(totals["loss/policy"]) and np.isfinite(totals["kl/mean"])
         if finite:
             self.optimizer.step()
+            self.scheduler.step()
             self.nonfinite_in_row = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)

@@ -86,3 +86,12 @@ def test_bad_files(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_configuration_doc_is_generated_from_the_tree():
+    from pathlib import Path
+
+    from cluster.config import config_reference
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == config_reference(), "regenerate: python -m cluster.config > docs/configuration.md"

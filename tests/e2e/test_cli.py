@@ -1,0 +1,56 @@
+"""The `relay` command as a user runs it: help, bad input (exit 2, one line, nothing written), and a short demo run
+read back from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RELAY = [sys.executable, "-m", "cluster.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def relay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*RELAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_help_lists_every_command():
+    result = relay("--help")
+    assert result.returncode == 0
+    for command in ("train", "build-demo-model"):
+        assert command in result.stdout
+    train_help = relay("train", "--help")
+    assert train_help.returncode == 0 and "dotted" in train_help.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["learner.lrr=1"], "unknown config key 'learner.lrr'"),
+    (["rollout.num_workers=0"], "rollout.num_workers"),
+    (["missing.yaml"], "cannot read config file 'missing.yaml'"),
+    (["model.path=/nonexistent"], "model.path '/nonexistent' is not a Hugging Face model directory"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    result = relay("train", *args, f"run_dir={run_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+    assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_demo_trains_and_writes_metrics(tmp_path, demo_model_dir):
+    run_dir = tmp_path / "run"
+    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16", "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["logprob/mismatch"] < 1e-4 and r["weights/version"] == r["step"] for r in records)
+    assert "max_steps: 2" in (run_dir / "config.yaml").read_text()
+    again = relay("train", "max_steps=2", f"run_dir={run_dir}")  # an existing run is never overwritten
+    assert again.returncode == 2 and "already holds a run" in again.stderr
