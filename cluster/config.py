@@ -98,7 +98,7 @@ class LearnerConfig(_Section):
     """Torch threads of the learner (phases run in turn, so it may use every core)."""
     advantage: Literal["grpo", "rloo"] = "grpo"
     """Advantage estimator: `grpo` ((r - group mean) / (group std + eps)) or `rloo` (leave-one-out baseline)."""
-    lr: float = Field(1e-3, gt=0, le=1)
+    lr: float = Field(5e-5, gt=0, le=1)
     """AdamW learning rate."""
     warmup_steps: int = Field(10, ge=0, le=10_000_000)
     """Optimizer steps over which the learning rate rises linearly from 0 to `lr` (lets Adam's moment estimates
@@ -178,7 +178,7 @@ class RunConfig(_Section):
 
     run_dir: str | None = None
     """Directory for config.yaml, metrics.jsonl and checkpoints; must not already hold a run. Empty: runs/<time>."""
-    max_steps: int = Field(60, ge=1, le=10_000_000)
+    max_steps: int = Field(80, ge=1, le=10_000_000)
     """Training steps to run."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed for prompts, sampling and shuffling."""

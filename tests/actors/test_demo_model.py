@@ -64,9 +64,8 @@ def test_random_model_dir_loads_with_consistent_special_tokens(random_model_dir:
     }
     model = AutoModelForCausalLM.from_pretrained(random_model_dir)
     config = model.config
-    assert (config.model_type, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (
-        "qwen2", 64, 2, 1
-    )
+    shape = (config.model_type, config.hidden_size, config.num_attention_heads, config.num_key_value_heads)
+    assert shape == ("qwen2", 64, 2, 1)
     assert (config.eos_token_id, config.pad_token_id, config.vocab_size) == (1, 0, 17)
     assert config.tie_word_embeddings is False
     assert json.loads((random_model_dir / "generation_config.json").read_text())["eos_token_id"] == 1
