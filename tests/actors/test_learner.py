@@ -51,6 +51,7 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir):
     for learner in (whole, split):
         # SGD: Adam would amplify float noise in near-zero gradients into lr-sized steps and hide real differences
         learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=0.1)
+        learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
         learner.train_step(batch_for(learner, [1.0, 0.0, 0.5, 1.0], ref))
         learner.train_step(batch_for(learner, [0.0, 1.0, 1.0, 0.0], ref))  # second step: KL and ratios non-trivial
     for (name, a), b in zip(whole.model.state_dict().items(), split.model.state_dict().values()):
