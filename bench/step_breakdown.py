@@ -42,7 +42,7 @@ def main() -> None:
     print(f"| phase | median s | share of step |\n|---|---|---|")
     for phase in PHASES:
         print(f"| {phase} | {median[phase]:.3f} | {median[phase] / step:.1%} |")
-    print(f"| overhead | {overhead:.3f} | {overhead / step:.1%} |")
+    print(f"| overhead | {overhead:.4f} | {overhead / step:.2%} |")
     print(f"| **step** | {step:.3f} | 100% |")
 
 
