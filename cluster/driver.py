@@ -162,7 +162,7 @@ class Trainer:
             **learner_metrics,
             "weights/version": self.weights_version,
             "sync/probe_max_diff": probe_diff,
-            "verifier/failures": 0,
+            "verifier/failures": 0,  # `score` stops the run on the first failure, so a recorded step has none
             "rollout/workers": len(self.fleet.rollout_workers),
             **self.timings,
             "time/step": step_seconds,

@@ -17,7 +17,8 @@ import torch
 
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS, broadcast_to_tokens
 from learner.algo.losses import aggregate, clipped_policy_loss, kl
-from learner.algo.sequences import SequenceBatch, batched_logprobs, pad_per_token, pad_sequences, sequence_logprobs
+from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences, sequence_logprobs,
+                                     unpad_per_token)
 
 if TYPE_CHECKING:
     from cluster.config import LearnerConfig
@@ -66,8 +67,8 @@ class Learner:
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """log pi of every response token under the current weights: [B][T_resp_i]."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id)
-        lp = batched_logprobs(self.model, batch, self.config.micro_batch_size, self.temperature)
-        return [lp[i][batch.response_mask[i].bool()].tolist() for i in range(len(batch))]
+        return unpad_per_token(batched_logprobs(self.model, batch, self.config.micro_batch_size, self.temperature),
+                               batch)
 
     def train_step(self, data: TrainBatch) -> dict[str, float]:
         """One update on a step's completions; returns the step's learner metrics."""
