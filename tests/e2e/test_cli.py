@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-RELAY = [sys.executable, "-m", "cluster.cli"]
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "relay"  # the console script `pip install -e .` made
+RELAY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cluster.cli"]
 
 
 def relay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
