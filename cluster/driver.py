@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -195,12 +195,14 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
     started_ray = _init_ray(config)
     log = MetricsLog(run_dir)
     records: list[dict[str, Any]] = []
-    fleet = start_fleet(config, model_path, rollout_cls)
+    fleet = None
     try:
+        fleet = start_fleet(config, model_path, rollout_cls)
         trainer = Trainer(config, fleet)
-        trainer.verify_sync() if config.sync.probe else None  # engines and learner agree before any update
+        if config.sync.probe:
+            trainer.verify_sync()  # engines and learner agree before any update
         progress = ProgressDisplay(config.max_steps) if display else None
-        with progress or _null():
+        with progress or nullcontext():
             for step in range(1, config.max_steps + 1):
                 record = trainer.step(step)
                 log.write(record)
@@ -211,7 +213,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
             progress.summary()
     finally:
         log.close()
-        stop_fleet(fleet)
+        if fleet is not None:
+            stop_fleet(fleet)
         if started_ray:
             ray.shutdown()
     return records
@@ -225,9 +228,4 @@ def _init_ray(config: RunConfig) -> bool:
              include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
              configure_logging=True, logging_level="WARNING")
     return True
-
-
-@contextmanager
-def _null():
-    yield
 

@@ -100,7 +100,11 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     fleet = Fleet(learner, reference, workers, pg)
     names = ["learner"] + (["reference"] if reference else []) + [f"rollout worker {i}" for i in range(len(workers))]
     actors = [learner] + ([reference] if reference else []) + workers
-    get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
+    try:
+        get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
+    except BaseException:
+        stop_fleet(fleet)  # release the placement group and the actors that did start
+        raise
     return fleet
 
 

@@ -1,7 +1,8 @@
 """Per-token policy losses, KL estimators, and the reduction of [B, T] token values to one scalar loss.
 
-Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), the k1/k2/k3 KL
-estimators, and the aggregation modes the config names. Does not own advantages (`advantages.py`), computing
+Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), GSPO's
+sequence-level surrogate, PPO's clipped value loss, the entropy bonus, the k1/k2/k3 KL estimators, and the
+aggregation modes the config names. Does not own advantages (`advantages.py`), computing
 log-probabilities from logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
 
 Notation: B: sequences, T: tokens (response positions). mask [B, T] is 1 (or True) at response tokens, 0 at
@@ -170,6 +171,131 @@ def clipped_policy_loss(
             "approx_kl": aggregate(ratio - 1 - log_ratio, mask, "token-mean"),  # k3 = (r - 1) - log r, x ~ pi_old
         }
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the clipped surrogate with one length-normalised importance ratio per sequence.
+
+    Zheng et al. 2025 ("Group Sequence Policy Optimization", eq. 5-7), as a loss to minimise:
+        s_i = exp(1/|y_i| sum_t (log pi(y_i,t) - log pi_old(y_i,t))),
+        l_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)),  loss = mean of l_i over sequences.
+
+    Args:
+        logprobs: [B, T] log pi(y_t) under the current policy (carries the gradient).
+        old_logprobs: [B, T] log pi_old(y_t) under the policy before this update.
+        advantages: [B, T] the sequence's advantage A_i at each of its response tokens (see
+            advantages.broadcast_to_tokens); the mean over the row's response tokens is taken as A_i.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        clip_low, clip_high: s_i is clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
+
+    Returns:
+        loss: [] scalar, the mean of l_i over sequences with >= 1 response token (0 if there are none).
+        metrics: detached [] tensors over those sequences:
+            clip_fraction: share of sequences where the clipped term was the larger one (its gradient is 0),
+            ratio_mean: mean of s_i.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape) or mask.dim() != 2:
+        shapes = [tuple(x.shape) for x in (logprobs, old_logprobs, advantages, mask)]
+        raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
+    if not (0 <= clip_low <= 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+
+    keep = mask.bool()
+    lengths = keep.sum(dim=1, keepdim=True)  # [B, 1] |y_i|
+    # Select padding out before the sum and exp(), so its garbage neither changes s_i nor receives gradient.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0).sum(dim=1, keepdim=True) / lengths.clamp(min=1)
+    seq_advantages = torch.where(keep, advantages, 0.0).sum(dim=1, keepdim=True) / lengths.clamp(min=1)  # A_i
+    ratio = torch.exp(log_ratio)  # [B, 1] s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)
+    loss_unclipped = -seq_advantages * ratio  # -A_i s_i
+    loss_clipped = -seq_advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # -A_i clip(s_i)
+    seq_losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, 1] l_i = -min(A_i s_i, A_i clip(s_i))
+
+    has_tokens = lengths > 0  # [B, 1] sequences to average over
+    loss = aggregate(seq_losses, has_tokens, "token-mean")  # 1/|S| sum_{i in S} l_i
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": aggregate((loss_clipped > loss_unclipped).to(ratio.dtype), has_tokens, "token-mean"),
+            "ratio_mean": aggregate(ratio, has_tokens, "token-mean"),
+        }
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float,
+    mode: str = "token-mean",
+    norm_length: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss: the critic may not move further than clip from its old prediction for free.
+
+    Schulman et al. 2017 (PPO; the value clipping of the reference implementation, openai/baselines ppo2):
+        l_t = 1/2 max((V_t - R_t)^2, (clip(V_t, V_old_t - clip, V_old_t + clip) - R_t)^2).
+
+    Args:
+        values: [B, T] V(s_t) under the current critic (carries the gradient).
+        old_values: [B, T] V_old(s_t) under the critic before this update (from the rollout).
+        returns: [B, T] value targets R_t (see advantages.gae).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        clip: > 0, how far V may move from V_old before the clipped term takes over.
+        mode, norm_length: how l_t is reduced to a scalar, see aggregate().
+
+    Returns:
+        loss: [] scalar to minimise.
+        metrics: detached [] tensors, means over response tokens (whatever mode is):
+            clip_fraction: share of tokens where the clipped term was the larger one.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        shapes = [tuple(x.shape) for x in (values, old_values, returns, mask)]
+        raise ValueError(f"values, old_values, returns and mask must share one [B, T] shape, got {shapes}")
+    if clip <= 0:
+        raise ValueError(f"value clip must be > 0, got {clip}")
+    keep = mask.bool()
+    # Select padding out so its garbage cannot give inf/NaN squares (and NaN gradients through 0 * inf).
+    values = torch.where(keep, values, 0.0)
+    old_values = torch.where(keep, old_values, 0.0)
+    returns = torch.where(keep, returns, 0.0)
+    values_clipped = old_values + (values - old_values).clamp(-clip, clip)  # clip(V, V_old - c, V_old + c)
+    loss_unclipped = (values - returns).square()  # (V - R)^2
+    loss_clipped = (values_clipped - returns).square()  # (clip(V) - R)^2
+    token_losses = 0.5 * torch.maximum(loss_unclipped, loss_clipped)  # l_t = 1/2 max(., .)
+
+    loss = aggregate(token_losses, mask, mode, norm_length)
+    with torch.no_grad():
+        clip_fraction = aggregate((loss_clipped > loss_unclipped).to(token_losses.dtype), mask, "token-mean")
+    return loss, {"clip_fraction": clip_fraction.detach()}
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, mode: str = "token-mean", norm_length: int | None = None) -> Tensor:
+    """Mean policy entropy over response tokens, reduced like the policy loss; callers subtract coef * bonus.
+
+    Entropy regularisation as in Mnih et al. 2016 ("Asynchronous Methods for Deep RL"), and PPO's c2 S[pi] term
+    (Schulman et al. 2017, eq. 9): bonus = aggregate(H_t), H_t = -sum_v pi(v | s_t) log pi(v | s_t).
+
+    Args:
+        entropy: [B, T] per-token entropy H_t of the current policy's next-token distribution.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        mode, norm_length: see aggregate().
+
+    Returns:
+        [] scalar bonus (to be maximised).
+
+    Notation: B: sequences, T: tokens.
+    """
+    return aggregate(entropy, mask, mode, norm_length)
 
 
 # The config's names for the KL estimators; one signature: (logprobs, ref_logprobs) -> per-token KL, same shape.

@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.algo.losses import AGGREGATION_MODES, KL_ESTIMATORS, aggregate, clipped_policy_loss, kl
+from learner.algo.losses import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    aggregate,
+    clipped_policy_loss,
+    entropy_bonus,
+    gspo_policy_loss,
+    kl,
+    value_loss,
+)
 
 F64 = torch.float64
 GARBAGE = 1e4  # what padding may hold: large enough that exp() of it overflows, or 0 * it dominates a sum
@@ -255,3 +264,119 @@ def test_micro_batches_weighted_by_token_share_give_the_whole_batch_gradient():
         mb_loss, _ = clipped_policy_loss(logprobs[rows], old_logprobs[rows], advantages[rows], mask[rows], **args)
         unweighted += torch.autograd.grad(mb_loss / 2, logprobs)[0]
     assert not torch.allclose(unweighted, whole_grad)
+
+
+# ---------------------------------------------------------------- GSPO
+
+
+def test_gspo_with_identical_logprobs_is_minus_the_mean_sequence_advantage():
+    # s_i = 1 for every sequence, nothing clipped: loss = -(2 - 1 + 0.5) / 3 = -0.5.
+    # Row 3 has no response token: it is not a sequence to average over, whatever its advantages hold.
+    logprobs = t([[-1.0, -2.0, -0.5], [-0.3, GARBAGE, GARBAGE], [-4.0, -0.1, 0.0], [GARBAGE, 1.0, 2.0]])
+    advantages = t([[2.0, 2.0, 2.0], [-1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [GARBAGE, GARBAGE, GARBAGE]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    loss, metrics = gspo_policy_loss(logprobs, logprobs.clone(), advantages, mask, **CLIP)
+    assert_close(loss, t(-0.5))
+    assert_close(metrics["clip_fraction"], t(0.0))
+    assert_close(metrics["ratio_mean"], t(1.0))
+
+
+def _gspo_hand_inputs():
+    # old logprobs 0, so the per-token log-ratios are the logprobs. Clip range [0.8, 1.28].
+    #   row 0: log-ratios [0.2, 0.6], mean 0.4, s = e^0.4 = 1.4918, A=+1: max(-1.4918, -1.28) = -1.28  clipped
+    #   row 1: log-ratio [-1.0], s = e^-1 = 0.3679, A=-1: max(0.3679, 0.8) = 0.8                      clipped
+    #   row 2: log-ratios [0.1, -0.1, 0.0], mean 0, s = 1, A=+2: max(-2, -2) = -2
+    # loss = (-1.28 + 0.8 - 2) / 3 = -2.48 / 3. Per token, row 0's second token (r = e^0.6 = 1.82) would differ.
+    logprobs = t([[0.2, 0.6, 0.0], [-1.0, 0.0, 0.0], [0.1, -0.1, 0.0]]).requires_grad_()
+    advantages = t([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    return logprobs, torch.zeros(3, 3, dtype=F64), advantages, mask
+
+
+def test_gspo_matches_hand_computed_values():
+    logprobs, old_logprobs, advantages, mask = _gspo_hand_inputs()
+    loss, metrics = gspo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)
+    assert_close(loss, t(-2.48 / 3))
+    assert_close(metrics["clip_fraction"], t(2 / 3))
+    assert_close(metrics["ratio_mean"], t((math.exp(0.4) + math.exp(-1.0) + 1.0) / 3))
+    assert set(metrics) == {"clip_fraction", "ratio_mean"}
+    assert all(value.dim() == 0 and not value.requires_grad for value in metrics.values())
+    # Clipped rows get no gradient; row 2: d(-A s)/d logp_t / 3 sequences = -2 * 1 * (1/3 tokens) / 3 = -2/9.
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2 / 9, -2 / 9, -2 / 9]]))
+
+
+def test_gspo_padding_changes_neither_loss_nor_metrics_nor_gradient():
+    logprobs, old_logprobs, advantages, mask = _gspo_hand_inputs()
+    loss, metrics = gspo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+
+    padding = ~mask.bool()
+    garbage_logprobs = logprobs.detach().masked_fill(padding, GARBAGE).requires_grad_()
+    garbage_old = old_logprobs.masked_fill(padding, -GARBAGE)
+    garbage_advantages = advantages.masked_fill(padding, -GARBAGE)
+    garbage_loss, garbage_metrics = gspo_policy_loss(garbage_logprobs, garbage_old, garbage_advantages, mask, **CLIP)
+    (garbage_grad,) = torch.autograd.grad(garbage_loss, garbage_logprobs)
+
+    assert_close(garbage_loss, loss)
+    assert_close(garbage_metrics, metrics)
+    assert_close(garbage_grad, grad)
+
+
+# ---------------------------------------------------------------- value loss
+
+# clip = 0.2, one sequence of three tokens:
+#   t0: V=1.0, V_old=0.5, R=1.0: V_c = 0.7; max(0^2, 0.3^2) = 0.09 -> l = 0.045   clipped term larger
+#   t1: V=0.6, V_old=0.5, R=0.0: V_c = 0.6 (inside); max(0.36, 0.36) -> l = 0.18
+#   t2: V=0.0, V_old=0.5, R=1.0: V_c = 0.3; max(1.0, 0.49) = 1.0 -> l = 0.5
+# token-mean = (0.045 + 0.18 + 0.5) / 3 = 0.725 / 3; token sum = 0.725.
+def _value_hand_inputs():
+    values = t([[1.0, 0.6, 0.0]]).requires_grad_()
+    return values, t([[0.5, 0.5, 0.5]]), t([[1.0, 0.0, 1.0]]), torch.ones(1, 3)
+
+
+def test_value_loss_matches_hand_computed_values_with_the_clip_active():
+    values, old_values, returns, mask = _value_hand_inputs()
+    loss, metrics = value_loss(values, old_values, returns, mask, clip=0.2)
+    assert_close(loss, t(0.725 / 3))
+    assert_close(metrics["clip_fraction"], t(1 / 3))
+    assert set(metrics) == {"clip_fraction"} and not metrics["clip_fraction"].requires_grad
+    # t0: the clipped term is taken and clamp() passes no gradient; t1: (V - R) / 3 = 0.2; t2: (0 - 1) / 3.
+    (grad,) = torch.autograd.grad(loss, values)
+    assert_close(grad, t([[0.0, 0.2, -1 / 3]]))
+    summed, _ = value_loss(values, old_values, returns, mask, clip=0.2, mode="seq-mean-token-sum")
+    assert_close(summed, t(0.725))
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_value_loss_padding_changes_neither_loss_nor_metrics_nor_gradient(mode):
+    values, old_values, returns, mask = _value_hand_inputs()
+    loss, metrics = value_loss(values, old_values, returns, mask, 0.2, mode, norm_length=5)
+    (grad,) = torch.autograd.grad(loss, values)
+
+    padded_values = torch.cat([values.detach(), t([[GARBAGE, math.nan]])], dim=1).requires_grad_()
+    padded_old = torch.cat([old_values, t([[-GARBAGE, math.inf]])], dim=1)
+    padded_returns = torch.cat([returns, t([[math.inf, -GARBAGE]])], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(1, 2)], dim=1)
+    padded_loss, padded_metrics = value_loss(padded_values, padded_old, padded_returns, padded_mask, 0.2, mode, 5)
+    (padded_grad,) = torch.autograd.grad(padded_loss, padded_values)
+
+    assert_close(padded_loss, loss)
+    assert_close(padded_metrics, metrics)
+    assert_close(padded_grad, torch.cat([grad, torch.zeros(1, 2, dtype=F64)], dim=1))
+
+
+# ---------------------------------------------------------------- entropy bonus
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", 2.0),  # (1 + 2 + 3) / 3
+        ("seq-mean-token-mean", 2.25),  # (1.5 + 3) / 2
+    ],
+)
+def test_entropy_bonus_aggregates_response_tokens_only(mode, expected):
+    entropy = t([[1.0, 2.0, GARBAGE], [3.0, math.nan, GARBAGE]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert_close(entropy_bonus(entropy, mask, mode), t(expected))
