@@ -96,8 +96,9 @@ class LearnerConfig(_Section):
     """GPUs Ray reserves for the learner."""
     num_threads: int = Field(2, ge=1, le=1024)
     """Torch threads of the learner (phases run in turn, so it may use every core)."""
-    advantage: Literal["grpo", "rloo"] = "grpo"
-    """Advantage estimator: `grpo` ((r - group mean) / (group std + eps)) or `rloo` (leave-one-out baseline)."""
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline) or
+    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch)."""
     lr: float = Field(5e-5, gt=0, le=1)
     """AdamW learning rate."""
     warmup_steps: int = Field(10, ge=0, le=10_000_000)
@@ -123,8 +124,6 @@ class LearnerConfig(_Section):
     """Coefficient of the k3 KL penalty to the reference policy, added to the loss; 0 turns KL off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator used in the loss."""
-    adv_eps: float = Field(1e-6, gt=0, le=1)
-    """Added to the group std before dividing (GRPO)."""
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
 

@@ -184,4 +184,5 @@ def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
     "grpo": partial(group_relative, scale="std"),
     "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
 }

@@ -72,7 +72,7 @@ def test_batch_not_divisible_by_group_size_names_both_numbers(estimator):
 
 
 def test_registry_keys_are_the_config_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp"}
 
 
 def test_registry_entries_share_one_signature_and_compute_their_estimator():
