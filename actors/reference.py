@@ -32,6 +32,3 @@ class ReferenceWorker:
         """log pi_ref of every response token: [B][T_resp_i]."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id)
         return unpad_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
-
-    def ready(self) -> bool:
-        return True

@@ -72,9 +72,6 @@ class RolloutWorker:
         [[c]] = self.engine.generate([prompt_ids], 1, temperature, 1.0, max_tokens, [seed])
         return prompt_ids, c.response_ids, c.logprobs, self.weights_version
 
-    def ready(self) -> int:
-        return self.weights_version
-
     def shutdown(self) -> None:
         self.engine.shutdown()
 

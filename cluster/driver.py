@@ -79,7 +79,8 @@ class Trainer:
         bounds = [round(i * len(prompts) / len(workers)) for i in range(len(workers) + 1)]
         calls = [(i, bounds[i], bounds[i + 1]) for i in range(len(workers)) if bounds[i + 1] > bounds[i]]
         refs = [workers[i].generate.remote(prompts[a:b], seeds[a:b], self.sampling) for i, a, b in calls]
-        results = get(refs, self.config.timeouts.generate, [f"rollout worker {i}" for i, _, _ in calls], "generate")
+        names = [self.fleet.rollout_names[i] for i, _, _ in calls]
+        results = get(refs, self.config.timeouts.generate, names, "generate")
         groups = [group for chunk in results for group in chunk]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
@@ -119,21 +120,22 @@ class Trainer:
 
     def sync_weights(self) -> float:
         """Put the learner's weights in the object store once (bucketed), load them into every worker, verify."""
-        buckets = self.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets).remote(self.bucket_bytes)
+        export = self.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
+        buckets = export.remote(self.bucket_bytes)
         buckets = buckets if self.num_buckets > 1 else [buckets]
         workers = self.fleet.rollout_workers
         versions = get([w.load_weights.remote(self.weights_version, *buckets) for w in workers],
-                       self.config.timeouts.sync, [f"rollout worker {i}" for i in range(len(workers))], "sync")
-        for i, version in enumerate(versions):
+                       self.config.timeouts.sync, self.fleet.rollout_names, "sync")
+        for name, version in zip(self.fleet.rollout_names, versions):
             if version != self.weights_version:
-                raise SyncError(f"rollout worker {i} serves weights version {version}, expected {self.weights_version}")
+                raise SyncError(f"{name} serves weights version {version}, expected {self.weights_version}")
         return self.verify_sync() if self.config.sync.probe else float("nan")
 
     def verify_sync(self) -> float:
         """Compare each engine's logprobs of a seeded probe sample with the learner's; return the largest gap."""
         cfg, workers = self.config, self.fleet.rollout_workers
         seed = self.weights_version
-        names = [f"rollout worker {i}" for i in range(len(workers))]
+        names = self.fleet.rollout_names
         probes = get([w.probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed)
                       for w in workers], cfg.timeouts.sync, names, "sync")
         prompt_ids = [p[0] for p in probes]

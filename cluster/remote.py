@@ -33,6 +33,11 @@ class Fleet:
     rollout_workers: list[Any]
     placement: PlacementGroup
 
+    @property
+    def rollout_names(self) -> list[str]:
+        """How errors and metrics name each rollout worker, by index."""
+        return [f"rollout worker {i}" for i in range(len(self.rollout_workers))]
+
 
 def _env(threads: int) -> dict[str, str]:
     env = {
@@ -98,7 +103,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         for i in range(ro.num_workers)
     ]
     fleet = Fleet(learner, reference, workers, pg)
-    names = ["learner"] + (["reference"] if reference else []) + [f"rollout worker {i}" for i in range(len(workers))]
+    names = ["learner"] + (["reference"] if reference else []) + fleet.rollout_names
     actors = [learner] + ([reference] if reference else []) + workers
     try:
         get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
