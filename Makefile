@@ -35,6 +35,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/step_breakdown.py
+	$(BIN)/python bench/algorithms.py
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -18,6 +18,8 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 2 vLLM rollout workers, a reference worker for the KL penalty and a learner, on a local Ray instance.
 
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
+Algorithm presets (on the demo task): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo}.yaml, e.g.
+  relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
 Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl.
 """
 

@@ -74,11 +74,18 @@ class RolloutConfig(_Section):
     """Skip torch.compile and graph capture (saves ~1 minute of start-up on CPU)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory the engine may take (GPU only)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more prompts
+    until `data.prompts_per_step` groups are kept."""
+    max_sampling_rounds: int = Field(4, ge=1, le=1000)
+    """Generation rounds per step with dynamic sampling; if the batch is still short after them, it is topped up
+    with dropped groups (counted in `sampling/filler_groups`)."""
 
 
 class ReferenceConfig(_Section):
     enabled: bool = True
-    """Run a frozen reference policy for the KL penalty (required when `learner.kl_coef` > 0)."""
+    """Allow a frozen reference policy for the KL penalty; it is started only when `learner.kl_coef` or
+    `learner.kl_reward_coef` is > 0 (which then require it)."""
     num_cpus: float = Field(0.5, gt=0, le=1024)
     """CPUs Ray reserves for the reference worker."""
     num_gpus: float = Field(0.0, ge=0, le=64)
@@ -96,14 +103,23 @@ class LearnerConfig(_Section):
     """GPUs Ray reserves for the learner."""
     num_threads: int = Field(2, ge=1, le=1024)
     """Torch threads of the learner (phases run in turn, so it may use every core)."""
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline) or
-    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch)."""
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
+    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch) or `gae` (PPO: GAE from the
+    value model's per-token values, whitened over the batch; needs `critic.enabled=true`)."""
+    group_scale: Literal["std", "none"] = "std"
+    """How `grpo` scales the centred reward: `std` divides by the group's std, `none` does not (Dr.GRPO)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount per token (`advantage=gae` only)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (`advantage=gae` only)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """Policy objective: `ppo` (per-token clipped ratio) or `gspo` (one length-normalised ratio per sequence)."""
     lr: float = Field(5e-5, gt=0, le=1)
     """AdamW learning rate."""
     warmup_steps: int = Field(10, ge=0, le=10_000_000)
-    """Optimizer steps over which the learning rate rises linearly from 0 to `lr` (lets Adam's moment estimates
-    settle before full-size steps: its first steps are sign-like and move every weight by about `lr`)."""
+    """Optimizer steps over which the learning rate rises linearly to `lr` (step n uses lr x n / warmup_steps):
+    lets Adam's moment estimates settle before full-size steps, as its first steps are sign-like."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -120,12 +136,44 @@ class LearnerConfig(_Section):
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)
     """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
+    clip_c: float | None = Field(None, gt=1, le=100)
+    """Dual-clip constant for negative advantages (loss at most -A * clip_c); empty turns dual clip off (`ppo`)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How per-token losses become one number: every token weighs the same (`token-mean`, DAPO), every sequence
+    weighs the same (`seq-mean-token-mean`, GRPO/GSPO), sums per sequence (`seq-mean-token-sum`), or sums over a
+    fixed length (`seq-mean-token-sum-norm`, Dr.GRPO)."""
+    loss_norm_length: int | None = Field(None, ge=1, le=1_000_000)
+    """The fixed length of `seq-mean-token-sum-norm`; empty means `rollout.max_new_tokens`."""
+    entropy_coef: float = Field(0.0, ge=0, le=10)
+    """Weight of the entropy bonus subtracted from the loss; 0 turns it off."""
     kl_coef: float = Field(0.01, ge=0, le=100)
-    """Coefficient of the k3 KL penalty to the reference policy, added to the loss; 0 turns KL off."""
+    """Coefficient of the KL penalty to the reference policy added to the loss (GRPO style); 0 turns it off."""
+    kl_reward_coef: float = Field(0.0, ge=0, le=100)
+    """Coefficient of the per-token KL penalty subtracted from the reward (PPO style); 0 turns it off. Use either
+    this or `kl_coef`, not both."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator used in the loss."""
+    """KL estimator, wherever the KL goes (loss or reward)."""
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+
+
+class CriticConfig(_Section):
+    enabled: bool = False
+    """Train a value model (PPO); required by and only used with `learner.advantage=gae`."""
+    path: str | None = None
+    """Hugging Face directory the value model starts from (a scalar head is added); empty: the policy's checkpoint."""
+    lr: float = Field(1e-4, gt=0, le=1)
+    """AdamW learning rate of the value model (its own optimizer, stepped with the policy's)."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Optimizer steps over which the value model's learning rate rises linearly to `lr` (as `learner`'s)."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay of the value model."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold of the value model (global L2 norm)."""
+    value_clip: float = Field(0.2, gt=0, le=1e6)
+    """PPO value clipping: how far a value may move from its rollout-time prediction before the clipped loss
+    term takes over."""
 
 
 class SyncConfig(_Section):
@@ -146,6 +194,11 @@ class SyncConfig(_Section):
 class RewardConfig(_Section):
     verifier: Literal["exact_match"] = "exact_match"
     """Rule verifier scoring each completion against its label: `exact_match` gives 1.0 iff they are equal."""
+    overlong_buffer: int = Field(0, ge=0, le=1_000_000)
+    """DAPO soft overlong punishment: responses longer than `rollout.max_new_tokens - overlong_buffer` tokens lose
+    reward linearly, up to `overlong_penalty` at the maximum; 0 turns it off."""
+    overlong_penalty: float = Field(1.0, ge=0, le=1000)
+    """Reward lost by a response of the maximum length when `overlong_buffer` > 0."""
 
 
 class TimeoutConfig(_Section):
@@ -193,6 +246,8 @@ class RunConfig(_Section):
     """How completions are scored."""
     learner: LearnerConfig = LearnerConfig()
     """The trained policy, its optimizer and the objective."""
+    critic: CriticConfig = CriticConfig()
+    """The value model of PPO, trained in the learner actor."""
     sync: SyncConfig = SyncConfig()
     """Weight sync to the engines after every step, and its verification."""
     timeouts: TimeoutConfig = TimeoutConfig()
@@ -200,19 +255,47 @@ class RunConfig(_Section):
     ray: RayConfig = RayConfig()
     """The Ray cluster to run on."""
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run starts a reference worker: only when some KL penalty reads its logprobs."""
+        return self.reference.enabled and (self.learner.kl_coef > 0 or self.learner.kl_reward_coef > 0)
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.learner.kl_coef > 0 and not self.reference.enabled:
-            raise ValueError("learner.kl_coef > 0 needs a reference policy: set reference.enabled=true or kl_coef=0")
-        batch = self.data.prompts_per_step * self.rollout.group_size
-        if batch % self.learner.num_minibatches:
-            raise ValueError(
-                f"learner.num_minibatches ({self.learner.num_minibatches}) must divide the batch of "
-                f"data.prompts_per_step x rollout.group_size = {batch} completions"
-            )
-        if self.learner.advantage == "rloo" and self.rollout.group_size < 2:
-            raise ValueError("learner.advantage=rloo needs rollout.group_size >= 2")
+        for problem in _inconsistencies(self):
+            raise ValueError(problem)  # the first one; fixing it shows the next
         return self
+
+
+def _inconsistencies(config: RunConfig):
+    """Yield one message per invalid combination of keys, each saying how to fix it."""
+    learner, rollout = config.learner, config.rollout
+    if learner.kl_coef > 0 and learner.kl_reward_coef > 0:
+        yield ("KL is in the loss (learner.kl_coef) and in the reward (learner.kl_reward_coef) at once; "
+               "set one of them to 0")
+    if (learner.kl_coef > 0 or learner.kl_reward_coef > 0) and not config.reference.enabled:
+        yield ("a KL penalty (learner.kl_coef or learner.kl_reward_coef > 0) needs a reference policy: set "
+               "reference.enabled=true or both coefficients to 0")
+    batch = config.data.prompts_per_step * rollout.group_size
+    if batch % learner.num_minibatches:
+        yield (f"learner.num_minibatches ({learner.num_minibatches}) must divide the batch of "
+               f"data.prompts_per_step x rollout.group_size = {batch} completions")
+    if learner.advantage == "rloo" and rollout.group_size < 2:
+        yield "learner.advantage=rloo needs rollout.group_size >= 2"
+    if learner.advantage == "gae" and not config.critic.enabled:
+        yield "learner.advantage=gae needs a value model: set critic.enabled=true (or pick grpo, rloo, reinforce_pp)"
+    if config.critic.enabled and learner.advantage != "gae":
+        yield (f"critic.enabled=true but learner.advantage={learner.advantage} does not use a value model; "
+               "set learner.advantage=gae or critic.enabled=false")
+    if learner.group_scale != "std" and learner.advantage != "grpo":
+        yield "learner.group_scale applies to advantage=grpo only; remove it or set learner.advantage=grpo"
+    if learner.clip_c is not None and learner.policy_loss == "gspo":
+        yield "learner.clip_c (dual clip) is not defined for policy_loss=gspo; remove clip_c"
+    if config.reward.overlong_buffer >= rollout.max_new_tokens:
+        yield (f"reward.overlong_buffer ({config.reward.overlong_buffer}) must be below rollout.max_new_tokens "
+               f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
+    if rollout.dynamic_sampling and rollout.group_size < 2:
+        yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 
 
 def _format_error(err: ValidationError) -> str:

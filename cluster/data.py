@@ -26,7 +26,8 @@ class ArithmeticPrompts:
         return make_problems(rng, self.config.prompts_per_step, self.config.min_operand, self.config.max_operand)
 
 
-def sampling_seeds(seed: int, step: int, n: int) -> list[int]:
-    """One sampling seed per prompt of a step, independent of how prompts are split across workers."""
-    rng = random.Random(f"relay-sample:{seed}:{step}")
+def sampling_seeds(seed: int, step: int, n: int, round_: int = 0) -> list[int]:
+    """One sampling seed per prompt of a step's generation round, independent of how prompts are split across
+    workers (rounds > 0 happen with dynamic sampling)."""
+    rng = random.Random(f"relay-sample:{seed}:{step}" + (f":{round_}" if round_ else ""))
     return [rng.getrandbits(31) for _ in range(n)]

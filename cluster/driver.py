@@ -23,6 +23,7 @@ from cluster.metrics import MetricsLog, ProgressDisplay
 from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
 from rewards.arithmetic import Problem
 from rewards.registry import RULE_VERIFIERS
+from rewards.shaping import overlong_penalty
 
 
 class SyncError(RunError):
@@ -49,13 +50,9 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, Any]:
         """One on-policy step; the weights are synced to every rollout worker before it returns."""
-        self.timings = {}
+        self.timings = {"time/generate": 0.0, "time/score": 0.0}
         started = time.perf_counter()
-        problems = self.data.next_batch()
-        with self.timed("generate"):
-            groups = self.generate(problems, step)
-        with self.timed("score"):
-            rewards = self.score(problems, groups)
+        groups, rewards, sampling = self.sample(step)
         rollouts = [r for group in groups for r in group]
         with self.timed("reference"):
             ref_logprobs = self.reference_logprobs(rollouts)
@@ -63,19 +60,56 @@ class Trainer:
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
         with self.timed("sync"):
             probe_diff = self.sync_weights()
-        return self.record(step, rollouts, rewards, learner_metrics, probe_diff, time.perf_counter() - started)
+        return self.record(step, rollouts, learner_metrics, probe_diff, time.perf_counter() - started, sampling)
 
     @contextmanager
     def timed(self, phase: str):
+        """Add the block's wall time to `time/<phase>` (a phase may run several times per step)."""
         start = time.perf_counter()
         yield
-        self.timings[f"time/{phase}"] = time.perf_counter() - start
+        key = f"time/{phase}"
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
 
-    def generate(self, problems: list[Problem], step: int) -> list[list[Any]]:
+    def sample(self, step: int) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
+        """Generate and score `prompts_per_step` groups; returns [prompts][G] rollouts, their rewards, and stats.
+
+        With `rollout.dynamic_sampling` (DAPO), groups whose verifier rewards are all equal (all right or all wrong:
+        no signal for a group baseline) are dropped; fresh prompts are drawn until enough groups are kept or
+        `max_sampling_rounds` rounds ran, after which dropped groups top the batch up (counted, never hidden).
+        Overlong shaping is added after that choice, as in DAPO, so length alone does not make a group informative."""
+        ro, group_size = self.config.rollout, self.config.rollout.group_size
+        want = self.config.data.prompts_per_step
+        kept: list[tuple[list[Any], list[float]]] = []
+        dropped: list[tuple[list[Any], list[float]]] = []
+        scored: list[float] = []  # every reward of the step, dropped groups included
+        rounds = 0
+        while len(kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
+            problems = self.data.next_batch()
+            with self.timed("generate"):
+                groups = self.generate(problems, step, rounds)
+            with self.timed("score"):
+                rewards = self.score(problems, groups)
+            for i, group in enumerate(groups):
+                group_rewards = rewards[i * group_size:(i + 1) * group_size]
+                informative = not ro.dynamic_sampling or len(set(group_rewards)) > 1
+                shaped = self.shape(group_rewards, group)
+                scored += shaped
+                (kept if informative else dropped).append((group, shaped))
+            rounds += 1
+        filler = dropped[:max(0, want - len(kept))]
+        chosen = kept[:want] + filler
+        stats: dict[str, Any] = {"reward/mean": statistics.fmean(scored), "reward/std": statistics.pstdev(scored)}
+        if ro.dynamic_sampling:
+            stats.update({"sampling/rounds": rounds, "sampling/kept_groups": min(len(kept), want),
+                          "sampling/surplus_groups": max(0, len(kept) - want),
+                          "sampling/dropped_groups": len(dropped), "sampling/filler_groups": len(filler)})
+        return [g for g, _ in chosen], [r for _, rs in chosen for r in rs], stats
+
+    def generate(self, problems: list[Problem], step: int, round_: int = 0) -> list[list[Any]]:
         """Split the prompts into contiguous chunks, one per worker; returns [prompts][G] rollouts in order."""
         workers = self.fleet.rollout_workers
         prompts = [p.prompt for p in problems]
-        seeds = sampling_seeds(self.config.seed, step, len(prompts))
+        seeds = sampling_seeds(self.config.seed, step, len(prompts), round_)
         bounds = [round(i * len(prompts) / len(workers)) for i in range(len(workers) + 1)]
         calls = [(i, bounds[i], bounds[i + 1]) for i in range(len(workers)) if bounds[i + 1] > bounds[i]]
         refs = [workers[i].generate.remote(prompts[a:b], seeds[a:b], self.sampling) for i, a, b in calls]
@@ -89,7 +123,8 @@ class Trainer:
         return groups
 
     def score(self, problems: list[Problem], groups: list[list[Any]]) -> list[float]:
-        """One reward per completion, in rollout order. A verifier that raises stops the run (never a silent 0)."""
+        """The verifier's reward of every completion, in rollout order. A verifier that raises stops the run (never
+        a silent 0)."""
         rewards = []
         for problem, group in zip(problems, groups):
             for rollout in group:
@@ -99,6 +134,15 @@ class Trainer:
                     raise RunError(f"verifier '{self.config.reward.verifier}' failed on prompt {problem.prompt!r}: "
                                    f"{err!r}") from err
         return rewards
+
+    def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
+        """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""
+        rc = self.config.reward
+        if not rc.overlong_buffer:
+            return rewards
+        max_length = self.config.rollout.max_new_tokens
+        return [reward + overlong_penalty(len(rollout.response_ids), max_length, rc.overlong_buffer,
+                                          rc.overlong_penalty) for reward, rollout in zip(rewards, group)]
 
     def reference_logprobs(self, rollouts: list[Any]) -> list[list[float]] | None:
         if self.fleet.reference is None:
@@ -152,13 +196,14 @@ class Trainer:
             worst = max(worst, gap)
         return worst
 
-    def record(self, step: int, rollouts: list[Any], rewards: list[float], learner_metrics: dict[str, float],
-               probe_diff: float, step_seconds: float) -> dict[str, Any]:
+    def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
+               step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:
+        """One metrics line. `reward/*` cover every completion scored this step (dropped groups too: they show how
+        the policy does); the rest cover the completions trained on."""
         lengths = [len(r.response_ids) for r in rollouts]
-        record: dict[str, Any] = {
+        return {
             "step": step,
-            "reward/mean": statistics.fmean(rewards),
-            "reward/std": statistics.pstdev(rewards),
+            **sampling,
             "response_length/mean": statistics.fmean(lengths),
             "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
             **learner_metrics,
@@ -170,9 +215,6 @@ class Trainer:
             "time/step": step_seconds,
             "throughput/tokens_per_s": sum(lengths) / step_seconds,
         }
-        if self.config.learner.kl_coef == 0:
-            record.pop("kl/mean", None)
-        return record
 
 
 def resolve_run_dir(config: RunConfig) -> Path:

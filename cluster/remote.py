@@ -72,7 +72,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     rollout_cls = rollout_cls or RolloutWorker
     lc, rc, ro = config.learner, config.reference, config.rollout
     bundles = [_bundle(lc.num_cpus, lc.num_gpus)]
-    if rc.enabled:
+    if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus))
     bundles += [_bundle(ro.num_cpus, ro.num_gpus) for _ in range(ro.num_workers)]
     pg = placement_group(bundles, strategy="PACK")
@@ -88,12 +88,12 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
     learner = ray.remote(Learner).options(**options(0, lc.num_threads, lc.num_cpus, lc.num_gpus)).remote(
-        model_path, lc, config.model.dtype, ro.temperature, config.seed)
+        model_path, lc, config.model.dtype, ro.temperature, config.seed, config.critic, ro.max_new_tokens)
     reference = None
-    if rc.enabled:
+    if config.uses_reference:
         reference = ray.remote(ReferenceWorker).options(**options(1, rc.num_threads, rc.num_cpus, rc.num_gpus)).remote(
             model_path, config.model.dtype, rc.num_threads, rc.micro_batch_size, ro.temperature)
-    first = 2 if rc.enabled else 1
+    first = 2 if config.uses_reference else 1
     settings = EngineSettings(model_path=model_path, dtype=config.model.dtype, max_model_len=ro.max_model_len,
                               kv_cache_bytes=ro.kv_cache_bytes, enforce_eager=ro.enforce_eager,
                               gpu_memory_utilization=ro.gpu_memory_utilization, seed=config.seed)

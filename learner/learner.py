@@ -1,9 +1,11 @@
-"""Learner: the trained policy, its optimizer, and one PPO-style update per step.
+"""Learner: the trained policy (and, for PPO, the value model), their optimizers, and one update per step.
 
-Owns: the policy (a transformers causal LM) and AdamW; recomputing `old_logprobs`; advantages (looked up by the
-config's name); epochs x minibatches x micro-batches of the clipped objective with the KL penalty in the loss;
-skipping non-finite updates; exporting weights in buckets for the engines. Does not own: sampling, rewards, or how
-weights travel (cluster/). A plain class: Ray wraps it in `cluster/`.
+Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
+`old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
+penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x
+micro-batches of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite
+updates; exporting weights in buckets for the engines. Does not own: sampling, rewards, or how weights travel
+(cluster/). A plain class: Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import resource
+
 import numpy as np
 import torch
 
-from learner.algo.advantages import ADVANTAGE_ESTIMATORS, broadcast_to_tokens
-from learner.algo.losses import aggregate, clipped_policy_loss, kl
-from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences, sequence_logprobs,
-                                     unpad_per_token)
+from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards
+from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
+from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
+                                     sequence_logprobs_and_entropy, unpad_per_token)
+from learner.critic import Critic, warmup_schedule
 
 if TYPE_CHECKING:
-    from cluster.config import LearnerConfig
+    from cluster.config import CriticConfig, LearnerConfig
 
 
 @dataclass
@@ -31,9 +36,26 @@ class TrainBatch:
     prompt_ids: list[list[int]]  # [B][T_prompt_i]
     response_ids: list[list[int]]  # [B][T_resp_i]
     behavior_logprobs: list[list[float]]  # [B][T_resp_i] from the engine that sampled
-    rewards: list[float]  # [B]
+    rewards: list[float]  # [B] outcome reward of each completion
     group_size: int  # G
     ref_logprobs: list[list[float]] | None = None  # [B][T_resp_i] from the frozen reference, when KL is on
+
+
+@dataclass
+class StepTensors:
+    """What every minibatch of one step reads, padded to the step's [B, L-1] token layout."""
+
+    batch: SequenceBatch
+    old_logprobs: torch.Tensor  # [B, L-1] learner, before this step's update
+    advantages: torch.Tensor  # [B, L-1]
+    ref_logprobs: torch.Tensor | None  # [B, L-1] when the KL goes in the loss
+    old_values: torch.Tensor | None = None  # [B, L-1] critic, before this step's update (gae)
+    returns: torch.Tensor | None = None  # [B, L-1] value targets (gae)
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class NonFiniteError(RuntimeError):
@@ -41,24 +63,29 @@ class NonFiniteError(RuntimeError):
 
 
 class Learner:
-    """Holds the policy and optimizer; `train_step` updates them, `export_weights` hands them out."""
+    """Holds the policy (+ critic) and optimizers; `train_step` updates them, `export_weights` hands them out."""
 
     def __init__(self, model_path: str, config: LearnerConfig, dtype: str = "float32", temperature: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
+        self.base_rss_mb = _peak_rss_mb()  # the process before any model: interpreter, torch, transformers
         self.config = config
         self.temperature = temperature
+        self.norm_length = config.loss_norm_length or norm_length  # seq-mean-token-sum-norm's fixed length
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.train()
+        # eval(): no dropout, ever. Old and new logprobs (and the engines') must come from one deterministic function,
+        # or ratios and the sync check measure dropout noise. Gradients do not depend on the mode.
+        self.model.eval()
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
-        warmup = config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
+        self.scheduler = warmup_schedule(self.optimizer, config.warmup_steps)
+        self.critic = Critic(model_path, critic, dtype) if critic is not None and critic.enabled else None
+        if (self.critic is None) == (config.advantage == "gae"):
+            raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
@@ -70,68 +97,110 @@ class Learner:
         return unpad_per_token(batched_logprobs(self.model, batch, self.config.micro_batch_size, self.temperature),
                                batch)
 
+    def num_trained_parameters(self) -> dict[str, int]:
+        """Trainable parameters of the policy and of the value model (0 without one)."""
+        policy = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return {"policy": policy, "critic": self.critic.num_parameters() if self.critic else 0}
+
     def train_step(self, data: TrainBatch) -> dict[str, float]:
         """One update on a step's completions; returns the step's learner metrics."""
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id)
         mask = batch.response_mask
         old_logprobs = batched_logprobs(self.model, batch, cfg.micro_batch_size, self.temperature)
-        behavior = pad_per_token(data.behavior_logprobs, batch)
         ref = pad_per_token(data.ref_logprobs, batch) if data.ref_logprobs is not None else None
-        rewards = torch.tensor(data.rewards, dtype=torch.float32)
-        advantages = broadcast_to_tokens(ADVANTAGE_ESTIMATORS[cfg.advantage](rewards, data.group_size), mask)
+        metrics: dict[str, float] = {}
+        token_rewards = last_token_rewards(torch.tensor(data.rewards, dtype=torch.float32), mask)
+        if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
+            token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
+            token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
+            metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
+        old_values = self.critic.compute_values(batch, cfg.micro_batch_size) if self.critic else None
+        estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
+            token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
+            lam=cfg.lam, scale=cfg.group_scale))
+        tensors = StepTensors(batch, old_logprobs, estimate.advantages, ref if cfg.kl_coef > 0 else None,
+                              old_values, estimate.returns)
 
         sums: dict[str, float] = {}
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=self.shuffle)
             for b_idx in order.chunk(cfg.num_minibatches):
-                for key, value in self._minibatch_update(batch, b_idx, old_logprobs, advantages, ref).items():
+                for key, value in self._minibatch_update(tensors, b_idx).items():
                     sums[key] = sums.get(key, 0.0) + value
         updates = cfg.ppo_epochs * cfg.num_minibatches
-        metrics = {key: value / updates for key, value in sums.items()}
+        metrics.update({key: value / updates for key, value in sums.items()})  # means over the step's updates
+        metrics["train/skipped_updates"] = sums["train/skipped_updates"]  # a count, not a mean
+        behavior = pad_per_token(data.behavior_logprobs, batch)
         metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
-        metrics["advantage/mean_abs"] = float(aggregate(advantages.abs(), mask, "token-mean"))
+        metrics["advantage/mean_abs"] = float(aggregate(estimate.advantages.abs(), mask, "token-mean"))
+        if estimate.returns is not None:
+            metrics["returns/mean"] = float(aggregate(estimate.returns, mask, "token-mean"))
+        metrics["memory/learner_peak_mb"] = _peak_rss_mb()
+        metrics["memory/learner_base_mb"] = self.base_rss_mb
         self.weights_version += 1
         return metrics
 
-    def _minibatch_update(self, batch: SequenceBatch, b_idx: torch.Tensor, old_logprobs: torch.Tensor,
-                          advantages: torch.Tensor, ref: torch.Tensor | None) -> dict[str, float]:
+    def _minibatch_update(self, step: StepTensors, b_idx: torch.Tensor) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite)."""
         cfg = self.config
-        b_tokens = float(batch.response_mask[b_idx].sum().clamp(min=1))
-        totals = {"loss/policy": 0.0, "kl/mean": 0.0, "clip_fraction": 0.0}
+        b_mask = step.batch.response_mask[b_idx]
+        totals: dict[str, float] = {}
+
+        def add(name: str, value: torch.Tensor | float, weight: float) -> None:
+            totals[name] = totals.get(name, 0.0) + float(value) * weight
+
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic:
+            self.critic.zero_grad()
         for mb_idx in b_idx.split(cfg.micro_batch_size):
-            mb = batch.select(mb_idx)
+            mb = step.batch.select(mb_idx)
             width = mb.response_mask.shape[1]
             mb_mask = mb.response_mask
-            # token-mean over the minibatch = sum over micro-batches of (micro-batch token-mean x token share)
-            share = float(mb_mask.sum()) / b_tokens
-            logprobs = sequence_logprobs(self.model, mb, self.temperature)
-            policy_loss, pg = clipped_policy_loss(logprobs, old_logprobs[mb_idx, :width], advantages[mb_idx, :width],
-                                                  mb_mask, cfg.clip_low, cfg.clip_high, mode="token-mean")
+            # The minibatch's loss is the sum over micro-batches of weight x micro-batch loss, for every mode.
+            weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg)
+            token_share = micro_batch_weight(mb_mask, b_mask, "token-mean")  # for token-mean metrics
+            logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0)
+            policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
+                logprobs, step.old_logprobs[mb_idx, :width], step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
+                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length)
             loss = policy_loss
-            if ref is not None and cfg.kl_coef > 0:
-                kl_mean = aggregate(kl(logprobs, ref[mb_idx, :width], cfg.kl_estimator, mb_mask), mb_mask,
-                                    "token-mean")
-                loss = loss + cfg.kl_coef * kl_mean
-                totals["kl/mean"] += float(kl_mean.detach()) * share
-            (loss * share).backward()
-            totals["loss/policy"] += float(policy_loss.detach()) * share
-            totals["clip_fraction"] += float(pg["clip_fraction"]) * share
+            if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
+                token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)
+                loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
+                add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
+            if cfg.entropy_coef > 0:
+                loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
+            (loss * weight).backward()
+            add("loss/policy", policy_loss.detach(), weight)
+            add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
+            for name in ("clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"):
+                add(name, pg[name], token_share)
+            if self.critic:
+                for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
+                                                          step.returns[mb_idx, :width], token_share).items():
+                    add(name, value, 1.0)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-        finite = np.isfinite(grad_norm) and np.isfinite(totals["loss/policy"]) and np.isfinite(totals["kl/mean"])
+        norms = {"grad_norm": grad_norm}
+        if self.critic:
+            norms["critic/grad_norm"] = self.critic.clip_gradients()
+        finite = all(np.isfinite(v) for v in [*norms.values(), *totals.values()])
         if finite:
             self.optimizer.step()
             self.scheduler.step()
+            if self.critic:
+                self.critic.step()
             self.nonfinite_in_row = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)
+            if self.critic:
+                self.critic.zero_grad()
             self.nonfinite_in_row += 1
             if self.nonfinite_in_row >= cfg.max_nonfinite_steps:
                 raise NonFiniteError(f"{self.nonfinite_in_row} updates in a row had a non-finite loss or gradient; "
                                      "lower learner.lr or check the rewards")
-        return {**totals, "grad_norm": grad_norm if finite else 0.0, "train/skipped_updates": float(not finite)}
+            norms = {name: 0.0 for name in norms}
+        return {**totals, **norms, "train/skipped_updates": float(not finite)}
 
     def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, np.ndarray | torch.Tensor]]]:
         """The policy's weights as buckets of (name, array) of about `bucket_bytes` each, in checkpoint names.

@@ -1,15 +1,18 @@
 """Advantage estimators: outcome rewards for groups of samples drawn from the same prompt, and PPO's GAE.
 
 Owns turning one scalar reward per sequence into one advantage per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++),
-spreading it over the sequence's tokens, and Generalized Advantage Estimation from per-token rewards and values.
-Does not own the rewards themselves (`rewards/`), the policy and value losses (`losses.py`), or the layout of the
-batch: callers pass rewards with each prompt's G samples consecutive.
+spreading it over the sequence's tokens, Generalized Advantage Estimation from per-token rewards and values,
+masked whitening, and the registry that runs every estimator (GAE included) through one signature:
+AdvantageInputs -> Advantages. Does not own the rewards themselves (`rewards/`), the KL penalty's estimate
+(`losses.kl`), the policy and value losses (`losses.py`), or the layout of the batch: callers pass rewards with
+each prompt's G samples consecutive.
 
 Notation: B: sequences in the batch, T: tokens per sequence, G: samples per prompt (group size), B = N * G.
 """
 
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -180,9 +183,153 @@ def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
     return advantages.unsqueeze(1) * mask.to(advantages.dtype)  # A_{b,t} = A_b * m_{b,t}
 
 
-# The config's names for the estimators; one signature: (rewards [B], group_size) -> advantages [B].
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
-    "grpo": partial(group_relative, scale="std"),
-    "rloo": rloo,
-    "reinforce_pp": reinforce_pp,
+def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Shift and scale values to mean 0 and std 1 over the response tokens of the whole batch.
+
+    As PPO implementations whiten GAE advantages (openai/baselines ppo2; verl and OpenRLHF `masked_whiten`):
+        A'_t = (A_t - mean(A)) / (std(A) + eps),  mean and Bessel-corrected std over the tokens where mask is 1.
+
+    Args:
+        values: [B, T] per-token values; padding may hold anything, inf and NaN included (selected out with
+            torch.where, so it changes neither the statistics nor the result, and gets no gradient).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        eps: added to the std so constant values give 0 rather than NaN; must be > 0.
+
+    Returns:
+        [B, T] whitened values at response tokens, 0 at padding. With fewer than 2 response tokens the std is
+        undefined and the result is all 0.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values and mask must share one shape, got {tuple(values.shape)} and {tuple(mask.shape)}")
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0 (it keeps constant values at 0), got {eps}")
+    if not values.is_floating_point():
+        values = values.to(torch.get_default_dtype())
+    keep = mask.bool()
+    count = keep.sum()  # n, response tokens in the batch
+    mean = torch.where(keep, values, 0.0).sum() / count.clamp(min=1)  # 1/n sum_t m_t v_t
+    centered = torch.where(keep, values - mean, 0.0)  # v_t - mean at response tokens, 0 (not inf - mean) elsewhere
+    var = centered.square().sum() / (count - 1).clamp(min=1)  # sum (v_t - mean)^2 / (n - 1)
+    # sqrt's gradient at 0 is inf (and 0 * inf = NaN): take the root of 1 there instead, then put 0 back.
+    std = torch.where(var > 0, torch.where(var > 0, var, 1.0).sqrt(), 0.0)  # std = sqrt(var)
+    whitened = centered / (std + eps)  # (v_t - mean) / (std + eps)
+    return torch.where(keep & (count >= 2), whitened, 0.0)  # n < 2: std undefined, all 0
+
+
+def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Place each sequence's outcome reward on its last response token, for estimators that read per-token rewards.
+
+    Args:
+        rewards: [B] one reward per sequence.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding; each row's response tokens are contiguous
+            (right-padded), so the last 1 of a row is where the sequence ends.
+
+    Returns:
+        [B, T] rewards[b] at the last response token of row b, 0 elsewhere. A row with no response token is all 0:
+        there is no token to carry its reward, so that reward is dropped.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"need rewards [B] and mask [B, T], got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    keep = mask.bool()
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)  # no token to carry any reward
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(keep)  # [B, T] column index t
+    last = torch.where(keep, positions, -1).amax(dim=1, keepdim=True)  # [B, 1] last response token, -1 if none
+    is_last = keep & (positions == last)  # [B, T]; an empty row has last = -1 and no True
+    return torch.where(is_last, rewards.unsqueeze(1), 0.0)  # r_{b,t} = r_b at t = last response token of b
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every advantage estimator reads; fields an estimator does not use are ignored by it.
+
+    Notation: B: sequences, T: tokens, G: group size.
+    """
+
+    # [B, T] the sequence's outcome reward on its last response token (see last_token_rewards), minus any per-token
+    # penalty (e.g. KL in reward). Critic-free estimators use its sum over each sequence's tokens as the reward.
+    token_rewards: Tensor
+    mask: Tensor  # [B, T] 1 at response tokens
+    group_size: int  # G; each prompt's G samples are consecutive rows
+    values: Tensor | None = None  # [B, T] critic values (gae only)
+    gamma: float = 1.0  # gae only
+    lam: float = 1.0  # gae only
+    scale: str = "std"  # grpo only: "std" | "none" (Dr.GRPO)
+
+
+class Advantages(NamedTuple):
+    """What every advantage estimator returns. Notation: B: sequences, T: tokens."""
+
+    advantages: Tensor  # [B, T], 0 at padding
+    returns: Tensor | None  # [B, T] value targets (gae), None for critic-free estimators
+
+
+def sequence_rewards(token_rewards: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's reward: the sum of its token rewards over response tokens (padding selected out).
+
+    With token_rewards = last_token_rewards(r) - beta * kl_t this is R_b = r_b - beta * sum_t kl_{b,t}: the
+    per-token KL penalty of "KL in reward" (Ouyang et al. 2022, eq. 2) summed over the sequence.
+
+    Args:
+        token_rewards: [B, T] per-token rewards; padding may hold anything.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+
+    Returns:
+        [B] R_b = sum_t m_{b,t} r_{b,t}.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if token_rewards.shape != mask.shape or mask.dim() != 2:
+        shapes = [tuple(x.shape) for x in (token_rewards, mask)]
+        raise ValueError(f"token_rewards and mask must share one [B, T] shape, got {shapes}")
+    if not token_rewards.is_floating_point():
+        token_rewards = token_rewards.to(torch.get_default_dtype())
+    return torch.where(mask.bool(), token_rewards, 0.0).sum(dim=1)  # R_b = sum_t m_t r_t
+
+
+def grpo_advantages(inputs: AdvantageInputs) -> Advantages:
+    """GRPO (scale "std") or Dr.GRPO (scale "none") on the sequence rewards, spread over each sequence's tokens."""
+    rewards = sequence_rewards(inputs.token_rewards, inputs.mask)
+    advantages = group_relative(rewards, inputs.group_size, scale=inputs.scale)
+    return Advantages(broadcast_to_tokens(advantages, inputs.mask), None)
+
+
+def rloo_advantages(inputs: AdvantageInputs) -> Advantages:
+    """RLOO on the sequence rewards, spread over each sequence's tokens."""
+    rewards = sequence_rewards(inputs.token_rewards, inputs.mask)
+    return Advantages(broadcast_to_tokens(rloo(rewards, inputs.group_size), inputs.mask), None)
+
+
+def reinforce_pp_advantages(inputs: AdvantageInputs) -> Advantages:
+    """REINFORCE++ on the sequence rewards, spread over each sequence's tokens."""
+    rewards = sequence_rewards(inputs.token_rewards, inputs.mask)
+    return Advantages(broadcast_to_tokens(reinforce_pp(rewards, inputs.group_size), inputs.mask), None)
+
+
+def gae_advantages(inputs: AdvantageInputs) -> Advantages:
+    """GAE from token_rewards and the critic's values; advantages whitened over the batch, returns not.
+
+    PPO as in verl and OpenRLHF: A = masked_whiten(gae(...).advantages) for the policy loss, while the critic
+    regresses on the unwhitened R_t = A_t + V_t (whitening them would change the value target's scale).
+    """
+    if inputs.values is None:
+        raise ValueError(
+            "advantage estimator 'gae' needs values (the critic's [B, T] V(s_t)); pass them in AdvantageInputs.values"
+        )
+    advantages, returns = gae(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+    return Advantages(masked_whiten(advantages, inputs.mask), returns)
+
+
+# The config's names for the estimators; one signature: AdvantageInputs -> Advantages ([B, T], 0 at padding).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "gae": gae_advantages,
 }

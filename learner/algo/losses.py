@@ -1,9 +1,10 @@
 """Per-token policy losses, KL estimators, and the reduction of [B, T] token values to one scalar loss.
 
 Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), GSPO's
-sequence-level surrogate, PPO's clipped value loss, the entropy bonus, the k1/k2/k3 KL estimators, and the
-aggregation modes the config names. Does not own advantages (`advantages.py`), computing
-log-probabilities from logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
+sequence-level surrogate (the two share one signature in POLICY_LOSSES), PPO's clipped value loss, the entropy
+bonus, the k1/k2/k3 KL estimators, the aggregation modes the config names, and the weights that make micro-batch
+losses sum to the whole batch's. Does not own advantages (`advantages.py`), computing log-probabilities from
+logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
 
 Notation: B: sequences, T: tokens (response positions). mask [B, T] is 1 (or True) at response tokens, 0 at
 padding; padding may hold any finite value and never changes a result or receives gradient.
@@ -180,12 +181,18 @@ def gspo_policy_loss(
     mask: Tensor,
     clip_low: float,
     clip_high: float,
+    clip_c: float | None = None,
+    mode: str = "seq-mean-token-mean",
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: the clipped surrogate with one length-normalised importance ratio per sequence.
 
     Zheng et al. 2025 ("Group Sequence Policy Optimization", eq. 5-7), as a loss to minimise:
         s_i = exp(1/|y_i| sum_t (log pi(y_i,t) - log pi_old(y_i,t))),
-        l_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)),  loss = mean of l_i over sequences.
+        l_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)).
+    l_i is put on each of sequence i's response tokens and reduced like any token loss; the default mode,
+    seq-mean-token-mean, gives the paper's mean of l_i over sequences, token-mean weighs l_i by |y_i|.
+    Same signature as clipped_policy_loss, so both sit in POLICY_LOSSES.
 
     Args:
         logprobs: [B, T] log pi(y_t) under the current policy (carries the gradient).
@@ -194,15 +201,21 @@ def gspo_policy_loss(
             advantages.broadcast_to_tokens); the mean over the row's response tokens is taken as A_i.
         mask: [B, T] 1 (or True) at response tokens, 0 at padding.
         clip_low, clip_high: s_i is clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
+        clip_c: must be None: the dual clip is a per-token bound of PPO, not defined for GSPO.
+        mode, norm_length: how the token losses l_i are reduced to a scalar, see aggregate().
 
     Returns:
-        loss: [] scalar, the mean of l_i over sequences with >= 1 response token (0 if there are none).
-        metrics: detached [] tensors over those sequences:
-            clip_fraction: share of sequences where the clipped term was the larger one (its gradient is 0),
-            ratio_mean: mean of s_i.
+        loss: [] scalar to minimise (0 if no row has a response token).
+        metrics: detached [] tensors, the same keys as clipped_policy_loss:
+            clip_fraction: share of sequences with >= 1 token where the clipped term was the larger one,
+            dual_clip_fraction: 0 (no dual clip),
+            ratio_mean: mean of s_i over those sequences,
+            approx_kl: mean over response tokens of k3 = (r_t - 1) - log r_t, r_t = pi(y_t) / pi_old(y_t).
 
     Notation: B: sequences, T: tokens.
     """
+    if clip_c is not None:
+        raise ValueError(f"dual clip is not defined for gspo; unset clip_c (got {clip_c})")
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape) or mask.dim() != 2:
         shapes = [tuple(x.shape) for x in (logprobs, old_logprobs, advantages, mask)]
         raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
@@ -212,19 +225,24 @@ def gspo_policy_loss(
     keep = mask.bool()
     lengths = keep.sum(dim=1, keepdim=True)  # [B, 1] |y_i|
     # Select padding out before the sum and exp(), so its garbage neither changes s_i nor receives gradient.
-    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0).sum(dim=1, keepdim=True) / lengths.clamp(min=1)
+    token_log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)  # [B, T] log r_t
+    log_ratio = token_log_ratio.sum(dim=1, keepdim=True) / lengths.clamp(min=1)  # [B, 1] 1/|y_i| sum_t log r_t
     seq_advantages = torch.where(keep, advantages, 0.0).sum(dim=1, keepdim=True) / lengths.clamp(min=1)  # A_i
     ratio = torch.exp(log_ratio)  # [B, 1] s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)
     loss_unclipped = -seq_advantages * ratio  # -A_i s_i
     loss_clipped = -seq_advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # -A_i clip(s_i)
     seq_losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, 1] l_i = -min(A_i s_i, A_i clip(s_i))
 
-    has_tokens = lengths > 0  # [B, 1] sequences to average over
-    loss = aggregate(seq_losses, has_tokens, "token-mean")  # 1/|S| sum_{i in S} l_i
+    token_losses = seq_losses.expand_as(token_log_ratio)  # [B, T] l_i on every token of sequence i
+    loss = aggregate(token_losses, mask, mode, norm_length)
+    has_tokens = lengths > 0  # [B, 1] sequences the sequence-level metrics average over
     with torch.no_grad():
         metrics = {
             "clip_fraction": aggregate((loss_clipped > loss_unclipped).to(ratio.dtype), has_tokens, "token-mean"),
+            "dual_clip_fraction": torch.zeros((), dtype=ratio.dtype, device=ratio.device),
             "ratio_mean": aggregate(ratio, has_tokens, "token-mean"),
+            # k3 = (r_t - 1) - log r_t per token, x ~ pi_old, as in clipped_policy_loss
+            "approx_kl": aggregate(torch.exp(token_log_ratio) - 1 - token_log_ratio, mask, "token-mean"),
         }
     return loss, {name: value.detach() for name, value in metrics.items()}
 
@@ -279,6 +297,39 @@ def value_loss(
     return loss, {"clip_fraction": clip_fraction.detach()}
 
 
+def micro_batch_weight(part_mask: Tensor, whole_mask: Tensor, mode: str) -> float:
+    """The factor that makes a micro-batch's aggregated loss its share of the whole batch's.
+
+    For rows split into parts P_k of a whole W, sum_k w_k * aggregate(v[P_k], m[P_k], mode, L) equals
+    aggregate(v, m, mode, L): each part's own denominator is swapped for the whole's (D: aggregate's denominator):
+        w_k = D(P_k) / D(W),  D = response tokens (token-mean), sequences with >= 1 response token
+        (seq-mean-token-mean), rows (seq-mean-token-sum, seq-mean-token-sum-norm; L is the same in both).
+    Only the row partition matters: a part may be trimmed to fewer columns than the whole.
+
+    Args:
+        part_mask: [B_k, T_k] the micro-batch's response mask, 1 (or True) at response tokens.
+        whole_mask: [B, T] the whole batch's response mask.
+        mode: one of AGGREGATION_MODES.
+
+    Returns:
+        w_k as a Python float; 0 when the whole's denominator is 0 (then every aggregate is 0 too).
+
+    Notation: B: sequences, T: tokens; B_k, T_k those of micro-batch k.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
+    if part_mask.dim() != 2 or whole_mask.dim() != 2:
+        shapes = (tuple(part_mask.shape), tuple(whole_mask.shape))
+        raise ValueError(f"need part_mask [B_k, T_k] and whole_mask [B, T], got {shapes}")
+    if mode == "token-mean":
+        part, whole = int(part_mask.bool().sum()), int(whole_mask.bool().sum())  # sum_bt m
+    elif mode == "seq-mean-token-mean":
+        part, whole = int(part_mask.bool().any(dim=1).sum()), int(whole_mask.bool().any(dim=1).sum())  # |S|
+    else:
+        part, whole = part_mask.shape[0], whole_mask.shape[0]  # B (L cancels for the -norm mode)
+    return part / whole if whole else 0.0  # w_k = D(P_k) / D(W)
+
+
 def entropy_bonus(entropy: Tensor, mask: Tensor, mode: str = "token-mean", norm_length: int | None = None) -> Tensor:
     """Mean policy entropy over response tokens, reduced like the policy loss; callers subtract coef * bonus.
 
@@ -312,3 +363,10 @@ AGGREGATION_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
+
+# The config's names for the policy losses; one signature: (logprobs, old_logprobs, advantages, mask, clip_low,
+# clip_high, clip_c=None, mode=..., norm_length=None) -> (loss [], metrics with the same keys).
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo": clipped_policy_loss,
+    "gspo": gspo_policy_loss,
+}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.algo.logprobs import logprobs_from_logits
+from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,17 @@ def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature:
     """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     return logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:], temperature)
+
+
+def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
+                                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` plus the entropy of each position's next-token distribution at `temperature`:
+    two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
+    with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits, temperature)
+    return logprobs_from_logits(logits, batch.input_ids[:, 1:], temperature), entropy
 
 
 @torch.no_grad()

@@ -9,16 +9,23 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
-from cluster.config import LearnerConfig
+from cluster.config import CriticConfig, LearnerConfig
+from learner.algo.sequences import pad_sequences
 from learner.learner import Learner, NonFiniteError, TrainBatch
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)
 RESPONSES = [[12, 2, 1], [4, 4, 1], [5, 1], [9, 1]]
 
 
-def make_learner(model_dir, **overrides) -> Learner:
+def make_learner(model_dir, critic: CriticConfig | None = None, **overrides) -> Learner:
     config = LearnerConfig(**{"lr": 1e-2, "kl_coef": 0.0, "num_threads": 2, **overrides})
-    return Learner(str(model_dir), config, seed=0)
+    return Learner(str(model_dir), config, seed=0, critic=critic, norm_length=4)
+
+
+def use_sgd(learner: Learner, lr: float = 0.1) -> None:
+    """SGD: Adam would amplify float noise in near-zero gradients into lr-sized steps and hide real differences."""
+    learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=lr)
+    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
 
 
 def batch_for(learner: Learner, rewards, ref=None) -> TrainBatch:
@@ -49,9 +56,7 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir):
     split = make_learner(tiny_model_dir, micro_batch_size=1, kl_coef=0.1)
     ref = ReferenceWorker(str(tiny_model_dir)).compute_logprobs(PROMPTS, RESPONSES)
     for learner in (whole, split):
-        # SGD: Adam would amplify float noise in near-zero gradients into lr-sized steps and hide real differences
-        learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=0.1)
-        learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
+        use_sgd(learner)
         learner.train_step(batch_for(learner, [1.0, 0.0, 0.5, 1.0], ref))
         learner.train_step(batch_for(learner, [0.0, 1.0, 1.0, 0.0], ref))  # second step: KL and ratios non-trivial
     for (name, a), b in zip(whole.model.state_dict().items(), split.model.state_dict().values()):
@@ -93,3 +98,90 @@ def test_export_weights_in_buckets(tiny_model_dir):
     for name, array in (pair for b in small for pair in b):
         assert torch.equal(torch.from_numpy(array), state[name])
     assert learner.count_buckets(64 * 64 * 4) == len(small)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_micro_batching_does_not_change_the_update_in_any_mode(tiny_model_dir, mode, policy_loss):
+    # Unequal response lengths (3, 3, 2, 2) make a token-share weighting wrong for these modes.
+    kwargs = {"loss_agg": mode, "policy_loss": policy_loss, "entropy_coef": 0.01, "clip_low": 0.01, "clip_high": 0.01}
+    whole, split = (make_learner(tiny_model_dir, micro_batch_size=size, **kwargs) for size in (4, 1))
+    for learner in (whole, split):
+        use_sgd(learner)
+        for rewards in ([1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 0.0]):
+            learner.train_step(batch_for(learner, rewards))
+    for (name, a), b in zip(whole.model.state_dict().items(), split.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_entropy_bonus_raises_the_entropy(tiny_model_dir):
+    # Equal rewards: zero advantages, so the entropy term alone moves the policy (plain SGD does not move at all).
+    # The random model is near the maximum entropy ln 17 = 2.833, where lr 1 would overshoot; 0.1 gives ~+7e-3.
+    plain, bonus = make_learner(tiny_model_dir), make_learner(tiny_model_dir, entropy_coef=1.0)
+    metrics = {}
+    for learner in (plain, bonus):
+        use_sgd(learner, lr=0.1)
+        learner.train_step(batch_for(learner, [1.0, 1.0, 1.0, 1.0]))
+        metrics[learner is bonus] = learner.train_step(batch_for(learner, [1.0, 1.0, 1.0, 1.0]))
+    assert metrics[True]["entropy/mean"] > metrics[False]["entropy/mean"] + 1e-3
+
+
+def test_kl_in_the_reward_lowers_the_advantage_of_sequences_that_drifted(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, kl_reward_coef=1.0, kl_estimator="k1", advantage="rloo")
+    ref = [[lp - 0.5 * (i == 0) for lp in row]  # sequence 0: log pi - log pi_ref = 0.5 per token, 3 tokens
+           for i, row in enumerate(learner.compute_logprobs(PROMPTS, RESPONSES))]
+    before = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    metrics = learner.train_step(batch_for(learner, [1.0, 1.0, 0.0, 0.0], ref))
+    after = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    # Equal outcome rewards in group 0, but sequence 0 pays 1.5 of KL: rloo advantages -1.5 and +1.5.
+    assert after[0] < before[0] and after[1] > before[1]
+    assert metrics["kl/mean"] == pytest.approx(1.5 / 10, abs=1e-5)  # 3 tokens x 0.5 over 10 response tokens
+
+
+CRITIC = CriticConfig(enabled=True, lr=1e-2)
+
+
+def test_ppo_trains_a_value_model_towards_the_returns(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, critic=CriticConfig(enabled=True, lr=3e-3), advantage="gae", gamma=1.0,
+                           lam=1.0)
+    assert learner.num_trained_parameters()["critic"] > 0.9 * learner.num_trained_parameters()["policy"]
+    batch = pad_sequences(PROMPTS, RESPONSES)
+    mask = batch.response_mask.bool()
+    assert torch.all(learner.critic.compute_values(batch, 4)[mask] == 0)  # a new head starts at V = 0
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    losses = [learner.train_step(batch_for(learner, rewards))["loss/value"] for _ in range(15)]
+    # gamma = lam = 1, no KL: every token's return is its sequence's reward. V = 0 gives 1/2 x 5 rewarded tokens / 10
+    # = 0.25. The first token's state is shared within each pair of sequences (one rewarded, one not), so the best
+    # reachable loss is 4 tokens x 1/2 x 0.5^2 / 10 = 0.05.
+    assert losses[0] == pytest.approx(0.25) and losses[-1] < 0.4 * losses[0]
+    last = [row[m][-1] for row, m in zip(learner.critic.compute_values(batch, 4), mask)]
+    assert min(last[0], last[3]) > 0.5 > max(last[1], last[2])  # each sequence's last state sits near its reward
+
+
+def test_ppo_raises_the_rewarded_completion(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, critic=CRITIC, advantage="gae")
+    before = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    metrics = learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))
+    after = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    assert after[0] > before[0] and after[3] > before[3]
+    assert after[1] < before[1] and after[2] < before[2]
+    assert {"loss/value", "value/clip_fraction", "critic/grad_norm", "returns/mean"} <= set(metrics)
+
+
+def test_ppo_micro_batching_does_not_change_the_value_update(tiny_model_dir):
+    critic = CriticConfig(enabled=True, lr=0.1)
+    whole, split = (make_learner(tiny_model_dir, critic=critic, advantage="gae", micro_batch_size=size)
+                    for size in (4, 1))
+    for learner in (whole, split):
+        use_sgd(learner)
+        learner.critic.optimizer = torch.optim.SGD(learner.critic.model.parameters(), lr=0.1)
+        learner.critic.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.critic.optimizer, lambda n: 1.0)
+        for rewards in ([1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 0.0]):
+            learner.train_step(batch_for(learner, rewards))
+    for (name, a), b in zip(whole.critic.model.state_dict().items(), split.critic.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_gae_without_a_critic_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="gae needs one"):
+        make_learner(tiny_model_dir, advantage="gae")

@@ -6,7 +6,19 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from learner.algo.advantages import ADVANTAGE_ESTIMATORS, broadcast_to_tokens, gae, group_relative, reinforce_pp, rloo
+from learner.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    Advantages,
+    broadcast_to_tokens,
+    gae,
+    group_relative,
+    last_token_rewards,
+    masked_whiten,
+    reinforce_pp,
+    rloo,
+    sequence_rewards,
+)
 
 EPS = 1e-6
 
@@ -71,17 +83,6 @@ def test_batch_not_divisible_by_group_size_names_both_numbers(estimator):
         estimator(torch.zeros(5), 2)
 
 
-def test_registry_keys_are_the_config_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp"}
-
-
-def test_registry_entries_share_one_signature_and_compute_their_estimator():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 6.0, 8.0])
-    assert_close(ADVANTAGE_ESTIMATORS["grpo"](rewards, 4), group_relative(rewards, 4, scale="std"))
-    assert_close(ADVANTAGE_ESTIMATORS["rloo"](rewards, 4), rloo(rewards, 4))
-    assert not torch.equal(ADVANTAGE_ESTIMATORS["grpo"](rewards, 4), ADVANTAGE_ESTIMATORS["rloo"](rewards, 4))
-
-
 def test_broadcast_to_tokens_puts_each_advantage_on_its_response_tokens():
     advantages = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -93,6 +94,10 @@ def test_broadcast_to_tokens_puts_each_advantage_on_its_response_tokens():
 
 F64 = torch.float64
 GARBAGE = 1e4
+
+
+def t(values):
+    return torch.tensor(values, dtype=F64)
 
 
 def test_reinforce_pp_matches_hand_computed_values():
@@ -189,3 +194,169 @@ def test_gae_ignores_whatever_padding_holds():
         assert_close(gae(garbage_rewards, garbage_values, mask.bool(), 0.9, 0.8), reference)
     # and the reference itself is the hand value: row 1 A = 0.5 - 0.2 = 0.3 (no bootstrap from padding)
     assert_close(reference[0][1, 0], torch.tensor(0.3, dtype=F64))
+
+
+# ---------------------------------------------------------------- masked whitening
+
+
+def test_masked_whiten_matches_hand_computed_values():
+    # Response tokens 1, 2, 3, 4: mean 2.5, deviations [-1.5, -0.5, 0.5, 1.5],
+    #   unbiased var = (2.25 + 0.25 + 0.25 + 2.25) / 3 = 5/3. Padding holds inf and NaN and must read 0.
+    values = t([[1.0, 2.0, 3.0], [4.0, math.inf, math.nan]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    s = math.sqrt(5 / 3) + 1e-8
+    expected = t([[-1.5 / s, -0.5 / s, 0.5 / s], [1.5 / s, 0.0, 0.0]])
+    assert_close(masked_whiten(values, mask), expected)
+    assert_close(masked_whiten(values, mask.bool()), expected)
+
+
+def test_masked_whiten_ignores_whatever_padding_holds_and_gives_it_no_gradient():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    reference = masked_whiten(t([[1.0, 3.0, 0.0], [8.0, 0.0, 0.0]]), mask)
+    for fill in (GARBAGE, -GARBAGE, math.inf, math.nan):
+        values = t([[1.0, 3.0, fill], [8.0, fill, -fill]]).requires_grad_()
+        whitened = masked_whiten(values, mask)
+        assert_close(whitened, reference)
+        (grad,) = torch.autograd.grad((whitened * t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])).sum(), values)
+        assert torch.isfinite(grad).all()
+        assert (grad[~mask.bool()] == 0).all()
+
+
+def test_masked_whiten_of_fewer_than_two_tokens_or_constant_values_is_zero_not_nan():
+    assert_close(masked_whiten(t([[5.0, math.nan]]), torch.tensor([[1, 0]])), t([[0.0, 0.0]]))  # one token
+    assert_close(masked_whiten(t([[5.0, math.inf]]), torch.tensor([[0, 0]])), t([[0.0, 0.0]]))  # none
+    # constant values: std 0, (v - mean) / (0 + eps) = 0; and the gradient stays finite (no sqrt'(0) = inf)
+    values = t([[0.7, 0.7], [0.7, 0.0]]).requires_grad_()
+    whitened = masked_whiten(values, torch.tensor([[1, 1], [1, 0]]))
+    assert_close(whitened, torch.zeros(2, 2, dtype=F64))
+    (grad,) = torch.autograd.grad(whitened.sum(), values)
+    assert torch.isfinite(grad).all()
+
+
+# ---------------------------------------------------------------- last-token rewards
+
+
+def test_last_token_rewards_put_each_reward_on_its_last_response_token():
+    # Row 0 ends at t=1, row 1 at t=0, row 2 at t=2 (full), row 3 has no response token: its reward is dropped.
+    rewards = t([1.0, -2.0, 5.0, 7.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    expected = t([[0.0, 1.0, 0.0], [-2.0, 0.0, 0.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0]])
+    assert_close(last_token_rewards(rewards, mask), expected)
+    assert_close(last_token_rewards(rewards, mask.bool()), expected)
+    # and summing them back over the response tokens returns each reward (but the dropped one)
+    assert_close(sequence_rewards(expected, mask), t([1.0, -2.0, 5.0, 0.0]))
+
+
+def test_last_token_rewards_accept_integer_rewards_and_reject_mismatched_shapes():
+    integer_rewards = last_token_rewards(torch.tensor([1, 0]), torch.tensor([[1, 1], [1, 0]]))
+    assert_close(integer_rewards, torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"rewards \[B\] and mask \[B, T\]"):
+        last_token_rewards(torch.zeros(3), torch.ones(2, 4))
+
+
+# ---------------------------------------------------------------- the registry
+
+# Two prompts, G = 2, outcome rewards [1, 0 | 3, 3] on the last response token of rows with 2, 1, 3, 2 tokens.
+REGISTRY_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+REGISTRY_REWARDS = [1.0, 0.0, 3.0, 3.0]
+
+
+def _spread(per_sequence):
+    """Hand-written [B] -> [B, T] on REGISTRY_MASK (rows of 2, 1, 3, 2 tokens)."""
+    a, b, c, d = per_sequence
+    return t([[a, a, 0.0], [b, 0.0, 0.0], [c, c, c], [d, d, 0.0]])
+
+
+def _registry_inputs(**kwargs):
+    token_rewards = last_token_rewards(t(REGISTRY_REWARDS), REGISTRY_MASK)
+    return AdvantageInputs(token_rewards=token_rewards, mask=REGISTRY_MASK, group_size=2, **kwargs)
+
+
+def test_registry_keys_are_the_config_names():
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae"}
+
+
+def test_registry_grpo_entry_computes_group_relative_on_each_token():
+    # Group (1, 0): mean 0.5, std sqrt(0.5) -> +-0.5 / (sqrt(0.5) + eps); group (3, 3): 0.
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    result = ADVANTAGE_ESTIMATORS["grpo"](_registry_inputs())
+    assert isinstance(result, Advantages) and result.returns is None
+    assert_close(result.advantages, _spread([a, -a, 0.0, 0.0]))
+    assert_close(result.advantages, broadcast_to_tokens(group_relative(t(REGISTRY_REWARDS), 2), REGISTRY_MASK))
+
+
+def test_registry_grpo_entry_with_scale_none_is_dr_grpo():
+    # Group means 0.5 and 3, no division.
+    result = ADVANTAGE_ESTIMATORS["grpo"](_registry_inputs(scale="none"))
+    assert_close(result.advantages, _spread([0.5, -0.5, 0.0, 0.0]))
+
+
+def test_registry_rloo_entry_computes_leave_one_out():
+    # G = 2: each reward minus the other one: 1 - 0, 0 - 1, 3 - 3, 3 - 3.
+    result = ADVANTAGE_ESTIMATORS["rloo"](_registry_inputs())
+    assert result.returns is None
+    assert_close(result.advantages, _spread([1.0, -1.0, 0.0, 0.0]))
+
+
+def test_registry_reinforce_pp_entry_whitens_over_the_batch():
+    # Group-centred [0.5, -0.5, 0, 0], batch mean 0, unbiased var (0.25 + 0.25) / 3 = 1/6.
+    a = 0.5 / (math.sqrt(1 / 6) + EPS)
+    result = ADVANTAGE_ESTIMATORS["reinforce_pp"](_registry_inputs())
+    assert result.returns is None
+    assert_close(result.advantages, _spread([a, -a, 0.0, 0.0]))
+    assert_close(result.advantages, broadcast_to_tokens(reinforce_pp(t(REGISTRY_REWARDS), 2), REGISTRY_MASK))
+
+
+def test_registry_sequence_estimators_subtract_a_per_token_penalty_from_the_sequence_reward():
+    # KL in reward: token_rewards = outcome on the last token - beta * kl_t, with beta * kl_t per row:
+    #   [0.1, 0.2], [0.3], [0.0, 0.1, 0.1], [0.2, 0.2]; padding holds garbage and must not count.
+    # Sequence rewards: 1 - 0.3 = 0.7, 0 - 0.3 = -0.3 | 3 - 0.2 = 2.8, 3 - 0.4 = 2.6.
+    penalty = t([[0.1, 0.2, GARBAGE], [0.3, math.inf, -GARBAGE], [0.0, 0.1, 0.1], [0.2, 0.2, math.nan]])
+    token_rewards = last_token_rewards(t(REGISTRY_REWARDS), REGISTRY_MASK) - penalty
+    inputs = AdvantageInputs(token_rewards=token_rewards, mask=REGISTRY_MASK, group_size=2)
+    assert_close(sequence_rewards(token_rewards, REGISTRY_MASK), t([0.7, -0.3, 2.8, 2.6]))
+    # rloo: 0.7 - (-0.3) = 1.0, -0.3 - 0.7 = -1.0 | 2.8 - 2.6 = 0.2, 2.6 - 2.8 = -0.2
+    assert_close(ADVANTAGE_ESTIMATORS["rloo"](inputs).advantages, _spread([1.0, -1.0, 0.2, -0.2]))
+    # Dr.GRPO: group means 0.2 and 2.7 -> [0.5, -0.5 | 0.1, -0.1]
+    dr_grpo = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(token_rewards, REGISTRY_MASK, 2, scale="none"))
+    assert_close(dr_grpo.advantages, _spread([0.5, -0.5, 0.1, -0.1]))
+    # GRPO: both groups have std sqrt(2 * 0.5^2) = sqrt(0.5) and sqrt(2 * 0.1^2) = 0.1 * sqrt(2)
+    a, b = 0.5 / (math.sqrt(0.5) + EPS), 0.1 / (0.1 * math.sqrt(2) + EPS)
+    assert_close(ADVANTAGE_ESTIMATORS["grpo"](inputs).advantages, _spread([a, -a, b, -b]))
+    # REINFORCE++: centred [0.5, -0.5, 0.1, -0.1], batch mean 0, unbiased var (0.25 + 0.25 + 0.01 + 0.01) / 3
+    c = math.sqrt(0.52 / 3) + EPS
+    reinforce = ADVANTAGE_ESTIMATORS["reinforce_pp"](inputs)
+    assert_close(reinforce.advantages, _spread([0.5 / c, -0.5 / c, 0.1 / c, -0.1 / c]))
+
+
+def test_registry_gae_entry_whitens_advantages_but_not_returns():
+    # gamma = lam = 1, so A_t = (sum of rewards from t on) - V_t and R_t = A_t + V_t.
+    #   Row 0: rewards [0, 1], V [0, 0] -> A = [1, 1], R = [1, 1].
+    #   Row 1: rewards [0, 0 | pad], V [1, 1 | pad] -> t1: 0 + 0 - 1 = -1; t0: 0 + 1 - 1 + (-1) = -1; R = [0, 0].
+    # Whitened over the 4 tokens [1, 1, -1, -1]: mean 0, unbiased var 4/3 -> +-1 / (sqrt(4/3) + 1e-8).
+    token_rewards = t([[0.0, 1.0, 0.0], [0.0, 0.0, math.inf]])
+    values = t([[0.0, 0.0, 0.0], [1.0, 1.0, math.nan]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=2, values=values, gamma=1.0, lam=1.0)
+    result = ADVANTAGE_ESTIMATORS["gae"](inputs)
+    w = 1 / (math.sqrt(4 / 3) + 1e-8)
+    assert_close(result.advantages, t([[w, w, 0.0], [-w, -w, 0.0]]))
+    assert_close(result.returns, t([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    unwhitened, returns = gae(token_rewards, values, mask, 1.0, 1.0)
+    assert_close(result.advantages, masked_whiten(unwhitened, mask))
+    assert_close(result.returns, returns)
+
+
+def test_registry_gae_entry_uses_gamma_and_lambda():
+    # gamma = lam = 0.5 on rewards [0, 1], V [1, 2]: A = [-0.25, -1.0], R = [0.75, 1.0] (see the GAE tests above);
+    # whitened: mean -0.625, deviations +-0.375, unbiased var 2 * 0.375^2 -> std 0.375 sqrt(2) -> +-1 / sqrt(2).
+    inputs = AdvantageInputs(t([[0.0, 1.0]]), torch.ones(1, 2), 1, values=t([[1.0, 2.0]]), gamma=0.5, lam=0.5)
+    result = ADVANTAGE_ESTIMATORS["gae"](inputs)
+    w = 0.375 / (0.375 * math.sqrt(2) + 1e-8)
+    assert_close(result.advantages, t([[w, -w]]))
+    assert_close(result.returns, t([[0.75, 1.0]]))
+
+
+def test_registry_gae_entry_without_values_names_them():
+    with pytest.raises(ValueError, match="gae.*values"):
+        ADVANTAGE_ESTIMATORS["gae"](_registry_inputs())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 from cluster.config import ConfigError, LearnerConfig, RewardConfig, RunConfig, dump_config, load_config, parse_overrides
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS
-from learner.algo.losses import KL_ESTIMATORS
+from learner.algo.losses import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from rewards.registry import RULE_VERIFIERS
 
 
@@ -20,6 +21,8 @@ def allowed(model, field) -> set[str]:
 def test_registries_match_the_config_names():
     assert set(ADVANTAGE_ESTIMATORS) == allowed(LearnerConfig, "advantage")
     assert set(KL_ESTIMATORS) == allowed(LearnerConfig, "kl_estimator")
+    assert set(POLICY_LOSSES) == allowed(LearnerConfig, "policy_loss")
+    assert set(AGGREGATION_MODES) == allowed(LearnerConfig, "loss_agg")
     assert set(RULE_VERIFIERS) == allowed(RewardConfig, "verifier")
 
 
@@ -57,7 +60,7 @@ BAD = [
     (["learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here: num_cpus"),
     (["nope=1"], "unknown config key 'nope'"),
     (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
-    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo' or 'reinforce_pp' (got 'ppo')"),
+    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp' or 'gae' (got 'ppo')"),
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
     (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
@@ -67,6 +70,18 @@ BAD = [
     (["learnerlr"], "override 'learnerlr' is not of the form dotted.key=value"),
     (["learner..lr=1"], "is not of the form dotted.key=value"),
     (["sync.transport=nccl"], "sync.transport: Input should be 'object_store'"),
+    # invalid combinations of the algorithm keys
+    (["learner.advantage=gae"], "learner.advantage=gae needs a value model: set critic.enabled=true"),
+    (["critic.enabled=true"], "critic.enabled=true but learner.advantage=grpo does not use a value model"),
+    (["learner.kl_reward_coef=0.05"], "KL is in the loss (learner.kl_coef) and in the reward"),
+    (["learner.kl_coef=0", "learner.kl_reward_coef=0.1", "reference.enabled=false"], "needs a reference policy"),
+    (["learner.advantage=rloo", "learner.group_scale=none"], "learner.group_scale applies to advantage=grpo only"),
+    (["learner.policy_loss=gspo", "learner.clip_c=3"], "clip_c (dual clip) is not defined for policy_loss=gspo"),
+    (["learner.clip_c=0.5"], "learner.clip_c: Input should be greater than 1"),
+    (["learner.loss_agg=sum"], "learner.loss_agg: Input should be 'token-mean'"),
+    (["reward.overlong_buffer=8"], "reward.overlong_buffer (8) must be below rollout.max_new_tokens (8)"),
+    (["rollout.dynamic_sampling=true", "rollout.group_size=1"], "rollout.dynamic_sampling needs rollout.group_size"),
+    (["learner.advantage=rloo", "rollout.group_size=1"], "learner.advantage=rloo needs rollout.group_size >= 2"),
 ]
 
 
@@ -95,3 +110,28 @@ def test_configuration_doc_is_generated_from_the_tree():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == config_reference(), "regenerate: python -m cluster.config > docs/configuration.md"
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_is_valid_and_selects_its_algorithm(name):
+    config = load_config(CONFIGS / f"{name}.yaml")
+    learner = config.learner
+    expected = {
+        "ppo": (learner.advantage, config.critic.enabled, learner.kl_reward_coef > 0) == ("gae", True, True),
+        "grpo": (learner.advantage, learner.group_scale, learner.kl_coef > 0) == ("grpo", "std", True),
+        "dr_grpo": (learner.group_scale, learner.loss_agg) == ("none", "seq-mean-token-sum-norm"),
+        "dapo": (config.rollout.dynamic_sampling, learner.clip_high > learner.clip_low,
+                 config.reward.overlong_buffer > 0) == (True, True, True),
+        "rloo": learner.advantage == "rloo",
+        "reinforce_pp": learner.advantage == "reinforce_pp",
+        "gspo": learner.policy_loss == "gspo",
+    }
+    assert expected[name]
+
+
+def test_every_algorithm_preset_exists():
+    assert set(PRESETS) <= {p.stem for p in CONFIGS.glob("*.yaml")}

@@ -9,11 +9,13 @@ from torch.testing import assert_close
 from learner.algo.losses import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
+    POLICY_LOSSES,
     aggregate,
     clipped_policy_loss,
     entropy_bonus,
     gspo_policy_loss,
     kl,
+    micro_batch_weight,
     value_loss,
 )
 
@@ -299,11 +301,53 @@ def test_gspo_matches_hand_computed_values():
     assert_close(loss, t(-2.48 / 3))
     assert_close(metrics["clip_fraction"], t(2 / 3))
     assert_close(metrics["ratio_mean"], t((math.exp(0.4) + math.exp(-1.0) + 1.0) / 3))
-    assert set(metrics) == {"clip_fraction", "ratio_mean"}
+    assert_close(metrics["dual_clip_fraction"], t(0.0))
+    # k3 = (r_t - 1) - log r_t = e^x - 1 - x per token, log-ratios x = [0.2, 0.6 | -1.0 | 0.1, -0.1, 0.0], 6 tokens
+    k3 = [math.exp(x) - 1 - x for x in (0.2, 0.6, -1.0, 0.1, -0.1, 0.0)]
+    assert_close(metrics["approx_kl"], t(sum(k3) / 6))
+    assert set(metrics) == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
     assert all(value.dim() == 0 and not value.requires_grad for value in metrics.values())
     # Clipped rows get no gradient; row 2: d(-A s)/d logp_t / 3 sequences = -2 * 1 * (1/3 tokens) / 3 = -2/9.
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert_close(grad, t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-2 / 9, -2 / 9, -2 / 9]]))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # l = [-1.28, 0.8, -2] on rows of 2, 1, 3 tokens (see _gspo_hand_inputs); token sum 2*-1.28 + 0.8 + 3*-2 = -7.76
+        ("seq-mean-token-mean", -2.48 / 3),  # (-1.28 + 0.8 - 2) / 3 sequences: the paper's mean over sequences
+        ("token-mean", -7.76 / 6),  # -7.76 / 6 tokens = -1.2933, not -0.8267: long row 2 weighs 3 times
+        ("seq-mean-token-sum", -7.76 / 3),  # -7.76 / 3 rows
+        ("seq-mean-token-sum-norm", -7.76 / 12),  # -7.76 / (3 rows * norm_length 4)
+    ],
+)
+def test_gspo_reduces_the_sequence_loss_on_each_token_with_the_requested_mode(mode, expected):
+    logprobs, old_logprobs, advantages, mask = _gspo_hand_inputs()
+    loss, _ = gspo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP, mode=mode, norm_length=4)
+    assert_close(loss, t(expected))
+
+
+def test_gspo_token_mean_gradient_weighs_each_sequence_by_its_length():
+    # Row 2 (3 tokens, not clipped): loss = (... + 3 * -A s) / 6, ds/dlogp_t = s / 3 = 1/3,
+    #   so d loss / d logp_t = 3 * -2 * (1/3) / 6 = -1/3 per token (the sequence mean gives -2/9).
+    logprobs, old_logprobs, advantages, mask = _gspo_hand_inputs()
+    loss, _ = gspo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP, mode="token-mean")
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-1 / 3, -1 / 3, -1 / 3]]))
+
+
+def test_gspo_rejects_the_dual_clip():
+    with pytest.raises(ValueError, match="dual clip is not defined for gspo; unset clip_c"):
+        gspo_policy_loss(*_gspo_hand_inputs(), **CLIP, clip_c=3.0)
+
+
+def test_policy_loss_registry_keys_are_the_config_names_and_share_metric_keys():
+    assert set(POLICY_LOSSES) == {"ppo", "gspo"}
+    assert POLICY_LOSSES["ppo"] is clipped_policy_loss and POLICY_LOSSES["gspo"] is gspo_policy_loss
+    inputs = _gspo_hand_inputs()
+    keys = [set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1]) for name in POLICY_LOSSES]
+    assert keys[0] == keys[1] == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
 
 
 def test_gspo_padding_changes_neither_loss_nor_metrics_nor_gradient():
@@ -380,3 +424,87 @@ def test_entropy_bonus_aggregates_response_tokens_only(mode, expected):
     entropy = t([[1.0, 2.0, GARBAGE], [3.0, math.nan, GARBAGE]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert_close(entropy_bonus(entropy, mask, mode), t(expected))
+
+
+# ---------------------------------------------------------------- micro-batch weights
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # part: rows of 2 and 0 tokens (trimmed to 2 columns); whole: rows of 2, 0, 3, 1 tokens (4 columns).
+        ("token-mean", 2 / 6),  # 2 tokens of 6
+        ("seq-mean-token-mean", 1 / 3),  # 1 non-empty sequence of 3
+        ("seq-mean-token-sum", 2 / 4),  # 2 rows of 4
+        ("seq-mean-token-sum-norm", 2 / 4),
+    ],
+)
+def test_micro_batch_weight_matches_hand_computed_shares(mode, expected):
+    whole = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    part = whole[:2, :2]
+    assert micro_batch_weight(part, whole, mode) == pytest.approx(expected, rel=1e-15)
+    assert micro_batch_weight(part.bool(), whole.bool(), mode) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_weight_is_zero_when_the_whole_has_no_response_token(mode):
+    assert micro_batch_weight(torch.zeros(1, 3), torch.zeros(2, 3), mode) == 0.0
+
+
+def test_micro_batch_weight_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="token-median"):
+        micro_batch_weight(torch.ones(1, 2), torch.ones(2, 2), "token-median")
+
+
+MICRO_BATCH_ROWS = (slice(0, 1), slice(1, 3), slice(3, 6))  # uneven: 1, 2 and 3 rows
+
+
+def _micro_batch_case(loss_name, mode):
+    """A ragged batch of 6 rows (one empty) and a loss call whose first argument carries the gradient."""
+    generator = torch.Generator().manual_seed(3)
+    batch, length = 6, 7
+    lengths = torch.tensor([7, 2, 0, 5, 1, 4])  # unequal, so token, sequence and row shares all differ
+    mask = (torch.arange(length) < lengths[:, None]).to(F64)
+    leaf = (-torch.rand(batch, length, generator=generator, dtype=F64) * 3).requires_grad_()
+    old = leaf.detach() + 0.3 * torch.randn(batch, length, generator=generator, dtype=F64)
+    if loss_name == "value":
+        returns = torch.randn(batch, length, generator=generator, dtype=F64)
+        others = (old, returns)
+
+        def call(*args):
+            return value_loss(*args, clip=0.2, mode=mode, norm_length=length)[0]
+
+    else:
+        if loss_name == "gspo":  # one advantage per sequence, as GSPO expects
+            advantages = torch.randn(batch, 1, generator=generator, dtype=F64).expand(batch, length)
+        else:
+            advantages = torch.randn(batch, length, generator=generator, dtype=F64)
+        others = (old, advantages)
+        clip_c = 3.0 if loss_name == "ppo" else None
+
+        def call(*args):
+            return POLICY_LOSSES[loss_name](
+                *args, clip_low=0.2, clip_high=0.28, clip_c=clip_c, mode=mode, norm_length=length
+            )[0]
+
+    return leaf, others, mask, lengths, call
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo", "value"])
+def test_micro_batches_weighted_by_micro_batch_weight_give_the_whole_batch_gradient(loss_name, mode):
+    leaf, others, mask, lengths, call = _micro_batch_case(loss_name, mode)
+    (whole_grad,) = torch.autograd.grad(call(leaf, *others, mask), leaf)
+    assert whole_grad.abs().sum() > 0
+
+    weighted, unweighted = torch.zeros_like(leaf), torch.zeros_like(leaf)
+    for rows in MICRO_BATCH_ROWS:
+        width = max(int(lengths[rows].max()), 1)  # each micro-batch trimmed to its own longest response
+        mb_mask = mask[rows, :width]
+        mb_loss = call(leaf[rows, :width], *(x[rows, :width] for x in others), mb_mask)
+        weight = micro_batch_weight(mb_mask, mask, mode)
+        weighted += torch.autograd.grad(mb_loss * weight, leaf, retain_graph=True)[0]
+        unweighted += torch.autograd.grad(mb_loss / len(MICRO_BATCH_ROWS), leaf)[0]
+    assert_close(weighted, whole_grad)
+    # A plain mean of the micro-batch losses weighs the 1-row batch like the 3-row one: the test can fail.
+    assert not torch.allclose(unweighted, whole_grad)
