@@ -73,7 +73,7 @@ def main() -> None:
           f"{args.steps} steps each; medians exclude step 1")
     print("| algorithm | trained params (policy + value) | learner peak RSS MiB (growth) | s/step | "
           + " | ".join(f"{p} s" for p in PHASES) + f" | steps to {TARGET} | train s to {TARGET} | last-10 reward |")
-    print("|---" * (8 + len(PHASES)) + "|")
+    print("|---" * (7 + len(PHASES)) + "|")
     for r in results:
         p = r["params"]
         hit = str(r["hit"]) if r["hit"] else "-"

@@ -30,10 +30,16 @@ class Critic:
 
     def __init__(self, model_path: str, config: CriticConfig, dtype: str = "float32"):
         from transformers import AutoModelForTokenClassification
+        from transformers.utils import logging as hf_logging
 
         self.config = config
-        self.model, info = AutoModelForTokenClassification.from_pretrained(
-            config.path or model_path, num_labels=1, dtype=getattr(torch, dtype), output_loading_info=True)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report calls the new head "MISSING": expected, and handled below
+        try:
+            self.model, info = AutoModelForTokenClassification.from_pretrained(
+                config.path or model_path, num_labels=1, dtype=getattr(torch, dtype), output_loading_info=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         # A new head on a policy checkpoint (whatever the architecture calls it): start at V = 0 (rewards are O(1)),
         # not at random values scaled by the backbone's hidden-state norm.
         parameters = dict(self.model.named_parameters())
