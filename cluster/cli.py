@@ -1,4 +1,4 @@
-"""The `relay` command line: `relay train`, `relay build-demo-model`.
+"""The `relay` command line: `relay train`, `relay build-demo-model`, `relay verifier serve`.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, load_config, parse_overrides
 
 TRAIN_HELP = """\
 Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmetic with a small local model,
@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
                                             "supervised warm-up) into $RELAY_CACHE_DIR or ~/.cache/relay.")
     build.add_argument("--force", action="store_true", help="rebuild even if the cache holds it")
+    _add_verifier_commands(commands)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)
+        if args.command == "verifier":
+            return _verifier_serve(args)
         return _build_demo_model(force=args.force)
     except ConfigError as err:
         print(f"relay: config error: {err}", file=sys.stderr)
@@ -82,6 +85,61 @@ def _build_demo_model(force: bool) -> int:
     if force and demo_model_dir().exists():
         shutil.rmtree(demo_model_dir())
     print(ensure_demo_model())
+    return 0
+
+
+VERIFIER_SERVE_HELP = """\
+Serve a verifier over HTTP with the remote verifier protocol (POST /verify, GET /health; docs/verifiers.md), for
+`reward.sources.<name>: {type: remote, urls: [http://HOST:PORT]}`. Binds 127.0.0.1 unless --host says otherwise.
+
+  relay verifier serve --verifier exact_match --port 8000
+  relay verifier serve --verifier format --param "tags=[think, answer]"
+  JUDGE_TOKEN=... relay verifier serve --verifier mypkg.judge:score --host 0.0.0.0 --token-env JUDGE_TOKEN
+"""
+
+
+def _add_verifier_commands(commands) -> None:
+    verifier = commands.add_parser("verifier", help="verifier services (`relay verifier serve`)",
+                                   description="Verifier services speaking the remote verifier protocol.")
+    actions = verifier.add_subparsers(dest="action", metavar="ACTION", required=True)
+    serve = actions.add_parser("serve", help="serve a verifier over HTTP", description=VERIFIER_SERVE_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--verifier", required=True, metavar="NAME|module:function",
+                       help="exact_match, numeric_match, math_verify, format, or package.module:function")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--workers", type=int, default=4, help="threads scoring samples in parallel (default: 4)")
+    serve.add_argument("--max-batch", type=int, default=1024, help="most samples per request (default: 1024)")
+    serve.add_argument("--sample-timeout", type=float, default=30.0,
+                       help="seconds one sample may take before it gets an error result (default: 30)")
+    serve.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                       help="keyword argument for the verifier, value read as YAML (e.g. --param pattern='.*'); "
+                            "repeatable")
+    serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
+
+
+def _verifier_serve(args: argparse.Namespace) -> int:
+    for flag, value in (("--workers", args.workers), ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (got {args.port})")
+    if not args.sample_timeout > 0:
+        raise ConfigError(f"--sample-timeout must be positive (got {args.sample_timeout})")
+    params = {}
+    for item in args.param:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--param '{item}' is not of the form KEY=VALUE (e.g. --param tolerance=0.01)")
+        params[key] = parse_overrides([f"value={raw}"])["value"]
+    from rewards.service import app_from_spec, run_app
+
+    try:
+        app = app_from_spec(args.verifier, params=params, token_env=args.token_env, workers=args.workers,
+                            max_batch=args.max_batch, sample_timeout=args.sample_timeout)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    run_app(app, args.host, args.port)
     return 0
 
 

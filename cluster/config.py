@@ -9,10 +9,11 @@ and config validation are instant and need neither torch nor vLLM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -31,8 +32,27 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic"] = "arithmetic"
-    """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum."""
+    task: Literal["arithmetic", "dataset"] = "arithmetic"
+    """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `dataset` reads `data.path`."""
+    path: str | None = None
+    """Prompt file for `task=dataset`: JSONL (`.jsonl`), Parquet (`.parquet`) or a Hugging Face `datasets`
+    directory (written by `save_to_disk`)."""
+    split: str = Field("train", min_length=1)
+    """Split to read when `data.path` is a `datasets` directory holding several splits."""
+    prompt_field: str = Field("prompt", min_length=1)
+    """Row field holding the prompt: a string, or chat messages (a list of {role, content})."""
+    label_field: str | None = "label"
+    """Row field holding the label the verifiers compare with (any JSON value); empty: no label."""
+    chat_template: bool = False
+    """Wrap string prompts as one user message and apply the tokenizer's chat template (message prompts always
+    get it)."""
+    system_prompt: str | None = None
+    """System message put before every prompt when the chat template is applied."""
+    max_prompt_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    """Longer prompts are skipped and counted (`data/filtered_prompts`); empty: `rollout.max_model_len -
+    rollout.max_new_tokens`."""
+    shuffle: bool = True
+    """Shuffle the dataset with `seed`, a new order each epoch."""
     min_operand: int = Field(0, ge=0, le=10**6)
     """Smallest operand of the arithmetic task."""
     max_operand: int = Field(99, ge=0, le=10**6)
@@ -191,14 +211,107 @@ class SyncConfig(_Section):
     """Fixed probe prompt; longer than one KV block (32 tokens) so a missed prefix-cache reset shows up."""
 
 
+class RuleSource(_Section):
+    type: Literal["rule"] = "rule"
+    """A rule verifier run in the driver: a pure function (completion, label) -> reward."""
+    verifier: str = Field("exact_match", min_length=1)
+    """A name from `rewards/registry.py` (`exact_match`, `numeric_match`, `math_verify`, `format`) or your own
+    function as `package.module:function`."""
+    params: dict[str, Any] = {}
+    """Keyword arguments passed to the verifier (e.g. `pattern` for `format`)."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+
+
+class RemoteSource(_Section):
+    type: Literal["remote"]
+    """A verifier service over HTTP (`POST /verify`, docs/verifiers.md)."""
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the service's replicas (`http(s)://host:port`); batches are spread over them."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+    batch_size: int = Field(64, ge=1, le=100_000)
+    """Samples per request."""
+    max_concurrency: int = Field(8, ge=1, le=4096)
+    """Requests in flight at once, over all URLs."""
+    timeout: float = Field(30.0, gt=0, le=86_400)
+    """Deadline of one request, in seconds (connect + send + reply)."""
+    max_retries: int = Field(3, ge=0, le=100)
+    """Retries of a request that was refused, timed out or got a 5xx reply (never on 4xx)."""
+    backoff: float = Field(0.25, gt=0, le=600)
+    """First retry delay in seconds; doubles each retry, with full jitter, up to `backoff_max`."""
+    backoff_max: float = Field(8.0, gt=0, le=3600)
+    """Longest retry delay in seconds."""
+    on_failure: Literal["fail", "drop", "default"] = "fail"
+    """What happens to samples still unscored after the retries: `fail` stops the run naming the service and the
+    error, `drop` removes their groups from the step, `default` gives them `default_reward`. Always counted."""
+    default_reward: float | None = None
+    """Reward of an unscored sample with `on_failure=default`."""
+    token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding a bearer token (the token itself is never in the config)."""
+    verify_tls: bool = True
+    """Verify the service's TLS certificate (https URLs)."""
+
+    @model_validator(mode="after")
+    def _valid(self) -> RemoteSource:
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
+                raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
+        if self.on_failure == "default" and self.default_reward is None:
+            raise ValueError("on_failure=default needs default_reward (e.g. 0.0); or choose fail or drop")
+        if self.backoff > self.backoff_max:
+            raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        return self
+
+
+class ModelSource(_Section):
+    type: Literal["model"]
+    """A frozen reward model (`AutoModelForSequenceClassification`) in its own Ray actor."""
+    path: str = Field(min_length=1)
+    """Hugging Face directory of the reward model (one output: the score)."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+    normalize: Literal["none", "batch"] = "none"
+    """`batch` whitens the scores over the step's completions (mean 0, std 1) before weighting."""
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for the reward-model worker."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for the reward-model worker."""
+    num_threads: int = Field(1, ge=1, le=1024)
+    """Torch threads of the reward-model worker."""
+    micro_batch_size: int = Field(32, ge=1, le=1_000_000)
+    """Sequences per forward pass."""
+
+
+def _source_type(value: Any) -> str:
+    """A source without `type` is a rule verifier (the common case: `reward.sources.fmt.verifier=format`)."""
+    return value.get("type", "rule") if isinstance(value, dict) else getattr(value, "type", "rule")
+
+
+RewardSource = Annotated[Annotated[RuleSource, Tag("rule")] | Annotated[RemoteSource, Tag("remote")]
+                         | Annotated[ModelSource, Tag("model")], Discriminator(_source_type)]
+
+
+SOURCE_TYPES: dict[str, type[BaseModel]] = {"rule": RuleSource, "remote": RemoteSource, "model": ModelSource}
+
+
 class RewardConfig(_Section):
-    verifier: Literal["exact_match"] = "exact_match"
-    """Rule verifier scoring each completion against its label: `exact_match` gives 1.0 iff they are equal."""
+    sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()}, min_length=1)
+    """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
+    Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
+    exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`."""
     overlong_buffer: int = Field(0, ge=0, le=1_000_000)
     """DAPO soft overlong punishment: responses longer than `rollout.max_new_tokens - overlong_buffer` tokens lose
     reward linearly, up to `overlong_penalty` at the maximum; 0 turns it off."""
     overlong_penalty: float = Field(1.0, ge=0, le=1000)
     """Reward lost by a response of the maximum length when `overlong_buffer` > 0."""
+
+    @model_validator(mode="after")
+    def _names(self) -> RewardConfig:
+        for name in self.sources:
+            if not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name):
+                raise ValueError(f"source name {name!r} must be lower-case letters, digits and _ (it names metrics)")
+        return self
 
 
 class TimeoutConfig(_Section):
@@ -208,6 +321,8 @@ class TimeoutConfig(_Section):
     """Seconds for one worker's generate call."""
     reference: float = Field(300.0, gt=0)
     """Seconds for the reference worker's logprobs call."""
+    reward: float = Field(300.0, gt=0)
+    """Seconds for a reward-model worker's scoring call (remote verifiers have their own `timeout`)."""
     train: float = Field(1800.0, gt=0)
     """Seconds for the learner's train step."""
     sync: float = Field(300.0, gt=0)
@@ -294,16 +409,22 @@ def _inconsistencies(config: RunConfig):
     if config.reward.overlong_buffer >= rollout.max_new_tokens:
         yield (f"reward.overlong_buffer ({config.reward.overlong_buffer}) must be below rollout.max_new_tokens "
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
+    if config.data.task == "dataset" and not config.data.path:
+        yield "data.task=dataset needs data.path (a .jsonl or .parquet file, or a datasets directory)"
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 
 
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
+    # A reward source's location holds its union tag (`reward.sources.judge.remote.urls`): drop it.
+    loc = [p for i, p in enumerate(first["loc"]) if not (i >= 2 and first["loc"][i - 2] == "sources")]
+    key = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":
         allowed = _allowed_keys(tuple(first["loc"][:-1]))
         return f"unknown config key '{key}'; allowed here: {', '.join(allowed)}"
+    if first["type"] == "union_tag_invalid":
+        return f"{key}.type: must be one of {', '.join(SOURCE_TYPES)} (got {first['ctx']['tag']!r})"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {value!r})"
     msg = first["msg"].removeprefix("Value error, ")
@@ -311,6 +432,8 @@ def _format_error(err: ValidationError) -> str:
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
+    if loc[:2] == ("reward", "sources") and len(loc) == 4 and loc[3] in SOURCE_TYPES:
+        return list(SOURCE_TYPES[loc[3]].model_fields)  # (reward, sources, <name>, <tag>)
     model: type[BaseModel] = RunConfig
     for part in loc:
         annotation = model.model_fields[str(part)].annotation
@@ -386,20 +509,28 @@ def config_reference() -> str:
              "Generated from `cluster/config.py` by `python -m cluster.config > docs/configuration.md`; a test keeps",
              "the two equal. Set keys in a YAML file or as `dotted.key=value` overrides on the command line.", ""]
 
-    def walk(model: type[BaseModel], prefix: str) -> None:
+    def walk(model: type[BaseModel], prefix: str, title: str | None = None) -> None:
         rows = []
         for name, field in model.model_fields.items():
             annotation = field.annotation
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 walk(annotation, f"{prefix}{name}.")
                 continue
-            default = field.default
-            rows.append(f"| `{prefix}{name}` | `{default!r}` | {field.description} |")
+            default = field.default_factory() if field.default_factory else field.default
+            if isinstance(default, BaseModel):
+                default = default.model_dump()
+            elif isinstance(default, dict):
+                default = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in default.items()}
+            meaning = " ".join((field.description or "").split()).replace("|", "\\|")
+            shown = "required" if field.is_required() else f"`{default!r}`"
+            rows.append(f"| `{prefix}{name}` | {shown} | {meaning} |")
         if rows:
-            title = prefix.rstrip(".") or "top level"
+            title = title or prefix.rstrip(".") or "top level"
             lines.extend([f"## {title}", "", "| key | default | meaning |", "|---|---|---|", *rows, ""])
 
     walk(RunConfig, "")
+    for tag, source in SOURCE_TYPES.items():
+        walk(source, "reward.sources.<name>.", f"reward.sources.<name> with `type: {tag}`")
     return "\n".join(lines)
 
 

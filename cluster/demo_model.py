@@ -136,6 +136,20 @@ def save_model_dir(
     return out_dir
 
 
+def make_random_reward_model_dir(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Saves a randomly initialised tiny Qwen2 sequence classifier with one output (a reward model) and the char
+    tokenizer. For tests and examples of `type: model` reward sources; it scores nothing meaningful."""
+    from transformers import Qwen2ForSequenceClassification
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_qwen2_config(vocab_size=len(tokenizer))
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
 def make_random_model_dir(out_dir: str | os.PathLike[str], seed: int = 0, **config_kwargs: object) -> Path:
     """Saves a randomly initialised tiny Qwen2 (`tiny_qwen2_config(**config_kwargs)`) and the char tokenizer.
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import ray
 
-from cluster.config import ConfigError, RunConfig, dump_config
-from cluster.data import ArithmeticPrompts, sampling_seeds
+from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
+from cluster.data import sampling_seeds
 from cluster.metrics import MetricsLog, ProgressDisplay
 from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
+from cluster.scoring import Scorer
 from rewards.arithmetic import Problem
-from rewards.registry import RULE_VERIFIERS
 from rewards.shaping import overlong_penalty
 
 
@@ -33,15 +33,16 @@ class SyncError(RunError):
 class Trainer:
     """Runs steps over a started fleet; each `step` returns that step's metrics record."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet):
+    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer):
         from actors.rollout import SamplingSettings
 
         self.config = config
         self.fleet = fleet
-        self.data = ArithmeticPrompts(config.data, config.seed)
+        self.data = data  # a prompt source from `prepare`: next_batch() -> list[Problem]
         ro = config.rollout
         self.sampling = SamplingSettings(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p)
-        self.verifier = RULE_VERIFIERS[config.reward.verifier]
+        self.scorer = scorer
+        scorer.reward_models = fleet.reward_models
         self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
         self.num_buckets = get([fleet.learner.count_buckets.remote(self.bucket_bytes)], config.timeouts.sync,
                                ["learner"], "sync")[0]
@@ -73,36 +74,50 @@ class Trainer:
     def sample(self, step: int) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
         """Generate and score `prompts_per_step` groups; returns [prompts][G] rollouts, their rewards, and stats.
 
-        With `rollout.dynamic_sampling` (DAPO), groups whose verifier rewards are all equal (all right or all wrong:
-        no signal for a group baseline) are dropped; fresh prompts are drawn until enough groups are kept or
-        `max_sampling_rounds` rounds ran, after which dropped groups top the batch up (counted, never hidden).
-        Overlong shaping is added after that choice, as in DAPO, so length alone does not make a group informative."""
-        ro, group_size = self.config.rollout, self.config.rollout.group_size
-        want = self.config.data.prompts_per_step
+        Groups a remote verifier could not score under `on_failure=drop` are removed (counted in
+        `verifier/dropped_groups`). With `rollout.dynamic_sampling` (DAPO), groups whose rewards are all equal
+        (all right or all wrong: no signal for a group baseline) are set aside; fresh prompts are drawn until enough
+        groups are kept or `max_sampling_rounds` rounds ran, after which set-aside groups top the batch up (counted,
+        never hidden). Overlong shaping is added after that choice, as in DAPO, so length alone does not make a
+        group informative."""
+        ro, want = self.config.rollout, self.config.data.prompts_per_step
         kept: list[tuple[list[Any], list[float]]] = []
-        dropped: list[tuple[list[Any], list[float]]] = []
-        scored: list[float] = []  # every reward of the step, dropped groups included
+        uninformative: list[tuple[list[Any], list[float]]] = []
+        scored: list[float] = []  # every reward of the step, uninformative groups included
+        per_source: dict[str, list[float]] = {name: [] for name in self.config.reward.sources}
+        counters: dict[str, float] = {}
         rounds = 0
         while len(kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
             problems = self.data.next_batch()
             with self.timed("generate"):
                 groups = self.generate(problems, step, rounds)
             with self.timed("score"):
-                rewards = self.score(problems, groups)
-            for i, group in enumerate(groups):
-                group_rewards = rewards[i * group_size:(i + 1) * group_size]
+                result = self.scorer.score(problems, groups)
+            for key, value in result.metrics.items():
+                counters[key] = counters.get(key, 0.0) + value if "latency" not in key else max(
+                    counters.get(key, 0.0), value)
+            for name, values in result.per_source.items():
+                per_source[name] += values
+            for group, group_rewards, lost in zip(groups, result.rewards, result.dropped):
+                if lost:
+                    continue
                 informative = not ro.dynamic_sampling or len(set(group_rewards)) > 1
                 shaped = self.shape(group_rewards, group)
                 scored += shaped
-                (kept if informative else dropped).append((group, shaped))
+                (kept if informative else uninformative).append((group, shaped))
             rounds += 1
-        filler = dropped[:max(0, want - len(kept))]
+        if not kept and not uninformative:
+            raise RunError(f"step {step}: every group was dropped because a remote verifier could not score it "
+                           f"({counters.get('verifier/failures', 0):.0f} failed samples); check the service")
+        filler = uninformative[:max(0, want - len(kept))]
         chosen = kept[:want] + filler
-        stats: dict[str, Any] = {"reward/mean": statistics.fmean(scored), "reward/std": statistics.pstdev(scored)}
+        stats: dict[str, Any] = {"reward/mean": statistics.fmean(scored), "reward/std": statistics.pstdev(scored),
+                                 **{f"reward/{name}": statistics.fmean(v) for name, v in per_source.items() if v},
+                                 **counters}
         if ro.dynamic_sampling:
             stats.update({"sampling/rounds": rounds, "sampling/kept_groups": min(len(kept), want),
                           "sampling/surplus_groups": max(0, len(kept) - want),
-                          "sampling/dropped_groups": len(dropped), "sampling/filler_groups": len(filler)})
+                          "sampling/dropped_groups": len(uninformative), "sampling/filler_groups": len(filler)})
         return [g for g, _ in chosen], [r for _, rs in chosen for r in rs], stats
 
     def generate(self, problems: list[Problem], step: int, round_: int = 0) -> list[list[Any]]:
@@ -121,19 +136,6 @@ class Trainer:
             raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
                             f"{self.weights_version}: a worker missed a sync")
         return groups
-
-    def score(self, problems: list[Problem], groups: list[list[Any]]) -> list[float]:
-        """The verifier's reward of every completion, in rollout order. A verifier that raises stops the run (never
-        a silent 0)."""
-        rewards = []
-        for problem, group in zip(problems, groups):
-            for rollout in group:
-                try:
-                    rewards.append(float(self.verifier(rollout.text, problem.label)))
-                except Exception as err:
-                    raise RunError(f"verifier '{self.config.reward.verifier}' failed on prompt {problem.prompt!r}: "
-                                   f"{err!r}") from err
-        return rewards
 
     def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
         """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""
@@ -207,9 +209,9 @@ class Trainer:
             "response_length/mean": statistics.fmean(lengths),
             "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
             **learner_metrics,
+            **self.data.metrics(),
             "weights/version": self.weights_version,
             "sync/probe_max_diff": probe_diff,
-            "verifier/failures": 0,  # `score` stops the run on the first failure, so a recorded step has none
             "rollout/workers": len(self.fleet.rollout_workers),
             **self.timings,
             "time/step": step_seconds,
@@ -230,9 +232,35 @@ def resolve_run_dir(config: RunConfig) -> Path:
     return run_dir
 
 
+def prepare(config: RunConfig, model_path: str) -> tuple[Any, Scorer]:
+    """Check every user input that can be checked before any actor starts, and load what the driver itself needs:
+    the prompt source (dataset files are read and validated here) and the reward sources (verifiers imported, remote
+    clients configured). Raises ConfigError (one line, nothing written) on bad input."""
+    from cluster.data import DataError, make_prompt_source
+
+    for name, source in config.reward.sources.items():
+        if isinstance(source, ModelSource) and not (Path(source.path) / "config.json").is_file():
+            raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
+                              "(no config.json)")
+    ro = config.rollout
+    max_prompt_tokens = config.data.max_prompt_tokens or max(1, ro.max_model_len - ro.max_new_tokens)
+    try:
+        data = make_prompt_source(config.data, config.seed, config.data.prompts_per_step, model_path,
+                                  max_prompt_tokens)
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        scorer = Scorer(config.reward, config.timeouts.reward)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return data, scorer
+
+
 def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True,
                  rollout_cls: type | None = None) -> list[dict[str, Any]]:
-    """Start Ray (unless connected already) and the fleet, run `max_steps` steps, and clean up; returns the records."""
+    """Check the inputs, start Ray (unless connected already) and the fleet, run `max_steps` steps, and clean up;
+    returns the records."""
+    data, scorer = prepare(config, model_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = config.model_copy(update={"run_dir": str(run_dir)})
     (run_dir / "config.yaml").write_text(dump_config(resolved))
@@ -242,7 +270,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
     fleet = None
     try:
         fleet = start_fleet(config, model_path, rollout_cls)
-        trainer = Trainer(config, fleet)
+        trainer = Trainer(config, fleet, data, scorer)
         if config.sync.probe:
             trainer.verify_sync()  # engines and learner agree before any update
         progress = ProgressDisplay(config.max_steps) if display else None
@@ -257,6 +285,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
             progress.summary()
     finally:
         log.close()
+        scorer.close()
         if fleet is not None:
             stop_fleet(fleet)
         if started_ray:

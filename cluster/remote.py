@@ -9,7 +9,7 @@ Does not own: what a step does (cluster/driver.py).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -32,6 +32,7 @@ class Fleet:
     reference: Any | None
     rollout_workers: list[Any]
     placement: PlacementGroup
+    reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
 
     @property
     def rollout_names(self) -> list[str]:
@@ -66,7 +67,9 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
     from actors.engine import EngineSettings
     from actors.reference import ReferenceWorker
+    from actors.reward_model import RewardModelWorker
     from actors.rollout import RolloutWorker
+    from cluster.config import ModelSource
     from learner.learner import Learner
 
     rollout_cls = rollout_cls or RolloutWorker
@@ -75,6 +78,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus))
     bundles += [_bundle(ro.num_cpus, ro.num_gpus) for _ in range(ro.num_workers)]
+    reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
+    bundles += [_bundle(s.num_cpus, s.num_gpus) for s in reward_sources.values()]
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=config.timeouts.start)
@@ -102,9 +107,16 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
             settings, ro.num_threads)
         for i in range(ro.num_workers)
     ]
-    fleet = Fleet(learner, reference, workers, pg)
-    names = ["learner"] + (["reference"] if reference else []) + fleet.rollout_names
-    actors = [learner] + ([reference] if reference else []) + workers
+    first += ro.num_workers
+    reward_models = {
+        name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
+            s.path, config.model.dtype, s.num_threads, s.micro_batch_size)
+        for i, (name, s) in enumerate(reward_sources.items())
+    }
+    fleet = Fleet(learner, reference, workers, pg, reward_models)
+    names = (["learner"] + (["reference"] if reference else []) + fleet.rollout_names
+             + [f"reward model '{name}'" for name in reward_models])
+    actors = [learner] + ([reference] if reference else []) + workers + list(reward_models.values())
     try:
         get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
     except BaseException:
@@ -133,7 +145,7 @@ def stop_fleet(fleet: Fleet) -> None:
         ray.wait([w.shutdown.remote() for w in fleet.rollout_workers], num_returns=len(fleet.rollout_workers),
                  timeout=10)
     finally:
-        for actor in [fleet.learner, fleet.reference, *fleet.rollout_workers]:
+        for actor in [fleet.learner, fleet.reference, *fleet.rollout_workers, *fleet.reward_models.values()]:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(fleet.placement)

@@ -1,21 +1,27 @@
-"""The arithmetic task of the built-in demo: problems like ``37+45=`` and their exact-match reward.
+"""The arithmetic task of the built-in demo: problems like ``37+45=``, scored by exact match.
 
-Owns the problem generator and the reward. Does not own tokenisation, sampling or batching; pure Python so
-that verifiers and tests import it without torch.
+Owns the problem generator. Does not own the reward (``exact_match`` lives in `rewards/verifiers.py` and is
+re-exported here for existing imports), tokenisation, sampling or batching; pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
+
+from rewards.verifiers import exact_match
+
+__all__ = ["Problem", "exact_match", "make_problems"]
 
 
 @dataclass(frozen=True)
 class Problem:
     """One prompt and the exact completion that earns reward 1.0."""
 
-    prompt: str  # e.g. "37+45="
-    label: str  # e.g. "82"
+    prompt: str  # e.g. "37+45=" (for a dataset: the text after the chat template, as the engine receives it)
+    # "82" here; a dataset's label field may hold any JSON value (number, list, object), or None without one.
+    label: Any
 
 
 def make_problems(rng: random.Random, n: int, min_operand: int = 0, max_operand: int = 99) -> list[Problem]:
@@ -36,10 +42,3 @@ def make_problems(rng: random.Random, n: int, min_operand: int = 0, max_operand:
         problems.append(Problem(prompt=f"{a}+{b}=", label=str(a + b)))
     return problems
 
-
-def exact_match(completion: str, label: str) -> float:
-    """1.0 iff the completion is exactly the label, else 0.0.
-
-    No stripping: the completion already stops before end-of-sequence, so trailing text or whitespace is an error.
-    """
-    return 1.0 if completion == label else 0.0

@@ -40,6 +40,14 @@ def tiny_tied_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised Qwen2 sequence classifier with one output, with the character tokenizer."""
+    from cluster.demo_model import make_random_reward_model_dir
+
+    return make_random_reward_model_dir(tmp_path_factory.mktemp("models") / "tiny_rm", seed=2)
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo's warmed-up base model, built once into RELAY_CACHE_DIR (about a minute the first time)."""
     from cluster.demo_model import ensure_demo_model

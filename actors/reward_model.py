@@ -1,0 +1,55 @@
+"""RewardModelWorker: a frozen reward model scoring prompt + completion texts, in batches.
+
+Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode with gradients
+off, its own tokenizer (a reward model need not share the policy's), and batched scoring of right-padded text.
+Does not own: combining or normalising scores (the driver, `rewards/combine.py`). A plain class: Ray wraps it in
+`cluster/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class RewardModelWorker:
+    """`score(prompts, completions)` -> one float per pair: the model's output on the concatenated text."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1, micro_batch_size: int = 32):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.set_num_threads(num_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {model_path} has {self.model.config.num_labels} outputs; a reward model "
+                             "has one (num_labels=1)")
+        self.model.eval().requires_grad_(False)
+        pad_id = self.model.config.pad_token_id
+        if pad_id is None:  # the classifier reads the last non-pad token, so it must know which id pads
+            pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+                self.tokenizer.eos_token_id
+            self.model.config.pad_token_id = pad_id
+        self.pad_id = pad_id
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+        """Scores of `prompt + completion`, [B], in order; micro-batched, right-padded."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        scores: list[float] = []
+        for start in range(0, len(prompts), self.micro_batch_size):
+            texts = [p + c for p, c in zip(prompts[start:start + self.micro_batch_size],
+                                           completions[start:start + self.micro_batch_size])]
+            ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+            length = max(len(row) for row in ids)
+            input_ids = torch.full((len(ids), length), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(ids), length), dtype=torch.long)
+            for i, row in enumerate(ids):
+                input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+                attention_mask[i, :len(row)] = 1
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
+            scores.extend(logits[:, 0].float().tolist())
+        return scores

@@ -1,0 +1,352 @@
+"""The client of the remote verifier protocol (docs/verifiers.md): score completions with an HTTP service.
+
+Owns: `RemoteVerifier`, which splits samples into batches, sends them to the service's replicas (round-robin, at
+most `max_concurrency` requests in flight), enforces a deadline per request, retries transient faults with
+full-jitter exponential backoff, validates every reply, and applies the source's failure policy (`fail`, `drop`,
+`default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`.
+Does not own: combining sources into one reward or dropping groups (the driver does, from the `None`s here), nor
+the service side (rewards/service.py).
+
+Decisions:
+- Requests run on a private asyncio event loop in a daemon thread with one `httpx.AsyncClient`, so connections
+  are reused across `score` calls and each request gets a hard deadline (`asyncio.wait_for`): httpx's own timeouts
+  are per read, so a server that trickles bytes would otherwise hold a request for ever. The caller stays
+  synchronous.
+- Retried (the same batch, on the next URL): connection refused or reset, timeouts, 5xx, and a malformed reply
+  (not JSON, wrong shape, wrong number of results, unknown / duplicate / missing ids), which we treat as a
+  server fault. Not retried: 4xx (the request itself is wrong), and per-sample faults (an `"error"` result, or a
+  reward that is not a finite number), which a deterministic verifier would repeat.
+- With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
+  so a dead service fails fast; the exception carries the metrics gathered so far.
+- The bearer token is read once, kept only in the client's default headers, and scrubbed from every message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:  # rewards/ sits below cluster/: the config type is only named, never imported at run time
+    from cluster.config import RemoteSource
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("failures", "retries", "requests", "latency_mean_s", "latency_max_s")
+
+
+class RemoteVerifierError(RuntimeError):
+    """A remote verifier source failed under `on_failure=fail`; the message is one line naming source, URL, error.
+
+    `metrics` holds the source's metrics up to the failure (same keys as `RemoteScores.metrics`).
+    """
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
+
+
+@dataclass(frozen=True)
+class VerifierSample:
+    """One completion to score; `id` is unique within a `score` call and echoed back by the service."""
+
+    id: str
+    prompt: str
+    completion: str
+    label: Any = None  # any JSON value
+    metadata: dict = field(default_factory=dict)  # JSON object passed through to the service
+
+
+@dataclass
+class RemoteScores:
+    """What `RemoteVerifier.score` returns."""
+
+    rewards: list[float | None]
+    """One per sample, in the samples' order; `None` (only with `on_failure=drop`): drop the sample's group."""
+    metrics: dict[str, float]
+    """`failures` (samples unscored after retries, whatever the policy), `retries`, `requests` (HTTP requests sent,
+    retries included), `latency_mean_s` / `latency_max_s` (over requests that got a valid reply; 0 if none)."""
+
+
+class _Retryable(Exception):
+    """A fault worth another attempt (refused, reset, timeout, 5xx, malformed reply)."""
+
+
+class _Permanent(Exception):
+    """A fault not worth another attempt (4xx)."""
+
+
+@dataclass
+class _Batch:
+    index: int
+    samples: list[VerifierSample]
+    rewards: dict[str, float] = field(default_factory=dict)  # id -> reward
+    errors: dict[str, str] = field(default_factory=dict)  # id -> why it stayed unscored
+    url: str = ""  # the last URL tried
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    retries: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def metrics(self, failures: int) -> dict[str, float]:
+        lat = self.latencies
+        return {"failures": float(failures), "retries": float(self.retries), "requests": float(self.requests),
+                "latency_mean_s": sum(lat) / len(lat) if lat else 0.0, "latency_max_s": max(lat, default=0.0)}
+
+
+class RemoteVerifier:
+    """Scores samples with a remote verifier service; one instance per `reward.sources.<name>` of type remote.
+
+    Usage: `with RemoteVerifier("judge", source) as verifier: scores = verifier.score(samples)`.
+    `score` always returns or raises within `deadline_s(len(samples))` seconds.
+    """
+
+    def __init__(self, name: str, config: RemoteSource):
+        self.name = name
+        self.config = config
+        self._urls = [url.rstrip("/") for url in config.urls]
+        headers = {"Accept": "application/json"}
+        self._secret: str | None = None
+        if config.token_env:
+            token = os.environ.get(config.token_env, "")
+            if not token:
+                raise ValueError(f"token_env: environment variable {config.token_env} is unset or empty; export the "
+                                 "service's bearer token in it, or remove token_env")
+            self._secret = token
+            headers["Authorization"] = f"Bearer {token}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-verifier-{name}", daemon=True)
+        self._thread.start()
+        self._closed = False
+        limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+        self._client: httpx.AsyncClient = self._run(self._make_client(headers, limits), timeout=30)
+        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+
+    async def _make_client(self, headers: dict[str, str], limits: httpx.Limits) -> httpx.AsyncClient:
+        return httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(self.config.timeout),
+                                 verify=self.config.verify_tls, follow_redirects=False)
+
+    def __repr__(self) -> str:
+        return (f"RemoteVerifier(name={self.name!r}, urls={self._urls!r}, on_failure={self.config.on_failure!r}, "
+                f"token={'<from $' + self.config.token_env + '>' if self.config.token_env else None})")
+
+    def __enter__(self) -> RemoteVerifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections and stop the private event loop; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._client.aclose(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def deadline_s(self, num_samples: int) -> float:
+        """Upper bound on the wall time of `score(num_samples samples)`, in seconds.
+
+        A batch's own attempts take at most (R+1) x timeout plus R backoffs; it can only wait for a free slot
+        while every slot is busy, which all requests together fill for at most ceil(requests / concurrency) x
+        timeout.
+        """
+        c = self.config
+        batches = math.ceil(num_samples / c.batch_size)
+        waves = math.ceil(batches * (c.max_retries + 1) / c.max_concurrency)
+        return (c.max_retries + 1) * c.timeout + c.max_retries * c.backoff_max + waves * c.timeout
+
+    def score(self, samples: list[VerifierSample]) -> RemoteScores:
+        """Rewards for `samples` (same order) under the source's failure policy, and this call's metrics."""
+        if self._closed:
+            raise RuntimeError(f"verifier '{self.name}' is closed")
+        ids = [s.id for s in samples]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"verifier '{self.name}': sample ids must be unique within one score call")
+        if not samples:
+            return RemoteScores([], _Stats().metrics(0))
+        size = self.config.batch_size
+        batches = [_Batch(i, samples[start:start + size]) for i, start in enumerate(range(0, len(samples), size))]
+        stats = _Stats()
+        deadline = self.deadline_s(len(samples))
+        try:
+            self._run(self._score_batches(batches, stats), timeout=deadline + 5)
+        except TimeoutError:  # the bound above should make this unreachable; never hang if it is wrong
+            raise RemoteVerifierError(self._scrub(f"verifier '{self.name}' did not finish within {deadline + 5:.0f}s "
+                                                  "(client bug: please report)"), stats.metrics(len(samples))) from None
+        return self._apply_policy(batches, stats)
+
+    def _run(self, coro, timeout: float):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def _score_batches(self, batches: list[_Batch], stats: _Stats) -> None:
+        tasks = [asyncio.create_task(self._score_batch(b, stats)) for b in batches]
+        try:
+            if self.config.on_failure != "fail":
+                await asyncio.gather(*tasks)
+                return
+            for done in asyncio.as_completed(tasks):  # stop at the first batch that stays unscored
+                batch = await done
+                if batch.errors:
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _score_batch(self, batch: _Batch, stats: _Stats) -> _Batch:
+        """Send one batch, retrying transient faults on the next URL; fill `batch.rewards` / `batch.errors`."""
+        c = self.config
+        for attempt in range(c.max_retries + 1):
+            batch.url = self._urls[(batch.index + attempt) % len(self._urls)]
+            try:
+                async with self._semaphore:
+                    stats.requests += 1
+                    start = time.perf_counter()
+                    results = await asyncio.wait_for(self._post(batch), timeout=c.timeout)
+                    stats.latencies.append(time.perf_counter() - start)
+                self._read_results(batch, results)
+                return batch
+            except _Permanent as err:
+                reason = str(err)
+                break
+            except _Retryable as err:
+                reason = str(err)
+            except (httpx.TransportError, TimeoutError) as err:
+                reason = self._describe(err)
+            if attempt == c.max_retries:
+                if c.max_retries:
+                    reason = f"{c.max_retries} retries exhausted: {reason}"
+                break
+            stats.retries += 1
+            delay = random.uniform(0, min(c.backoff_max, c.backoff * 2**attempt))
+            log.debug("verifier '%s' at %s: %s; retry in %.2fs", self.name, batch.url, self._scrub(reason), delay)
+            await asyncio.sleep(delay)
+        batch.errors = {s.id: reason for s in batch.samples}
+        log.warning("verifier '%s' at %s: %d samples unscored: %s", self.name, batch.url, len(batch.samples),
+                    self._scrub(reason))
+        return batch
+
+    async def _post(self, batch: _Batch) -> list:
+        """POST the batch; return the reply's `results` list if the reply is well formed, else raise."""
+        body = {"samples": [{"id": s.id, "prompt": s.prompt, "completion": s.completion, "label": s.label,
+                             "metadata": s.metadata} for s in batch.samples]}
+        response = await self._client.post(f"{batch.url}/verify", json=body)
+        if response.status_code >= 500:
+            raise _Retryable(f"HTTP {response.status_code}{_snippet(response)}")
+        if response.status_code >= 400:
+            hint = ""
+            if response.status_code in (401, 403):
+                hint = (f" (check the token in ${self.config.token_env})" if self.config.token_env
+                        else " (the service wants a bearer token: set token_env)")
+            raise _Permanent(f"HTTP {response.status_code}, not retried{hint}{_snippet(response)}")
+        if response.status_code != 200:
+            raise _Retryable(f"unexpected HTTP {response.status_code}")
+        try:
+            reply = response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _Retryable("malformed reply: not JSON") from None
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise _Retryable('malformed reply: expected {"results": [{"id": ..., "reward": ...}, ...]}')
+        _check_ids(batch, results)
+        return results
+
+    def _read_results(self, batch: _Batch, results: list[dict]) -> None:
+        for result in results:
+            sid, error, reward = result["id"], result.get("error"), result.get("reward")
+            if error is not None:
+                batch.errors[sid] = f"sample {sid!r}: service error: {str(error)[:200]}"
+            elif isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+                batch.errors[sid] = f"sample {sid!r}: reward {json.dumps(reward)[:50]} is not a finite number"
+            else:
+                batch.rewards[sid] = float(reward)
+
+    def _apply_policy(self, batches: list[_Batch], stats: _Stats) -> RemoteScores:
+        failed = [b for b in batches if b.errors]
+        failures = sum(len(b.errors) for b in failed)
+        metrics = stats.metrics(failures)
+        if failed and self.config.on_failure == "fail":
+            first = failed[0]
+            reason = next(iter(first.errors.values()))
+            more = f" ({failures} samples unscored)" if failures > 1 else ""
+            raise RemoteVerifierError(self._scrub(f"verifier '{self.name}' at {first.url} failed: {reason}{more}"),
+                                      metrics)
+        fallback = self.config.default_reward if self.config.on_failure == "default" else None
+        rewards: list[float | None] = []
+        for batch in batches:
+            rewards.extend(batch.rewards.get(s.id, fallback) for s in batch.samples)
+        return RemoteScores(rewards, metrics)
+
+    def _describe(self, err: Exception) -> str:
+        if isinstance(err, TimeoutError | httpx.TimeoutException):
+            return f"no reply within timeout={self.config.timeout:g}s"
+        cause = _os_error(err)  # httpx wraps the socket's error a few levels down
+        if cause is not None and cause.errno == errno.ECONNREFUSED:
+            return "connection refused"
+        if cause is not None and cause.errno == errno.ECONNRESET:
+            return "connection reset"
+        what = "cannot connect" if isinstance(err, httpx.ConnectError) else "connection lost"
+        detail = cause.strerror if cause is not None and cause.strerror else str(err) or type(err).__name__
+        return f"{what}: {detail}"
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+
+def _check_ids(batch: _Batch, results: list[dict]) -> None:
+    """Raise `_Retryable` unless the results hold exactly the batch's ids, once each."""
+    expected = {s.id for s in batch.samples}
+    seen: set[str] = set()
+    for result in results:
+        sid = result.get("id")
+        if not isinstance(sid, str):
+            raise _Retryable("malformed reply: a result has no string id")
+        if sid not in expected:
+            raise _Retryable(f"malformed reply: result for unknown id {sid[:50]!r}")
+        if sid in seen:
+            raise _Retryable(f"malformed reply: duplicate result for id {sid[:50]!r}")
+        seen.add(sid)
+    if len(results) != len(expected):
+        missing = next(iter(expected - seen))
+        raise _Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
+                         f"(no result for id {missing[:50]!r})")
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The first OSError with an errno in the exception's chain of causes, if any."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _snippet(response: httpx.Response) -> str:
+    text = " ".join(response.text[:200].split())
+    return f": {text}" if text else ""

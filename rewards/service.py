@@ -1,0 +1,316 @@
+"""The reference verifier service (docs/verifiers.md): any `(completion, label) -> reward` function over HTTP.
+
+Owns: `create_app` (a FastAPI app speaking the remote verifier protocol: `GET /health`, `POST /verify`, optional
+bearer token, request limits, per-sample errors and deadlines), `app_from_spec` / `serve` (load a verifier by name
+or `package.module:function` and run it with uvicorn; what `relay verifier serve` calls), and `run_in_thread`
+(the service on a background thread, for tests and benchmarks).
+Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py).
+
+This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
+in any language. Decisions:
+- Samples are scored in a thread pool of `workers`, one task per sample, so a slow sample does not hold up the
+  others. A sample whose call raises, returns a non-finite number, or runs longer than `sample_timeout` (counted
+  from the moment it starts) gets `{"id", "error"}`; the request still succeeds.
+- Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
+  503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
+- `/health` needs no token (load balancers probe it); `/verify` does when a token is set. Unknown sample fields are
+  ignored, so newer clients can add fields without breaking older services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+log = logging.getLogger(__name__)
+
+Verifier = Callable[[str, Any], float]
+"""A reward function: (completion, label) -> reward."""
+
+
+class Sample(BaseModel):
+    """One completion to score."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    prompt: str
+    completion: str
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+
+class VerifyRequest(BaseModel):
+    """Body of `POST /verify`."""
+
+    model_config = ConfigDict(extra="ignore")
+    samples: list[Sample]
+
+
+class Result(BaseModel):
+    """One sample's outcome: `reward`, or `error` when it could not be scored."""
+
+    id: str
+    reward: float | None = None
+    error: str | None = None
+
+
+class VerifyResponse(BaseModel):
+    """Body of a 200 reply to `POST /verify`: one result per sample (any order)."""
+
+    results: list[Result]
+
+
+class _StuckCalls:
+    """Counts verifier calls still running after their sample's deadline passed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def change(self, delta: int) -> None:
+        with self._lock:
+            self.count += delta
+
+
+class _Scoring:
+    """One request's samples in the worker pool.
+
+    Each worker records when it starts a sample and resolves it with its result; the request's handler waits for
+    all of them and resolves a sample that has run past its deadline with an error. Whichever comes first wins.
+    One pool task and no event-loop round trip per sample: the service's cost per sample is a few microseconds.
+    """
+
+    def __init__(self, verifier: Verifier, samples: list[Sample], timeout: float, stuck: _StuckCalls):
+        self.verifier, self.samples, self.timeout, self.stuck = verifier, samples, timeout, stuck
+        self.started: list[float | None] = [None] * len(samples)  # monotonic start time of each call
+        self.results: list[Result | None] = [None] * len(samples)
+        self._pending = len(samples)
+        self._lock = threading.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+
+    def _resolve(self, i: int, result: Result) -> bool:
+        """Record sample i's result unless it already has one; thread-safe."""
+        with self._lock:
+            if self.results[i] is not None:
+                return False
+            self.results[i] = result
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
+        return True
+
+    def run(self, i: int) -> None:
+        """Score sample i (in a worker thread)."""
+        self.started[i] = time.monotonic()
+        sample = self.samples[i]
+        try:
+            result = _result(sample.id, self.verifier(sample.completion, sample.label))
+        except Exception as err:  # the verifier's own error becomes this sample's error reply
+            result = Result(id=sample.id, error=f"{type(err).__name__}: {err}"[:500])
+        if not self._resolve(i, result):  # it had timed out: this worker is free again
+            self.stuck.change(-1)
+
+    async def wait(self) -> list[Result]:
+        """Every sample's result, resolving those past their deadline (counted from their start) as errors."""
+        while not self._done.done():
+            now, next_check = time.monotonic(), self.timeout  # samples not started yet: look again later
+            for i, start in enumerate(self.started):
+                if start is None or self.results[i] is not None:
+                    continue
+                if now - start < self.timeout:
+                    next_check = min(next_check, start + self.timeout - now)
+                elif self._resolve(i, Result(id=self.samples[i].id,
+                                             error=f"verifier took longer than sample_timeout={self.timeout:g}s")):
+                    self.stuck.change(+1)
+            if not self._done.done():
+                await asyncio.wait([self._done], timeout=next_check)
+        return self.results  # type: ignore[return-value]  # all resolved
+
+
+def _result(sample_id: str, value: Any) -> Result:
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        return Result(id=sample_id, error=f"verifier returned {type(value).__name__}, not a number")
+    if not math.isfinite(reward):
+        return Result(id=sample_id, error=f"verifier returned {reward}, not a finite number")
+    return Result(id=sample_id, reward=reward)
+
+
+def create_app(verifier: Verifier, *, max_batch: int = 1024, max_body_bytes: int = 8 * 2**20, workers: int = 4,
+               sample_timeout: float = 30.0, token: str | None = None) -> FastAPI:
+    """A FastAPI app serving `verifier` with the remote verifier protocol.
+
+    max_batch: most samples per request (more: 413). max_body_bytes: largest request body (more: 413).
+    workers: threads scoring samples in parallel. sample_timeout: seconds one call may run before its sample gets
+    an error. token: bearer token required by `/verify` (None: no authentication).
+    """
+    if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
+        raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="relay-verify")
+    stuck = _StuckCalls()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="relay verifier service", lifespan=lifespan,
+                  description="The remote verifier protocol of relay (docs/verifiers.md).")
+
+    @app.get("/health")
+    async def health():
+        if stuck.count >= workers:
+            return JSONResponse({"status": "stalled", "detail": f"all {workers} workers are held by calls that "
+                                 f"exceeded sample_timeout={sample_timeout:g}s"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.post("/verify", response_model=VerifyResponse, response_model_exclude_none=True,
+              responses={401: {"description": "missing or wrong bearer token"},
+                         413: {"description": "body larger than max_body_bytes or more samples than max_batch"},
+                         422: {"description": "body is not a valid request"}})
+    async def verify(request: Request):
+        if token is not None and not _authorized(request, token):
+            return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        body = await _read_body(request, max_body_bytes)
+        if body is None:
+            return _error(413, f"request body exceeds max_body_bytes={max_body_bytes}; send smaller batches")
+        try:
+            samples = VerifyRequest.model_validate_json(body).samples
+        except ValidationError as err:
+            detail = err.errors(include_url=False, include_input=False, include_context=False)
+            return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
+        if len(samples) > max_batch:
+            return _error(413, f"{len(samples)} samples exceed max_batch={max_batch}; send smaller batches "
+                               "(client: batch_size)")
+        if len({s.id for s in samples}) != len(samples):
+            return _error(422, "sample ids must be unique within a request")
+        results = await _score(verifier, samples, pool, sample_timeout, stuck)
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            log.warning("%d of %d samples unscored; first: %s: %s", len(failed), len(results), failed[0].id,
+                        failed[0].error)
+        return VerifyResponse(results=results)
+
+    return app
+
+
+async def _score(verifier: Verifier, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,
+                 stuck: _StuckCalls) -> list[Result]:
+    if not samples:
+        return []
+    scoring = _Scoring(verifier, samples, timeout, stuck)
+    futures = [pool.submit(scoring.run, i) for i in range(len(samples))]
+    try:
+        return await scoring.wait()
+    finally:
+        for future in futures:  # a no-op once started; frees the queue if the request was abandoned
+            future.cancel()
+
+
+def _authorized(request: Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None if it is larger than `limit` bytes (by Content-Length or as actually sent)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_env: str | None = None,
+                  **options: Any) -> FastAPI:
+    """`create_app` for the verifier named `spec` (registry name or `package.module:function`) with `params` bound.
+
+    The token, if any, is read from the environment variable `token_env`. Raises ValueError (one line) for an
+    unknown verifier, an unset token variable or a bad option.
+    """
+    from rewards.verifiers import load_verifier
+
+    verifier = load_verifier(spec, params)
+    token = None
+    if token_env:
+        token = os.environ.get(token_env, "")
+        if not token:
+            raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token "
+                             "in it or drop --token-env")
+    return create_app(verifier, token=token, **options)
+
+
+def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+def serve(spec: str, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+    """Load the verifier `spec` and serve it on host:port (loopback by default) until interrupted.
+
+    options: `params`, `token_env` and `create_app`'s keyword arguments (`workers`, `max_batch`, ...).
+    """
+    app = app_from_spec(spec, **options)
+    if not options.get("token_env") and not _is_loopback(host):
+        log.warning("serving on %s without a token: anyone who can reach it can use it (see --token-env)", host)
+    run_app(app, host, port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@contextmanager
+def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0) -> Iterator[str]:
+    """Serve `app` on a background thread; yield its base URL (port 0 picks a free port); stop it on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=timeout))
+    thread = threading.Thread(target=server.run, name="relay-verifier-service", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"verifier service did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
