@@ -97,6 +97,8 @@ class RolloutConfig(_Section):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more prompts
     until `data.prompts_per_step` groups are kept."""
+    max_restarts: int = Field(5, ge=0, le=10_000)
+    """Rollout workers the run may replace (after a death or a missed deadline) before it stops."""
     max_sampling_rounds: int = Field(4, ge=1, le=1000)
     """Generation rounds per step with dynamic sampling; if the batch is still short after them, it is topped up
     with dropped groups (counted in `sampling/filler_groups`)."""
@@ -314,6 +316,24 @@ class RewardConfig(_Section):
         return self
 
 
+class CheckpointConfig(_Section):
+    every: int = Field(20, ge=0, le=10_000_000)
+    """Write a checkpoint every this many steps (and always after the last step); 0: only after the last step."""
+    keep: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept in `run_dir/checkpoints/`; older ones are deleted once a newer one is complete."""
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files to `run_dir/tensorboard/`."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb` and a login or WANDB_API_KEY)."""
+    wandb_project: str = Field("relay", min_length=1)
+    """Weights & Biases project."""
+    wandb_run_name: str | None = None
+    """Weights & Biases run name; empty: the run directory's name."""
+
+
 class TimeoutConfig(_Section):
     start: float = Field(600.0, gt=0)
     """Seconds for every actor to start (engines load their model here)."""
@@ -334,8 +354,8 @@ class RayConfig(_Section):
     """Ray cluster address (`auto`, `ray://host:10001`); empty starts a local Ray instance for this run."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs a local Ray instance advertises (default: every core)."""
-    dashboard: bool = False
-    """Start the Ray dashboard (bound to 127.0.0.1) with a local instance."""
+    dashboard: bool = True
+    """Start the Ray dashboard with a local instance, bound to 127.0.0.1; its address is printed at start."""
     log_to_driver: bool = False
     """Echo every actor's log (vLLM's included) on the console; otherwise they stay in Ray's session logs."""
 
@@ -349,6 +369,9 @@ class RunConfig(_Section):
     """Training steps to run."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed for prompts, sampling and shuffling."""
+    resume: str | None = None
+    """`auto`: continue the run in `run_dir` from its latest complete checkpoint (or start it if it has none);
+    a path: continue from that checkpoint directory. Empty: a new run (`run_dir` must not hold one)."""
     model: ModelConfig = ModelConfig()
     """The initial policy (also the reference)."""
     data: DataConfig = DataConfig()
@@ -365,6 +388,10 @@ class RunConfig(_Section):
     """The value model of PPO, trained in the learner actor."""
     sync: SyncConfig = SyncConfig()
     """Weight sync to the engines after every step, and its verification."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Periodic checkpoints for resuming."""
+    logging: LoggingConfig = LoggingConfig()
+    """Where metrics go besides `metrics.jsonl`."""
     timeouts: TimeoutConfig = TimeoutConfig()
     """A deadline for every remote call."""
     ray: RayConfig = RayConfig()

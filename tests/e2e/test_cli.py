@@ -24,7 +24,7 @@ def relay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     result = relay("--help")
     assert result.returncode == 0
-    for command in ("train", "build-demo-model"):
+    for command in ("train", "verifier", "build-demo-model"):
         assert command in result.stdout
     train_help = relay("train", "--help")
     assert train_help.returncode == 0 and "dotted" in train_help.stdout
@@ -35,10 +35,19 @@ def test_help_lists_every_command():
     (["rollout.num_workers=0"], "rollout.num_workers"),
     (["missing.yaml"], "cannot read config file 'missing.yaml'"),
     (["model.path=/nonexistent"], "model.path '/nonexistent' is not a Hugging Face model directory"),
+    (["data.task=dataset", "data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["data.task=dataset", "data.path={bad_jsonl}"], "line 2"),
+    (["reward.sources.c.verifier=nope"], "reward.sources.c: "),
+    (["reward.sources.c.verifier=no_such_module:score"], "no_such_module"),
+    (["reward.sources.c.type=remote", "reward.sources.c.urls=[http://127.0.0.1:9]", "reward.sources.c.token_env=RELAY_UNSET_TOKEN"],
+     "RELAY_UNSET_TOKEN"),
+    (["reward.sources.rm.type=model", "reward.sources.rm.path=/nonexistent"], "reward.sources.rm.path '/nonexistent'"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"
-    result = relay("train", *args, f"run_dir={run_dir}")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": 3, "label": "4"}\n')  # line 2: prompt not text
+    result = relay("train", *[a.format(bad_jsonl=bad_jsonl) for a in args], f"run_dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
     assert "Traceback" not in result.stderr and not run_dir.exists()
