@@ -21,13 +21,10 @@ from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
 from cluster.data import sampling_seeds
 from cluster.metrics import MetricsLog, ProgressDisplay
 from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
+from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
 from cluster.scoring import Scorer
 from rewards.arithmetic import Problem
 from rewards.shaping import overlong_penalty
-
-
-class SyncError(RunError):
-    """An engine does not serve the learner's weights after a sync."""
 
 
 class Trainer:
@@ -43,9 +40,7 @@ class Trainer:
         self.sampling = SamplingSettings(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p)
         self.scorer = scorer
         scorer.reward_models = fleet.reward_models
-        self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
-        self.num_buckets = get([fleet.learner.count_buckets.remote(self.bucket_bytes)], config.timeouts.sync,
-                               ["learner"], "sync")[0]
+        self.rollouts = RolloutPool(config, fleet)
         self.weights_version = 0
         self.timings: dict[str, float] = {}
 
@@ -121,21 +116,10 @@ class Trainer:
         return [g for g, _ in chosen], [r for _, rs in chosen for r in rs], stats
 
     def generate(self, problems: list[Problem], step: int, round_: int = 0) -> list[list[Any]]:
-        """Split the prompts into contiguous chunks, one per worker; returns [prompts][G] rollouts in order."""
-        workers = self.fleet.rollout_workers
-        prompts = [p.prompt for p in problems]
-        seeds = sampling_seeds(self.config.seed, step, len(prompts), round_)
-        bounds = [round(i * len(prompts) / len(workers)) for i in range(len(workers) + 1)]
-        calls = [(i, bounds[i], bounds[i + 1]) for i in range(len(workers)) if bounds[i + 1] > bounds[i]]
-        refs = [workers[i].generate.remote(prompts[a:b], seeds[a:b], self.sampling) for i, a, b in calls]
-        names = [self.fleet.rollout_names[i] for i, _, _ in calls]
-        results = get(refs, self.config.timeouts.generate, names, "generate")
-        groups = [group for chunk in results for group in chunk]
-        stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
-        if stale:
-            raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
-                            f"{self.weights_version}: a worker missed a sync")
-        return groups
+        """[prompts][G] rollouts in order, one sampling seed per prompt (a replaced worker's chunk is sampled again
+        with the same seeds, so a fault does not change the step)."""
+        seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
+        return self.rollouts.generate([p.prompt for p in problems], seeds, self.sampling)
 
     def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
         """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""
@@ -165,38 +149,8 @@ class Trainer:
         return metrics
 
     def sync_weights(self) -> float:
-        """Put the learner's weights in the object store once (bucketed), load them into every worker, verify."""
-        export = self.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
-        buckets = export.remote(self.bucket_bytes)
-        buckets = buckets if self.num_buckets > 1 else [buckets]
-        workers = self.fleet.rollout_workers
-        versions = get([w.load_weights.remote(self.weights_version, *buckets) for w in workers],
-                       self.config.timeouts.sync, self.fleet.rollout_names, "sync")
-        for name, version in zip(self.fleet.rollout_names, versions):
-            if version != self.weights_version:
-                raise SyncError(f"{name} serves weights version {version}, expected {self.weights_version}")
-        return self.verify_sync() if self.config.sync.probe else float("nan")
-
-    def verify_sync(self) -> float:
-        """Compare each engine's logprobs of a seeded probe sample with the learner's; return the largest gap."""
-        cfg, workers = self.config, self.fleet.rollout_workers
-        seed = self.weights_version
-        names = self.fleet.rollout_names
-        probes = get([w.probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed)
-                      for w in workers], cfg.timeouts.sync, names, "sync")
-        prompt_ids = [p[0] for p in probes]
-        learner_lps = get([self.fleet.learner.compute_logprobs.remote(prompt_ids, [p[1] for p in probes])],
-                          cfg.timeouts.sync, ["learner"], "sync")[0]
-        worst = 0.0
-        for name, (_, _, engine_lps, version), ours in zip(names, probes, learner_lps):
-            gap = max((abs(a - b) for a, b in zip(engine_lps, ours)), default=0.0)
-            if not gap <= cfg.sync.probe_tolerance:
-                raise SyncError(
-                    f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
-                    f"learner's by {gap:.3g} > sync.probe_tolerance={cfg.sync.probe_tolerance:g}; the engine is not "
-                    "serving the learner's weights")
-            worst = max(worst, gap)
-        return worst
+        """Every rollout worker serves the learner's new weights, checked by the probe; returns the probe's gap."""
+        return self.rollouts.sync(self.weights_version)
 
     def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
                step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +167,8 @@ class Trainer:
             "weights/version": self.weights_version,
             "sync/probe_max_diff": probe_diff,
             "rollout/workers": len(self.fleet.rollout_workers),
+            "rollout/restarts": self.rollouts.restarts,
+            "time/recovery": self.rollouts.recovery_seconds,
             **self.timings,
             "time/step": step_seconds,
             "throughput/tokens_per_s": sum(lengths) / step_seconds,
@@ -272,7 +228,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
         fleet = start_fleet(config, model_path, rollout_cls)
         trainer = Trainer(config, fleet, data, scorer)
         if config.sync.probe:
-            trainer.verify_sync()  # engines and learner agree before any update
+            trainer.rollouts.verify()  # engines and learner agree before any update
         progress = ProgressDisplay(config.max_steps) if display else None
         with progress or nullcontext():
             for step in range(1, config.max_steps + 1):

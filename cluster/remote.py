@@ -33,6 +33,8 @@ class Fleet:
     rollout_workers: list[Any]
     placement: PlacementGroup
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
+    start_rollout_worker: Any = None  # (index) -> a new rollout actor in worker `index`'s bundle
+    restarts: int = 0  # rollout workers replaced so far
 
     @property
     def rollout_names(self) -> list[str]:
@@ -102,18 +104,20 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     settings = EngineSettings(model_path=model_path, dtype=config.model.dtype, max_model_len=ro.max_model_len,
                               kv_cache_bytes=ro.kv_cache_bytes, enforce_eager=ro.enforce_eager,
                               gpu_memory_utilization=ro.gpu_memory_utilization, seed=config.seed)
-    workers = [
-        ray.remote(rollout_cls).options(**options(first + i, ro.num_threads, ro.num_cpus, ro.num_gpus)).remote(
-            settings, ro.num_threads)
-        for i in range(ro.num_workers)
-    ]
+    rollout_first = first
+
+    def start_rollout_worker(index: int) -> Any:
+        return ray.remote(rollout_cls).options(**options(rollout_first + index, ro.num_threads, ro.num_cpus,
+                                                         ro.num_gpus)).remote(settings, ro.num_threads)
+
+    workers = [start_rollout_worker(i) for i in range(ro.num_workers)]
     first += ro.num_workers
     reward_models = {
         name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
             s.path, config.model.dtype, s.num_threads, s.micro_batch_size)
         for i, (name, s) in enumerate(reward_sources.items())
     }
-    fleet = Fleet(learner, reference, workers, pg, reward_models)
+    fleet = Fleet(learner, reference, workers, pg, reward_models, start_rollout_worker)
     names = (["learner"] + (["reference"] if reference else []) + fleet.rollout_names
              + [f"reward model '{name}'" for name in reward_models])
     actors = [learner] + ([reference] if reference else []) + workers + list(reward_models.values())
