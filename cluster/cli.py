@@ -1,4 +1,4 @@
-"""The `relay` command line: `relay train`, `relay build-demo-model`, `relay verifier serve`.
+"""The `relay` command line: `relay train`, `relay plot`, `relay build-demo-model`, `relay verifier serve`.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
@@ -20,7 +20,9 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
 Algorithm presets (on the demo task): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo}.yaml, e.g.
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
-Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl.
+Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl, tensorboard/, checkpoints/step_N/.
+A killed or failed run continues exactly with:  relay train [CONFIG.yaml] run_dir=PATH resume=auto
+Charts of a run:  relay plot RUN_DIR        (docs/operations.md)
 """
 
 
@@ -37,12 +39,20 @@ def main(argv: list[str] | None = None) -> int:
                                             "supervised warm-up) into $RELAY_CACHE_DIR or ~/.cache/relay.")
     build.add_argument("--force", action="store_true", help="rebuild even if the cache holds it")
     _add_verifier_commands(commands)
+    plot = commands.add_parser("plot", help="draw a run's charts from its metrics.jsonl into a PNG",
+                               description="Draw reward, KL, response length, logprob mismatch and seconds per "
+                                           "phase per step from RUN_DIR/metrics.jsonl into one PNG "
+                                           "(docs/operations.md).")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a relay run directory (holds metrics.jsonl)")
+    plot.add_argument("--out", metavar="FILE.png", help="where to write the PNG (default: RUN_DIR/plots.png)")
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)
         if args.command == "verifier":
             return _verifier_serve(args)
+        if args.command == "plot":
+            return _plot(Path(args.run_dir), Path(args.out) if args.out else None)
         return _build_demo_model(force=args.force)
     except ConfigError as err:
         print(f"relay: config error: {err}", file=sys.stderr)
@@ -65,15 +75,29 @@ def _train(items: list[str], quiet: bool) -> int:
         if not (Path(model_path) / "config.json").is_file():
             raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
                               "pass model.path=DIR or leave it empty for the demo model")
-    from cluster.driver import run_training
+    from cluster.driver import RunFinished, run_training
     from cluster.remote import RunError
 
     try:
         run_training(config, run_dir, model_path, display=not quiet)
+    except RunFinished as done:
+        print(f"relay: {done}", file=sys.stderr)
+        return 0
     except RunError as err:
         print(f"relay: run stopped: {err}", file=sys.stderr)
         return 1
     print(f"relay: run finished; metrics in {run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def _plot(run_dir: Path, out: Path | None) -> int:
+    from cluster.plot import plot_run
+
+    try:
+        path = plot_run(run_dir, out)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(path)
     return 0
 
 

@@ -313,6 +313,8 @@ class RewardConfig(_Section):
         for name in self.sources:
             if not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name):
                 raise ValueError(f"source name {name!r} must be lower-case letters, digits and _ (it names metrics)")
+            if name in ("mean", "std"):
+                raise ValueError(f"source name {name!r} would hide the metric reward/{name}; choose another name")
         return self
 
 

@@ -9,6 +9,7 @@ Does not own: the math (learner/), the engines (actors/), or placement (cluster/
 from __future__ import annotations
 
 import datetime
+import sys
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -17,9 +18,10 @@ from typing import Any
 
 import ray
 
+from cluster import checkpoint, resume
 from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
 from cluster.data import sampling_seeds
-from cluster.metrics import MetricsLog, ProgressDisplay
+from cluster.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
 from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
 from cluster.scoring import Scorer
@@ -148,6 +150,24 @@ class Trainer:
         self.weights_version += 1
         return metrics
 
+    def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:
+        """Write `checkpoints/step_<step>` atomically: the learner's state, the data cursor, the resolved config."""
+        tmp = checkpoint.begin(run_dir, step)
+        get([self.fleet.learner.save_checkpoint.remote(str(tmp))], self.config.timeouts.train, ["learner"], "train")
+        checkpoint.write_driver_state(tmp, {"step": step, "weights_version": self.weights_version,
+                                            "data": self.data.state()})
+        checkpoint.write_config(tmp, resolved_config)
+        return checkpoint.commit(tmp, run_dir, step, self.config.checkpoint.keep)
+
+    def restore(self, point: resume.ResumePoint) -> int:
+        """Load a checkpoint into the learner, the data cursor and every engine (probe-checked); returns its step."""
+        version = get([self.fleet.learner.load_checkpoint.remote(str(point.path))], self.config.timeouts.train,
+                      ["learner"], "train")[0]
+        self.data.load_state(point.state["data"])
+        self.weights_version = version
+        self.rollouts.sync(version)
+        return point.step
+
     def sync_weights(self) -> float:
         """Every rollout worker serves the learner's new weights, checked by the probe; returns the probe's gap."""
         return self.rollouts.sync(self.weights_version)
@@ -160,6 +180,7 @@ class Trainer:
         return {
             "step": step,
             **sampling,
+            "rollout/completions": len(rollouts),
             "response_length/mean": statistics.fmean(lengths),
             "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
             **learner_metrics,
@@ -175,14 +196,22 @@ class Trainer:
         }
 
 
+class RunFinished(Exception):
+    """`resume` named a run that already reached `max_steps`: nothing to do (not an error)."""
+
+
 def resolve_run_dir(config: RunConfig) -> Path:
-    """The run directory, refusing one that already holds a run (nothing is written here)."""
+    """The run directory. A new run refuses one that already holds a run; `resume` needs the run's directory
+    (nothing is written here)."""
+    if config.resume == "auto" and not config.run_dir:
+        raise ConfigError("resume=auto continues the run in run_dir: pass run_dir=PATH of that run")
     if config.run_dir:
         run_dir = Path(config.run_dir)
     else:
-        run_dir = Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists():
-        raise ConfigError(f"run_dir '{run_dir}' already holds a run; pass a new run_dir=PATH or remove it")
+        run_dir = resume.run_dir_for(config) or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if not config.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()):
+        raise ConfigError(f"run_dir '{run_dir}' already holds a run; pass a new run_dir=PATH, remove it, or continue "
+                          "it with resume=auto")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir '{run_dir}' is a file; pass run_dir=PATH naming a directory")
     return run_dir
@@ -206,6 +235,10 @@ def prepare(config: RunConfig, model_path: str) -> tuple[Any, Scorer]:
     except DataError as err:
         raise ConfigError(str(err)) from None
     try:
+        check_logging(config.logging)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
         scorer = Scorer(config.reward, config.timeouts.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -214,33 +247,57 @@ def prepare(config: RunConfig, model_path: str) -> tuple[Any, Scorer]:
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True,
                  rollout_cls: type | None = None) -> list[dict[str, Any]]:
-    """Check the inputs, start Ray (unless connected already) and the fleet, run `max_steps` steps, and clean up;
-    returns the records."""
+    """Check the inputs, start Ray (unless connected already) and the fleet, run the steps up to `max_steps` (from
+    the checkpoint `resume` names, if any), write checkpoints, and clean up; returns this attempt's records.
+
+    Raises ConfigError (nothing written) on bad input, RunFinished when resuming a finished run, RunError when the
+    run cannot go on (with the checkpoint to resume from)."""
+    point = resume.find(config, run_dir)
+    if point is not None and point.step >= config.max_steps:
+        raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
+                          f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
     data, scorer = prepare(config, model_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = config.model_copy(update={"run_dir": str(run_dir)})
-    (run_dir / "config.yaml").write_text(dump_config(resolved))
+    resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
+    resolved = dump_config(resolved_config)
+    (run_dir / "config.yaml").write_text(resolved)
+    try:
+        recorder = MetricsRecorder(run_dir, config.logging, resolved_config.model_dump(mode="json"),
+                                   resume_step=point.step if point else None)
+    except BaseException:
+        scorer.close()
+        raise
     started_ray = _init_ray(config)
-    log = MetricsLog(run_dir)
     records: list[dict[str, Any]] = []
     fleet = None
+    finished = False
     try:
         fleet = start_fleet(config, model_path, rollout_cls)
         trainer = Trainer(config, fleet, data, scorer)
-        if config.sync.probe:
+        first = trainer.restore(point) + 1 if point else 1
+        if point is None and config.sync.probe:
             trainer.rollouts.verify()  # engines and learner agree before any update
-        progress = ProgressDisplay(config.max_steps) if display else None
+        progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
         with progress or nullcontext():
-            for step in range(1, config.max_steps + 1):
+            for step in range(first, config.max_steps + 1):
                 record = trainer.step(step)
-                log.write(record)
+                recorder.write(record)
                 records.append(record)
                 if progress:
                     progress.update(record)
+                every = config.checkpoint.every
+                if step == config.max_steps or (every and step % every == 0):
+                    trainer.save_checkpoint(run_dir, step, resolved)
         if progress:
             progress.summary()
+        finished = True
+    except RunError as err:
+        latest = checkpoint.latest(run_dir)
+        hint = (f"; resume from {latest.name} with: relay train run_dir={run_dir} resume=auto" if latest
+                else "; no checkpoint was written yet")
+        raise type(err)(f"{err}{hint}") from err
     finally:
-        log.close()
+        recorder.close(failed=not finished)
         scorer.close()
         if fleet is not None:
             stop_fleet(fleet)
@@ -253,8 +310,11 @@ def _init_ray(config: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     rc = config.ray
-    ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
-             include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
-             configure_logging=True, logging_level="WARNING")
+    context = ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
+                       include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
+                       configure_logging=True, logging_level="WARNING")
+    line = dashboard_line(context)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     return True
 

@@ -1,27 +1,45 @@
-"""What a run shows and records: `metrics.jsonl` (one JSON object per step) and the console display.
+"""What a run shows and records: `metrics.jsonl` (one JSON object per step), TensorBoard event files, Weights &
+Biases (when enabled), the console display, and the Ray dashboard line printed at start.
 
-Owns: the metrics file's format (see DESIGN.md's contract), the progress display (rich) and the final summary.
-Does not own: computing metrics (the driver and the learner do).
+Owns: the metrics file's format (see DESIGN.md's contract), fanning each step's record out to every sink
+(`MetricsRecorder`), dropping records past the checkpoint on resume, the progress display (rich) and the final
+summary. Does not own: computing metrics (the driver and the learner do) or the charts (cluster/plot.py).
+TensorBoard and wandb are imported only when a run writes to them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from cluster.config import LoggingConfig
+
+WANDB_ID_FILE = "wandb_run_id"  # in run_dir: the W&B run id, so a resumed run logs to the same W&B run
+
 
 class MetricsLog:
-    """Appends one JSON object per step to `metrics.jsonl`, flushed so a crash loses at most the current step."""
+    """Appends one JSON object per step to `metrics.jsonl`, flushed so a crash loses at most the current step.
 
-    def __init__(self, run_dir: Path):
+    With `resume_step`, records of later steps (written by the attempt that crashed after that checkpoint) are
+    dropped first, so the resumed steps are not in the file twice."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_records(self.path) if r["step"] <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+            os.replace(tmp, self.path)  # atomic: a crash here leaves the old file or the new one
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -32,15 +50,168 @@ class MetricsLog:
         self._file.close()
 
 
-class ProgressDisplay:
-    """A progress bar with step, reward, KL, step time and ETA, plus one line per step (readable in logs too)."""
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl`. A torn last line (the process was killed mid-write) is ignored; any other
+    line that is not a JSON object with a `step` raises ValueError naming the file and line."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path} line {number} is not JSON; remove the line or the file") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path} line {number} is not a metrics record (no integer 'step'); remove the line")
+        records.append(record)
+    return records
 
-    def __init__(self, total_steps: int, console: Console | None = None):
+
+class TensorBoardWriter:
+    """Every numeric value of a record as a TensorBoard scalar at global step `step`, flushed after each step.
+
+    Uses tensorboard's own event writer (no torch, no TensorFlow). `purge_step=N` writes a SessionLog.START event
+    at step N, which tells TensorBoard to hide every event of an earlier file with step >= N: how a resumed run
+    replaces the steps the crashed attempt logged after its last checkpoint (the same mechanism as
+    `torch.utils.tensorboard.SummaryWriter(purge_step=N)`)."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        self.log_dir = log_dir
+        self._writer = EventFileWriter(str(log_dir))
+        if purge_step is not None:
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
+            self._writer.flush()
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        values = [self._summary_pb2.Summary.Value(tag=key, simple_value=float(value))
+                  for key, value in record.items() if key != "step" and _is_number(value)]
+        summary = self._summary_pb2.Summary(value=values)
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()  # a killed run keeps every finished step
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def check_logging(logging: LoggingConfig) -> None:
+    """Raise ValueError (one line: what is missing and how to fix it) if an enabled sink's library is not installed.
+    Cheap enough to call before anything starts."""
+    if logging.tensorboard:
+        _import_tensorboard()
+    if logging.wandb:
+        _import_wandb()
+
+
+class MetricsRecorder:
+    """Fans each step's record out to `metrics.jsonl` (always), TensorBoard (`run_dir/tensorboard/`, when
+    `logging.tensorboard`) and Weights & Biases (when `logging.wandb`), and closes them.
+
+    `config` is the resolved run config as a plain dict (W&B shows it with the run). `resume_step` is the step of
+    the checkpoint a resumed run continues from (0: it had none), None for a new run: records after it are dropped
+    from `metrics.jsonl`, hidden in TensorBoard, and the same W&B run is continued. Raises ValueError when an
+    enabled sink is not installed."""
+
+    def __init__(self, run_dir: Path, logging: LoggingConfig, config: dict[str, Any],
+                 resume_step: int | None = None):
+        check_logging(logging)
+        self.log = MetricsLog(run_dir, resume_step)
+        self.tensorboard: TensorBoardWriter | None = None
+        self.wandb_run: Any = None
+        try:
+            if logging.tensorboard:
+                purge_step = None if resume_step is None else resume_step + 1
+                self.tensorboard = TensorBoardWriter(run_dir / "tensorboard", purge_step)
+            if logging.wandb:
+                self.wandb_run = _start_wandb(run_dir, logging, config, resuming=resume_step is not None)
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        self.log.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(step, record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self, failed: bool = False) -> None:
+        """Close every sink; `failed` marks the W&B run as failed (exit code 1)."""
+        self.log.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=1 if failed else 0)
+            self.wandb_run = None
+
+    def __enter__(self) -> MetricsRecorder:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
+
+
+def _start_wandb(run_dir: Path, logging: LoggingConfig, config: dict[str, Any], resuming: bool) -> Any:
+    """A W&B run in `run_dir/wandb/`; its id is kept in `run_dir/wandb_run_id` so a resumed run continues it."""
+    wandb = _import_wandb()
+    id_file = run_dir / WANDB_ID_FILE
+    if resuming and id_file.exists():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+    return wandb.init(project=logging.wandb_project, name=logging.wandb_run_name or run_dir.name, id=run_id,
+                      resume="allow", config=config, dir=str(run_dir))
+
+
+def _import_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard, or set "
+                         "logging.tensorboard=false") from None
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("logging.wandb=true needs the wandb package: pip install wandb (or pip install -e "
+                         "'.[wandb]' in a relay checkout), or set logging.wandb=false") from None
+    return wandb
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bools too (0/1); strings and lists are not scalars
+
+
+def dashboard_line(context: Any) -> str | None:
+    """`Ray dashboard: http://127.0.0.1:8265` from what `ray.init` returned, or None when there is no dashboard."""
+    url = getattr(context, "dashboard_url", None)
+    if not url:
+        return None
+    return f"Ray dashboard: {url if '://' in url else 'http://' + url}"
+
+
+class ProgressDisplay:
+    """A progress bar with step, reward, KL, step time and ETA, plus one line per step (readable in logs too) with
+    the seconds of each phase."""
+
+    def __init__(self, total_steps: int, console: Console | None = None, start_step: int = 0):
         self.console = console or Console(stderr=True)
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console, transient=True)
-        self.task = self.progress.add_task("train", total=total_steps, status="starting")
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="starting")
         self.history: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
@@ -53,12 +224,12 @@ class ProgressDisplay:
 
     def update(self, record: dict[str, Any]) -> None:
         self.history.append(record)
-        status = (f"reward {record['reward/mean']:.3f}  kl {record.get('kl/mean', 0.0):.4f}  "
-                  f"{record['time/step']:.2f} s/step")
+        kl = f"kl {record['kl/mean']:.4f}" if "kl/mean" in record else "kl off"
+        status = f"reward {record['reward/mean']:.3f}  {kl}  {record['time/step']:.2f} s/step"
         self.progress.update(self.task, advance=1, status=status)
-        phases = " ".join(f"{k[5:]} {record[k]:.2f}" for k in _PHASES)
-        self.progress.console.print(f"step {record['step']:>4}  {status}  mismatch {record['logprob/mismatch']:.1e}  "
-                                    f"[dim]{phases}[/dim]")
+        self.progress.console.print(f"step {record['step']:>4}  {status}  "
+                                    f"mismatch {record.get('logprob/mismatch', math.nan):.1e}  "
+                                    f"[dim]{phase_breakdown(record)}[/dim]", soft_wrap=True)  # one line in logs
 
     def summary(self) -> None:
         """A final table: reward at the start and the end, mean step time and its phases."""
@@ -69,14 +240,23 @@ class ProgressDisplay:
         table = Table(title="relay: run summary", show_header=False)
         table.add_row("steps", str(last["step"]))
         table.add_row("wall time", f"{time.monotonic() - self.started:.0f} s")
-        table.add_row("reward, first step", f"{first['reward/mean']:.3f}")
+        table.add_row(f"reward, step {first['step']}", f"{first['reward/mean']:.3f}")
         table.add_row(f"reward, mean of last {len(tail)}", f"{_mean([r['reward/mean'] for r in tail]):.3f}")
-        for key in ("time/step", *_PHASES):
-            table.add_row(f"{key} (mean s)", f"{_mean([r[key] for r in self.history]):.3f}")
+        for key in ("time/step", *PHASES):
+            table.add_row(f"{key} (mean s)", f"{_mean([r.get(key, math.nan) for r in self.history]):.3f}")
         self.console.print(table)
 
 
-_PHASES = ("time/generate", "time/score", "time/reference", "time/train", "time/sync")
+PHASES = ("time/generate", "time/score", "time/reference", "time/train", "time/sync")
+_PHASE_LABELS = {"time/generate": "gen", "time/score": "score", "time/reference": "ref", "time/train": "train",
+                 "time/sync": "sync"}
+
+
+def phase_breakdown(record: dict[str, Any]) -> str:
+    """`gen 1.20 score 0.05 ref 0.31 train 2.10 sync 0.40 s`: the step's seconds per phase (missing phases left
+    out)."""
+    parts = [f"{_PHASE_LABELS[key]} {record[key]:.2f}" for key in PHASES if key in record]
+    return " ".join(parts) + " s" if parts else ""
 
 
 def _mean(values: list[float]) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -141,6 +141,10 @@ def get(refs: list, timeout: float, names: list[str], what: str) -> list:
     except RayActorError as err:
         raise RunError(f"an actor died during '{what}': {err.__class__.__name__}: "
                        f"{str(err).splitlines()[0]}") from err
+    except RayTaskError as err:  # the call raised inside the actor: its own message, not Ray's traceback wall
+        cause = err.cause if err.cause is not None else err
+        raise RunError(f"{', '.join(names)} failed during '{what}': {cause.__class__.__name__}: "
+                       f"{str(cause).splitlines()[0] if str(cause) else ''}") from err
 
 
 def stop_fleet(fleet: Fleet) -> None:

@@ -121,6 +121,8 @@ class RolloutPool:
         buckets = buckets if self.num_buckets > 1 else [buckets]
         refs = {i: self.workers[i].load_weights.remote(self.weights_version, *buckets) for i in indices}
         done, failed = self._collect(refs, self.config.timeouts.sync, "sync")
+        if failed:  # the workers' fault, or the learner's? A dead learner fails every load through its buckets.
+            get(list(buckets), self.config.timeouts.sync, ["learner"] * len(buckets), "sync")
         for i, version in done.items():
             if version != self.weights_version:
                 raise SyncError(f"{self.fleet.rollout_names[i]} serves weights version {version}, expected "

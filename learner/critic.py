@@ -2,13 +2,19 @@
 
 Owns: the value model (a transformers `AutoModelForTokenClassification` with one label, so it saves and loads as a
 plain Hugging Face checkpoint), its own AdamW and warm-up schedule, computing values in the token layout of
-`learner.algo.sequences`, and accumulating the clipped value loss micro-batch by micro-batch. Does not own: GAE
-(`learner.algo.advantages`), the loss math (`learner.algo.losses`), or when to step (the `Learner`).
+`learner.algo.sequences`, accumulating the clipped value loss micro-batch by micro-batch, and saving/restoring
+itself for checkpoints. Also the two Hugging Face directory helpers the policy and the value model share
+(`save_model_dir`, `load_model_weights`). Does not own: GAE (`learner.algo.advantages`), the loss math
+(`learner.algo.losses`), when to step or checkpoint (the `Learner`, the driver), or checkpoint atomicity
+(`cluster.checkpoint`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +23,51 @@ from learner.algo.sequences import SequenceBatch
 
 if TYPE_CHECKING:
     from cluster.config import CriticConfig
+
+
+# Files beside the weights that a model directory needs to be served or tokenized as it is (generation defaults,
+# tokenizer, chat template). Weights and config.json come from `save_pretrained`, never from the source.
+SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                      "*.tiktoken", "spiece.model", "chat_template.*", "generation_config.json",
+                      "preprocessor_config.json")
+
+
+def save_model_dir(model: torch.nn.Module, source: str, directory: str | os.PathLike) -> None:
+    """`model` as a Hugging Face directory: safetensors weights and config.json (`save_pretrained`), plus the
+    tokenizer and generation files of `source` (the directory or hub id it was loaded from), so that transformers
+    and vLLM load `directory` exactly as they load `source`."""
+    model.save_pretrained(directory)
+    source_dir = Path(source)
+    if not source_dir.is_dir():  # a hub id: its files are in (or go to) the local hub cache
+        from huggingface_hub import snapshot_download
+
+        source_dir = Path(snapshot_download(source, allow_patterns=list(SIDE_FILE_PATTERNS)))
+    for pattern in SIDE_FILE_PATTERNS:
+        for path in source_dir.glob(pattern):
+            if path.is_file():
+                shutil.copyfile(path, Path(directory) / path.name)
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    """Copy the safetensors weights of a `save_model_dir` directory into `model` in place, strictly: every key
+    must be a parameter or buffer of `model`, and every one of those must be loaded, except tied weights that
+    share storage with a loaded one (save_pretrained writes a tied output head once, as the embedding)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights to load")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    expected = model.state_dict()
+    unexpected = sorted(state.keys() - expected.keys())
+    loaded = {expected[name].data_ptr() for name in state.keys() & expected.keys()}
+    missing = sorted(name for name in expected.keys() - state.keys() if expected[name].data_ptr() not in loaded)
+    if unexpected or missing:
+        raise ValueError(f"{directory}: weights do not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; was it saved from another architecture?")
+    model.load_state_dict(state, strict=False)  # strictness checked above, with tied weights allowed for
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -33,6 +84,7 @@ class Critic:
         from transformers.utils import logging as hf_logging
 
         self.config = config
+        self.model_path = config.path or model_path  # where the tokenizer files of a saved value model come from
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report calls the new head "MISSING": expected, and handled below
         try:
@@ -92,3 +144,19 @@ class Critic:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def save_model(self, directory: str | os.PathLike) -> None:
+        """The value model as a Hugging Face token-classification directory (safetensors)."""
+        save_model_dir(self.model, self.model_path, directory)
+
+    def load_model(self, directory: str | os.PathLike) -> None:
+        load_model_weights(self.model, directory)
+
+    def training_state(self) -> dict[str, Any]:
+        """Optimizer and scheduler state: plain containers of tensors and numbers (`torch.load(weights_only=True)`
+        reads them back; the schedule's lambda is not in it and is rebuilt from the config)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

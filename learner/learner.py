@@ -4,15 +4,17 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 `old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x
 micro-batches of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite
-updates; exporting weights in buckets for the engines. Does not own: sampling, rewards, or how weights travel
-(cluster/). A plain class: Ray wraps it in `cluster/`.
+updates; exporting weights in buckets for the engines; saving and restoring its whole state for checkpoints.
+Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain
+class: Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import resource
 
@@ -23,7 +25,7 @@ from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
                                      sequence_logprobs_and_entropy, unpad_per_token)
-from learner.critic import Critic, warmup_schedule
+from learner.critic import Critic, load_model_weights, save_model_dir, warmup_schedule
 
 if TYPE_CHECKING:
     from cluster.config import CriticConfig, LearnerConfig
@@ -58,6 +60,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# The learner's part of a checkpoint directory (cluster/checkpoint.py names the same files; a test keeps them equal).
+POLICY_DIR = "policy"  # Hugging Face causal LM directory: transformers and vLLM load it as it is
+CRITIC_DIR = "critic"  # Hugging Face token-classification directory, with a critic only
+LEARNER_STATE_FILE = "learner_state.pt"  # optimizers, schedulers, RNG states, counters: tensors and numbers only
+LEARNER_STATE_FORMAT = 1
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
@@ -72,6 +81,7 @@ class Learner:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.base_rss_mb = _peak_rss_mb()  # the process before any model: interpreter, torch, transformers
+        self.model_path = model_path  # where a saved policy's tokenizer and generation files come from
         self.config = config
         self.temperature = temperature
         self.norm_length = config.loss_norm_length or norm_length  # seq-mean-token-sum-norm's fixed length
@@ -226,3 +236,51 @@ class Learner:
 
     def count_buckets(self, bucket_bytes: int) -> int:
         return len(self.export_weights(bucket_bytes))
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write the learner's whole state into `directory` (existing and empty; the caller makes it atomic):
+        `policy/` and, with a critic, `critic/` as Hugging Face directories (safetensors), and `learner_state.pt`
+        with the optimizers, schedulers, RNG states and counters as plain tensors and numbers, so that it loads
+        with `torch.load(weights_only=True)`. With `load_checkpoint` the next `train_step` is bitwise the same."""
+        root = Path(directory)
+        save_model_dir(self.model, self.model_path, root / POLICY_DIR)
+        if self.critic:
+            self.critic.save_model(root / CRITIC_DIR)
+        torch.save(self._training_state(), root / LEARNER_STATE_FILE)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore what `save_checkpoint` wrote into this learner (built with the same model and config); returns
+        the weights version the restored policy has."""
+        root = Path(directory)
+        state = torch.load(root / LEARNER_STATE_FILE, weights_only=True)  # no arbitrary unpickling
+        if state.get("format") != LEARNER_STATE_FORMAT:
+            raise ValueError(f"{root / LEARNER_STATE_FILE}: format {state.get('format')!r}, this relay reads "
+                             f"{LEARNER_STATE_FORMAT}; resume with the relay version that wrote it")
+        if (state["critic"] is None) != (self.critic is None):
+            raise ValueError(f"{root}: the checkpoint {'has' if state['critic'] is not None else 'has no'} value "
+                             f"model but this run {'has' if self.critic else 'has none'}; resume with the "
+                             "checkpoint's learner.advantage and critic settings")
+        load_model_weights(self.model, root / POLICY_DIR)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic:
+            self.critic.load_model(root / CRITIC_DIR)
+            self.critic.load_training_state(state["critic"])
+        self.shuffle.set_state(state["rng"]["shuffle"])
+        torch.set_rng_state(state["rng"]["torch"])  # unused by the update today (no dropout); restored for anything
+        self.weights_version = int(state["weights_version"])
+        self.nonfinite_in_row = int(state["nonfinite_in_row"])
+        return self.weights_version
+
+    def _training_state(self) -> dict[str, Any]:
+        """Everything but the weights that the next update depends on. The learner draws no numpy or Python
+        random numbers; its only generators are `self.shuffle` and torch's global one."""
+        return {
+            "format": LEARNER_STATE_FORMAT,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),  # LambdaLR leaves the lambda out: rebuilt from the config
+            "critic": self.critic.training_state() if self.critic else None,
+            "rng": {"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()},
+            "weights_version": self.weights_version,
+            "nonfinite_in_row": self.nonfinite_in_row,
+        }

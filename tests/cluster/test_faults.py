@@ -1,12 +1,16 @@
-"""Rollout faults through the real loop: a worker process killed mid-generation and a worker that hangs past its
-deadline are replaced, given the current weights, and their prompts re-dispatched; the run's rewards are exactly
-those of a run without the fault (same seeds), so nothing is lost."""
+"""Faults through the real loop. A rollout worker process killed mid-generation and a worker that hangs past its
+deadline are replaced, given the current weights, and their prompts re-dispatched: the run's rewards are exactly
+those of a run without the fault (same seeds), so nothing is lost. A non-finite update is skipped and counted, K in a
+row stop the run. A killed learner or reference stops the run with one line and the checkpoint to resume from."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,9 +20,19 @@ import ray
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
 from cluster.driver import run_training
+from cluster.remote import RunError
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting workers travel by value
+
+
+def _first(marker: str) -> bool:
+    """True for exactly one caller over all processes: workers reach their faulty call at the same moment."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 class OnceFaultyWorker(RolloutWorker):
@@ -31,8 +45,7 @@ class OnceFaultyWorker(RolloutWorker):
 
     def generate(self, prompts, seeds, sampling):
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == self.fail_on and not Path(self.marker).exists():
-            Path(self.marker).write_text(str(os.getpid()))
+        if self.calls == self.fail_on and _first(self.marker):
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-generation, as an OOM kill would
             time.sleep(3600)  # a hung engine
@@ -68,3 +81,64 @@ def test_failed_worker_is_replaced_and_nothing_is_lost(ray_local, tmp_path, demo
     assert [r["reward/mean"] for r in records] == [r["reward/mean"] for r in clean_run]
     assert [r["response_length/mean"] for r in records] == [r["response_length/mean"] for r in clean_run]
     assert all(r["logprob/mismatch"] < 1e-4 for r in records)
+
+
+_samples_scored = itertools.count()
+
+
+def overflowing_reward(completion, label):
+    """1e39 is a finite Python float but inf in the learner's float32: the advantages, then the loss, are NaN."""
+    return 1e39
+
+
+def overflowing_reward_in_step_1(completion, label):
+    return 1e39 if next(_samples_scored) < 8 * 8 else float(completion == label)  # 8 prompts x G = 8 in step 1
+
+
+def test_a_non_finite_update_is_skipped_and_counted_and_the_run_goes_on(ray_local, tmp_path, demo_model_dir):
+    records = run(tmp_path, demo_model_dir, "nan_once", None, "max_steps=3", "rollout.num_workers=1",
+                  f"reward.sources.c.verifier={__name__}:overflowing_reward_in_step_1")
+    assert [r["train/skipped_updates"] for r in records] == [1, 0, 0]
+    assert [r["grad_norm"] for r in records][0] == 0 and records[1]["grad_norm"] > 0
+    # The skipped update left the weights alone: engines and learner still agree exactly after every sync.
+    assert all(r["logprob/mismatch"] < 1e-4 and r["sync/probe_max_diff"] < 1e-4 for r in records)
+
+
+def test_non_finite_updates_in_a_row_stop_the_run_with_one_line(ray_local, tmp_path, demo_model_dir):
+    with pytest.raises(RunError, match=r"learner failed during 'train': NonFiniteError: 2 updates in a row had a "
+                                       r"non-finite loss or gradient; lower learner.lr or check the rewards; no checkpoint was written yet$"):
+        run(tmp_path, demo_model_dir, "nan", None, "max_steps=5", "rollout.num_workers=1",
+            "learner.max_nonfinite_steps=2", f"reward.sources.c.verifier={__name__}:overflowing_reward")
+
+
+def kill_actor_process(class_name: str, when, timeout: float = 300) -> threading.Thread:
+    """From a thread: once `when()` holds, SIGKILL the Ray worker process hosting `class_name` (its process title is
+    `ray::<class_name>...`), as an OOM kill or a lost node would."""
+    import psutil
+
+    def killer():
+        deadline = time.monotonic() + timeout
+        while not when() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(part.startswith(f"ray::{class_name}") for part in proc.info["cmdline"] or []):
+                proc.kill()
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("class_name, phase", [("Learner", "train|sync"), ("ReferenceWorker", "reference")])
+def test_a_dead_learner_or_reference_stops_the_run_with_a_checkpoint_to_resume(ray_local, tmp_path, demo_model_dir,
+                                                                              class_name, phase):
+    metrics = tmp_path / "dead" / "metrics.jsonl"
+    thread = kill_actor_process(class_name, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    started = time.monotonic()
+    with pytest.raises(RunError) as err:
+        run(tmp_path, demo_model_dir, "dead", None, "max_steps=40", "rollout.num_workers=1", "checkpoint.every=2")
+    thread.join(timeout=60)
+    message = str(err.value)
+    assert re.search(rf"an actor died during '({phase})'", message), message
+    assert re.search(r"resume from step_\d+ with: relay train run_dir=.* resume=auto$", message), message
+    assert "\n" not in message and time.monotonic() - started < 300

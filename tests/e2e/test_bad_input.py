@@ -1,0 +1,90 @@
+"""The bad-input corpus: every user-facing input (config keys and values, CLI arguments, dataset files, model
+paths, verifier specs and URLs) is checked before any actor starts. Each case must end with exit code 2, one line on
+stderr that names what is wrong (and how to fix it), no traceback, and nothing written to the run directory.
+
+Runs `cluster.cli.main` in-process (the same code path as the `relay` binary, whose own exit codes
+tests/e2e/test_cli.py checks) so that the corpus stays fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import main
+
+# (arguments after `relay`, text the one-line error must contain). `{tmp}` is the test's temporary directory, where
+# the fixture below writes the bad files.
+CORPUS = [
+    # config keys and values
+    (["train", "learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here:"),
+    (["train", "nope=1"], "unknown config key 'nope'"),
+    (["train", "learner.lr=abc"], "learner.lr: Input should be a valid number"),
+    (["train", "rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1"),
+    (["train", "learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp' or 'gae'"),
+    (["train", "learner.advantage=gae"], "set critic.enabled=true"),
+    (["train", "learner.kl_reward_coef=0.1"], "set one of them to 0"),
+    (["train", "learner.num_minibatches=3"], "must divide the batch"),
+    (["train", "reward.overlong_buffer=8"], "must be below rollout.max_new_tokens"),
+    # CLI arguments and config files
+    (["train", "max_steps=3", "learnerlr"], "override 'learnerlr' is not of the form dotted.key=value"),
+    (["train", "learner..lr=1"], "is not of the form dotted.key=value"),
+    (["train", "{tmp}/missing.yaml"], "cannot read config file"),
+    (["train", "{tmp}/broken.yaml"], "is not valid YAML"),
+    (["train", "{tmp}/list.yaml"], "must hold a mapping of keys, not list"),
+    (["train", "run_dir={tmp}/taken"], "already holds a run; pass a new run_dir=PATH"),
+    # model paths
+    (["train", "model.path={tmp}/nowhere"], "model.path '{tmp}/nowhere' is not a Hugging Face model directory"),
+    (["train", "model.path={tmp}/list.yaml"], "is not a Hugging Face model directory"),
+    # dataset files
+    (["train", "data.task=dataset"], "data.task=dataset needs data.path"),
+    (["train", "data.task=dataset", "data.path={tmp}/absent.jsonl"], "absent.jsonl"),
+    (["train", "data.task=dataset", "data.path={tmp}/bad_json.jsonl"], "line 2"),
+    (["train", "data.task=dataset", "data.path={tmp}/no_field.jsonl"], "prompt"),
+    (["train", "data.task=dataset", "data.path={tmp}/data.csv"], "data.csv"),
+    # reward sources: verifiers, reward models, URLs
+    (["train", "reward.sources.c.verifier=nope"], "reward.sources.c: "),
+    (["train", "reward.sources.c.verifier=no_such_module:score"], "no_such_module"),
+    (["train", "reward.sources.c.verifier=format", "reward.sources.c.params.colour=1"], "colour"),
+    (["train", "reward.sources.c.type=remote", "reward.sources.c.urls=[ftp://x]"], "is not of the form http(s)://"),
+    (["train", "reward.sources.c.type=remote", "reward.sources.c.urls=[http://127.0.0.1:9]",
+      "reward.sources.c.token_env=RELAY_TEST_UNSET_TOKEN"], "RELAY_TEST_UNSET_TOKEN"),
+    (["train", "reward.sources.c.type=remote", "reward.sources.c.urls=[http://127.0.0.1:9]",
+      "reward.sources.c.on_failure=default"], "on_failure=default needs default_reward"),
+    (["train", "reward.sources.rm.type=model", "reward.sources.rm.path={tmp}/nowhere"], "reward.sources.rm.path"),
+    (["train", "reward.sources.x.type=judge"], "reward.sources.x.type: must be one of rule, remote, model"),
+    (["train", "reward.sources.Bad.verifier=exact_match"], "source name 'Bad' must be lower-case"),
+    (["train", "reward.sources.mean.verifier=exact_match"], "would hide the metric reward/mean"),
+    # other commands
+    (["verifier", "serve", "--verifier", "nope"], "nope"),
+    (["plot", "{tmp}/nowhere"], "nowhere"),
+]
+
+
+@pytest.fixture
+def bad_files(tmp_path, monkeypatch):
+    monkeypatch.delenv("RELAY_TEST_UNSET_TOKEN", raising=False)
+    (tmp_path / "broken.yaml").write_text("learner: [unclosed\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "bad_json.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", \n')
+    (tmp_path / "no_field.jsonl").write_text('{"question": "1+1=", "label": "2"}\n')
+    (tmp_path / "data.csv").write_text("prompt,label\n1+1=,2\n")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.yaml").write_text("max_steps: 1\n")
+    return tmp_path
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CORPUS) >= 25
+
+
+@pytest.mark.parametrize("args, message", CORPUS, ids=[" ".join(a)[:60] for a, _ in CORPUS])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(bad_files, capsys, args, message):
+    tmp = str(bad_files)
+    args = [a.replace("{tmp}", tmp) for a in args]
+    if args[0] == "train" and not any(a.startswith("run_dir=") for a in args):
+        args.append(f"run_dir={tmp}/run")
+    before = sorted(p.relative_to(bad_files) for p in bad_files.rglob("*"))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relay: "), err
+    assert message.replace("{tmp}", tmp) in err and "Traceback" not in err
+    assert sorted(p.relative_to(bad_files) for p in bad_files.rglob("*")) == before  # nothing written anywhere

@@ -1,0 +1,117 @@
+"""Exact resume after SIGKILL: the `relay` driver is killed mid-run and then mid-checkpoint-write, resumed each time
+with `resume=auto`, and ends with the same metrics and bitwise the same weights as an uninterrupted run. Also:
+resuming a finished run exits 0 without training; resuming with a config that changed the computation is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from cluster import checkpoint
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "relay"
+RELAY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cluster.cli"]
+STEPS = 6
+ARGS = [f"max_steps={STEPS}", "checkpoint.every=2", "data.prompts_per_step=8", "rollout.num_workers=1",
+        "ray.dashboard=false"]
+TRAIN = ["train", "--quiet"]
+# Wall-clock and process measurements differ between attempts; everything else must be equal.
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def relay_process(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*RELAY, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def relay(*args: str) -> subprocess.CompletedProcess:
+    process = relay_process(*args)
+    out, err = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in lines]
+
+
+def kill_when(process: subprocess.Popen, condition, what: str) -> None:
+    """SIGKILL the driver (only the driver: its Ray processes are reaped when it dies) once `condition()` holds."""
+    deadline = time.monotonic() + 300
+    while not condition():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {process.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.002)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def writing_checkpoint(run_dir: Path, step: int) -> bool:
+    root = run_dir / checkpoint.CHECKPOINTS_DIR
+    return root.exists() and any(p.name.startswith(f"{checkpoint.TMP_PREFIX}step_{step}-") for p in root.iterdir())
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / checkpoint.CHECKPOINTS_DIR / f"step_{STEPS}" / checkpoint.POLICY_DIR /
+                     "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_model_dir):
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = relay(*TRAIN, f"run_dir={run_dir}", *ARGS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def test_killed_twice_and_resumed_equals_the_uninterrupted_run(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    # 1. Killed mid-run: after step 3 is recorded (the last checkpoint is step_2).
+    process = relay_process(*TRAIN, f"run_dir={run_dir}", *ARGS)
+    kill_when(process, lambda: len(records(run_dir)) >= 3, "step 3")
+    assert checkpoint.latest(run_dir).name == "step_2"
+    # 2. Resumed, then killed while the learner writes checkpoint step_4: step_2 stays the latest complete one.
+    process = relay_process(*TRAIN, f"run_dir={run_dir}", "resume=auto", *ARGS)
+    kill_when(process, lambda: writing_checkpoint(run_dir, 4), "the step_4 checkpoint write")
+    assert checkpoint.latest(run_dir).name == "step_2"
+    assert not (run_dir / checkpoint.CHECKPOINTS_DIR / "step_4").exists()
+    # 3. Resumed again: runs steps 3-6 and finishes.
+    result = relay(*TRAIN, f"run_dir={run_dir}", "resume=auto", *ARGS)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    assert records(run_dir) == records(uninterrupted)  # every step once, the same numbers
+    ours, theirs = final_weights(run_dir), final_weights(uninterrupted)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert (ours[name] == theirs[name]).all(), f"{name} differs after resume"
+    kept = sorted(p.name for p in (run_dir / checkpoint.CHECKPOINTS_DIR).iterdir())
+    assert kept == ["step_4", "step_6"]  # checkpoint.keep=2, and no temporary directory left behind
+
+
+def test_resuming_a_finished_run_says_so_and_exits_0(uninterrupted):
+    before = (uninterrupted / "metrics.jsonl").read_text()
+    result = relay(*TRAIN, f"run_dir={uninterrupted}", "resume=auto", *ARGS)
+    assert result.returncode == 0 and "already finished" in result.stderr + result.stdout
+    assert (uninterrupted / "metrics.jsonl").read_text() == before
+
+
+def test_resuming_with_a_changed_computation_is_refused(uninterrupted):
+    result = relay(*TRAIN, f"run_dir={uninterrupted}", "resume=auto", *ARGS, "max_steps=8", "learner.lr=1e-3")
+    assert result.returncode == 2
+    assert "cannot resume" in result.stderr and "learner.lr" in result.stderr
+    assert result.stderr.strip().count("\n") == 0
