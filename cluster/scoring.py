@@ -69,9 +69,9 @@ class Scorer:
         pending = {name: self.reward_models[name].score.remote(prompts, completions) for name in self.reward_models}
         scores: dict[str, list[float | None]] = {}
         metrics = {"verifier/failures": 0.0, "verifier/retries": 0.0}
+        samples = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label)
+                   for k, (_, p, r) in enumerate(flat)] if self.remotes else []  # one list for every remote source
         for name, client in self.remotes.items():
-            samples = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label)
-                       for k, (_, p, r) in enumerate(flat)]
             try:
                 result = client.score(samples)
             except RemoteVerifierError as err:  # on_failure=fail: the run stops with the client's one-line reason

@@ -102,6 +102,16 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, norm_length: int | None =
     return masked.sum() / (num_sequences * norm_length)  # sum_bt v*m / (B * L)
 
 
+def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                         clip_high: float, need_2d: bool = False) -> None:
+    """The checks both policy losses make: one [B, T] shape for the four tensors, a valid clip range."""
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape) or (need_2d and mask.dim() != 2):
+        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, advantages, mask)]
+        raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
+    if not (0 <= clip_low <= 1 and clip_high >= 0):
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+
+
 def clipped_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -140,11 +150,7 @@ def clipped_policy_loss(
 
     Notation: B: sequences, T: tokens.
     """
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
-        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, advantages, mask)]
-        raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
-    if not (0 <= clip_low <= 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
     if clip_c is not None and clip_c <= 1:
         raise ValueError(f"dual-clip constant clip_c must be > 1 (or None to disable it), got {clip_c}")
 
@@ -216,11 +222,7 @@ def gspo_policy_loss(
     """
     if clip_c is not None:
         raise ValueError(f"dual clip is not defined for gspo; unset clip_c (got {clip_c})")
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape) or mask.dim() != 2:
-        shapes = [tuple(x.shape) for x in (logprobs, old_logprobs, advantages, mask)]
-        raise ValueError(f"logprobs, old_logprobs, advantages and mask must share one [B, T] shape, got {shapes}")
-    if not (0 <= clip_low <= 1 and clip_high >= 0):
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, need_2d=True)
 
     keep = mask.bool()
     lengths = keep.sum(dim=1, keepdim=True)  # [B, 1] |y_i|
