@@ -78,6 +78,17 @@ class RolloutConfig(_Section):
     """GPUs Ray reserves for each rollout worker (0 on CPU machines)."""
     num_threads: int = Field(1, ge=1, le=1024)
     """Compute threads each engine uses; keep the sum over workers at or below the cores of a node."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs each engine shards its model over (vLLM tensor parallelism); each worker reserves this many bundles of
+    `num_cpus`/`num_gpus`, packed on one node."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each rollout worker needs, e.g. `{rollout_node: 1}` to run only on nodes started with
+    `--resources='{"rollout_node": 8}'`."""
+    node_labels: dict[str, str] = {}
+    """Node labels each rollout worker's node must carry (Ray label selector), e.g. `{ray.io/accelerator-type: H100}`."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Where rollout workers go among the nodes that fit them: `pack` fills nodes one by one, `spread` puts each
+    new worker on the node with the fewest rollout workers."""
     group_size: int = Field(8, ge=1, le=1024)
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = Field(8, ge=1, le=1_000_000)
@@ -114,6 +125,8 @@ class ReferenceConfig(_Section):
     """GPUs Ray reserves for the reference worker."""
     num_threads: int = Field(2, ge=1, le=1024)
     """Torch threads of the reference worker (phases run in turn, so it may use every core)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources the reference worker needs (e.g. `{learner_node: 1}`)."""
     micro_batch_size: int = Field(64, ge=1, le=1_000_000)
     """Sequences per reference forward pass."""
 
@@ -125,6 +138,13 @@ class LearnerConfig(_Section):
     """GPUs Ray reserves for the learner."""
     num_threads: int = Field(2, ge=1, le=1024)
     """Torch threads of the learner (phases run in turn, so it may use every core)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each learner rank needs, e.g. `{learner_node: 1}`."""
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """Data-parallel learner ranks (one actor each, joined by torch.distributed; rank 0 exports weights)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and averages gradients, `fsdp2` shards
+    parameters, gradients and optimizer state (`fully_shard`) for models that do not fit one device."""
     advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
     `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch) or `gae` (PPO: GAE from the
@@ -199,8 +219,10 @@ class CriticConfig(_Section):
 
 
 class SyncConfig(_Section):
-    transport: Literal["object_store"] = "object_store"
-    """How weights reach the engines: `object_store` puts them once (numpy, zero-copy) for every worker to read."""
+    transport: Literal["object_store", "collective"] = "object_store"
+    """How weights reach the engines: `object_store` puts them once (numpy, zero-copy) for every worker to read;
+    `collective` broadcasts them over a torch.distributed group of the learner's rank 0 and every engine (NCCL on
+    GPUs, gloo on CPU)."""
     bucket_mb: float = Field(256.0, gt=0, le=65536)
     """Size of each weight bucket put in the object store, in MB."""
     probe: bool = True

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 
 from cluster.config import RunConfig
 from cluster.remote import Fleet, RunError, get
+from cluster.transport import collect, make_transport
 
 
 class SyncError(RunError):
@@ -31,12 +31,10 @@ class RolloutPool:
     def __init__(self, config: RunConfig, fleet: Fleet):
         self.config = config
         self.fleet = fleet
-        self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
-        self.num_buckets = get([fleet.learner.count_buckets.remote(self.bucket_bytes)], config.timeouts.sync,
-                               ["learner"], "sync")[0]
         self.weights_version = 0  # what every worker serves
         self.restarts = 0
         self.recovery_seconds = 0.0
+        self.transport = make_transport(self)
 
     @property
     def workers(self) -> list[Any]:
@@ -51,7 +49,7 @@ class RolloutPool:
         while pending:
             refs = {i: self.workers[i].generate.remote(prompts[a:b], seeds[a:b], sampling)
                     for i, (a, b) in pending.items()}
-            done, failed = self._collect(refs, self.config.timeouts.generate, "generate")
+            done, failed = collect(refs, self.config.timeouts.generate, "generate")
             results.update(done)
             for i, cause in failed.items():
                 self.replace(i, cause)
@@ -104,6 +102,7 @@ class RolloutPool:
         self.restarts += 1
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self.fleet.start_rollout_worker(index)
+        self.transport.fleet_changed()
         get([self.workers[index].__ray_ready__.remote()], self.config.timeouts.start, [name], "start")
         failed = self._load([index])
         if failed:
@@ -114,33 +113,11 @@ class RolloutPool:
         self.recovery_seconds += time.perf_counter() - started
 
     def _load(self, indices: list[int]) -> dict[int, str]:
-        """Export the learner's weights once and load them into the given workers; returns {index: cause} of the
-        workers that died or missed the deadline."""
-        export = self.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
-        buckets = export.remote(self.bucket_bytes)
-        buckets = buckets if self.num_buckets > 1 else [buckets]
-        refs = {i: self.workers[i].load_weights.remote(self.weights_version, *buckets) for i in indices}
-        done, failed = self._collect(refs, self.config.timeouts.sync, "sync")
-        if failed:  # the workers' fault, or the learner's? A dead learner fails every load through its buckets.
-            get(list(buckets), self.config.timeouts.sync, ["learner"] * len(buckets), "sync")
+        """Load the learner's current weights into the given workers through the configured transport; returns
+        {index: cause} of the workers that died or missed the deadline."""
+        done, failed = self.transport.load(indices)
         for i, version in done.items():
             if version != self.weights_version:
                 raise SyncError(f"{self.fleet.rollout_names[i]} serves weights version {version}, expected "
                                 f"{self.weights_version}")
         return failed
-
-    def _collect(self, refs: dict[int, Any], timeout: float, what: str) -> tuple[dict[int, Any], dict[int, str]]:
-        """Wait for every call up to the deadline: ({index: result}, {index: why it failed})."""
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        ready = set(ready)
-        done: dict[int, Any] = {}
-        failed: dict[int, str] = {}
-        for i, ref in refs.items():
-            if ref not in ready:
-                failed[i] = f"missed the {timeout:g} s deadline of '{what}'"
-                continue
-            try:
-                done[i] = ray.get(ref)
-            except RayError as err:
-                failed[i] = f"died during '{what}' ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})"
-        return done, failed
