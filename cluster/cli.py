@@ -8,6 +8,7 @@ Does not own: the run itself (cluster/driver.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "(docs/operations.md).")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a relay run directory (holds metrics.jsonl)")
     plot.add_argument("--out", metavar="FILE.png", help="where to write the PNG (default: RUN_DIR/plots.png)")
+    _add_job_commands(commands)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return _verifier_serve(args)
         if args.command == "plot":
             return _plot(Path(args.run_dir), Path(args.out) if args.out else None)
+        if args.command in ("submit", "jobs", "stop"):
+            return _jobs_command(args)
         return _build_demo_model(force=args.force)
     except ConfigError as err:
         print(f"relay: config error: {err}", file=sys.stderr)
@@ -99,6 +103,56 @@ def _plot(run_dir: Path, out: Path | None) -> int:
         raise ConfigError(str(err)) from None
     print(path)
     return 0
+
+
+ADDRESS_HELP = ("the cluster's Jobs API (its dashboard), e.g. http://127.0.0.1:8265; default: $RAY_ADDRESS. Ray 2.60 "
+                "clusters need their token: $RAY_AUTH_TOKEN or ~/.ray/auth_token")
+
+
+def _add_job_commands(commands) -> None:
+    submit = commands.add_parser(
+        "submit", help="submit a training run to a Ray cluster as a Ray job and stream its logs",
+        description="Validate the config here, then run `relay train` on the cluster as a Ray job (relay's code and "
+                    "the resolved config are its working_dir). run_dir must be an absolute path on the cluster.")
+    submit.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]")
+    submit.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help=ADDRESS_HELP)
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return without streaming logs")
+    jobs = commands.add_parser("jobs", help="list a Ray cluster's jobs")
+    jobs.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help=ADDRESS_HELP)
+    stop = commands.add_parser("stop", help="stop a Ray job")
+    stop.add_argument("job_id", metavar="JOB")
+    stop.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help=ADDRESS_HELP)
+
+
+def _jobs_command(args) -> int:
+    if not args.address or not args.address.startswith(("http://", "https://")):
+        raise ConfigError(f"--address {args.address!r} is not the cluster's Jobs API URL; pass e.g. "
+                          "--address http://127.0.0.1:8265 (or set RAY_ADDRESS)")
+    from cluster import jobs
+
+    try:
+        if args.command == "submit":
+            path = args.items[0] if args.items and "=" not in args.items[0] else None
+            config = load_config(path, args.items[1:] if path else args.items)
+            if not config.run_dir or not Path(config.run_dir).is_absolute():
+                raise ConfigError("relay submit needs run_dir=ABSOLUTE_PATH on a filesystem the cluster's head sees")
+            job_id = jobs.submit(config, args.address)
+            print(f"relay: submitted job {job_id}; logs: relay jobs --address {args.address}", file=sys.stderr)
+            if args.no_wait:
+                print(job_id)
+                return 0
+            status = jobs.follow(args.address, job_id, sys.stdout)
+            print(f"relay: job {job_id} {status}", file=sys.stderr)
+            return 0 if status.endswith("SUCCEEDED") else 1
+        if args.command == "jobs":
+            for row in jobs.list_jobs(args.address):
+                print(f"{row['id']}\t{row['status']}\t{row['entrypoint']}")
+            return 0
+        stopped = jobs.stop(args.address, args.job_id)
+        print(f"relay: {'stopping' if stopped else 'already ended:'} job {args.job_id}", file=sys.stderr)
+        return 0
+    except ConnectionError as err:
+        raise ConfigError(f"cannot reach the Ray Jobs API at {args.address}: {str(err).splitlines()[0]}") from None
 
 
 def _build_demo_model(force: bool) -> int:

@@ -1,0 +1,79 @@
+"""`relay submit` / `relay jobs` / `relay stop` against a Ray head this test starts on its own ports (through
+`ray.cluster_utils.Cluster`) and stops itself: never `ray stop`, which would kill every Ray process on the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "relay"
+RELAY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cluster.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def relay(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([*RELAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture
+def ray_head(demo_model_dir, monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    # A job's entrypoint runs `python` from the head's PATH: on a real cluster, the image's Python with relay's
+    # dependencies; here, this virtual environment's.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    port = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
+    yield f"http://127.0.0.1:{port}"
+    cluster.shutdown()
+
+
+def test_submitted_demo_job_finishes_with_the_reward_rising(ray_head, tmp_path):
+    run_dir = tmp_path / "run"
+    result = relay("submit", "--address", ray_head, "max_steps=15", "rollout.num_workers=1", "ray.dashboard=false",
+                   f"run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "SUCCEEDED" in result.stderr and "relay: run finished" in result.stdout  # the job's own log, streamed
+    rewards = [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rewards) == 15
+    assert statistics.fmean(rewards[-3:]) > statistics.fmean(rewards[:3]) + 0.05, rewards
+
+    listed = relay("jobs", "--address", ray_head)
+    assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout and "cluster.cli train" in listed.stdout
+
+
+def test_a_submitted_job_can_be_stopped(ray_head, tmp_path):
+    result = relay("submit", "--address", ray_head, "--no-wait", "max_steps=500", "rollout.num_workers=1",
+                   "ray.dashboard=false", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    job_id = result.stdout.strip().splitlines()[-1]
+    stopped = relay("stop", job_id, "--address", ray_head)
+    assert stopped.returncode == 0 and job_id in stopped.stderr
+
+
+def test_bad_submissions_fail_here_with_one_line(tmp_path):
+    no_address = relay("submit", "--address", "127.0.0.1:8265", "max_steps=1", f"run_dir={tmp_path}/r")
+    assert no_address.returncode == 2 and "is not the cluster's Jobs API URL" in no_address.stderr
+    relative = relay("submit", "--address", "http://127.0.0.1:9", "max_steps=1", "run_dir=runs/x")
+    assert relative.returncode == 2 and "needs run_dir=ABSOLUTE_PATH" in relative.stderr
+    bad_key = relay("submit", "--address", "http://127.0.0.1:9", "learner.lrr=1")
+    assert bad_key.returncode == 2 and "unknown config key 'learner.lrr'" in bad_key.stderr
+    for result in (no_address, relative, bad_key):
+        assert result.stderr.strip().count("\n") == 0
