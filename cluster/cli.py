@@ -153,6 +153,9 @@ def _jobs_command(args) -> int:
         return 0
     except ConnectionError as err:
         raise ConfigError(f"cannot reach the Ray Jobs API at {args.address}: {str(err).splitlines()[0]}") from None
+    except jobs.JobsError as err:
+        print(f"relay: {err}", file=sys.stderr)
+        return 1
 
 
 def _build_demo_model(force: bool) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,11 @@ from cluster.config import RunConfig, dump_config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cluster", "actors", "learner", "rewards", "configs")  # what a job imports or names; small
 FORWARDED_ENV = ("RELAY_CACHE_DIR", "VLLM_CACHE_ROOT", "HF_HOME", "VLLM_LOGGING_LEVEL")  # when set here
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+AGENT_WAIT_SECONDS = 60
+
+
+class JobsError(RuntimeError):
+    """The Jobs API refused a request; the message is one line."""
 
 
 def client(address: str) -> Any:
@@ -45,10 +50,19 @@ def submit(config: RunConfig, address: str, run_dir: str | None = None) -> str:
         (staging / "run.yaml").write_text(dump_config(resolved))
         env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["PYTHONPATH"] = "."  # the job's working_dir: relay's packages
-        return client(address).submit_job(
-            entrypoint="python -m cluster.cli train run.yaml",
-            runtime_env={"working_dir": str(staging), "env_vars": env},
-            metadata={"relay": "train", "run_dir": str(resolved.run_dir or "")})
+        jobs = client(address)
+        deadline = time.monotonic() + AGENT_WAIT_SECONDS
+        while True:
+            try:
+                return jobs.submit_job(entrypoint="python -m cluster.cli train run.yaml",
+                                       runtime_env={"working_dir": str(staging), "env_vars": env},
+                                       metadata={"relay": "train", "run_dir": str(resolved.run_dir or "")})
+            except RuntimeError as err:
+                # A head that has just started has no job agent yet ("No available agent"): wait for it a while.
+                if "No available agent" in str(err) and time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                raise JobsError(f"the cluster at {address} refused the job: {str(err).splitlines()[0]}") from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
