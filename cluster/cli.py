@@ -1,4 +1,5 @@
-"""The `relay` command line: `relay train`, `relay plot`, `relay build-demo-model`, `relay verifier serve`.
+"""The `relay` command line: train, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
+build-demo-model, verifier serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a relay run directory (holds metrics.jsonl)")
     plot.add_argument("--out", metavar="FILE.png", help="where to write the PNG (default: RUN_DIR/plots.png)")
     _add_job_commands(commands)
+    _add_control_commands(commands)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(Path(args.run_dir), Path(args.out) if args.out else None)
         if args.command in ("submit", "jobs", "stop"):
             return _jobs_command(args)
+        if args.command in ("scale", "status"):
+            return _control_command(args)
         return _build_demo_model(force=args.force)
     except ConfigError as err:
         print(f"relay: config error: {err}", file=sys.stderr)
@@ -156,6 +160,49 @@ def _jobs_command(args) -> int:
     except jobs.JobsError as err:
         print(f"relay: {err}", file=sys.stderr)
         return 1
+
+
+CONTROL_ADDRESS_HELP = ("the Ray cluster the run is on: `auto` (default: the cluster this machine belongs to, e.g. on "
+                        "the head node), HOST:6379 (its GCS) or ray://HOST:10001 (Ray Client)")
+
+
+def _add_control_commands(commands) -> None:
+    scale = commands.add_parser(
+        "scale", help="grow or shrink a running run's rollout fleet (from its next step)",
+        description="Ask a running run for N rollout workers and/or to remove given workers. The run applies the "
+                    "request at the start of its next step: new workers get the current weights (probe-checked) "
+                    "before their first request; removed workers hold no prompts then. `relay status` shows the "
+                    "fleet (worker ids and nodes).")
+    scale.add_argument("--rollout-workers", type=int, metavar="N", help="the fleet size wanted")
+    scale.add_argument("--remove-worker", type=int, action="append", default=[], metavar="ID",
+                       help="remove this worker (an id from `relay status`, e.g. one on a node to drain); repeatable")
+    status = commands.add_parser("status", help="show a running run's step and rollout fleet (JSON)")
+    for sub in (scale, status):
+        sub.add_argument("--run", metavar="NAME", help="the run's run_dir name (needed when several runs are going)")
+        sub.add_argument("--address", default="auto", help=CONTROL_ADDRESS_HELP)
+
+
+def _control_command(args) -> int:
+    import json
+
+    from cluster import control
+
+    if args.command == "scale" and args.rollout_workers is None and not args.remove_worker:
+        raise ConfigError("relay scale needs --rollout-workers N and/or --remove-worker ID")
+    try:
+        control.connect(args.address)
+        run = control.find_run(args.run)
+        if args.command == "status":
+            print(json.dumps(control.call(run.status), indent=1))
+            return 0
+        reply = control.call(run.request_scale, args.rollout_workers, args.remove_worker)
+    except control.ControlError as err:
+        print(f"relay: {err}", file=sys.stderr)
+        return 2
+    removed = f", removing workers {reply['remove']}" if reply["remove"] else ""
+    print(f"relay: {reply['run_dir']}: {reply['workers_now']} -> {reply['num_workers']} rollout workers{removed}, "
+          "from the next step", file=sys.stderr)
+    return 0
 
 
 def _build_demo_model(force: bool) -> int:

@@ -87,8 +87,11 @@ class RolloutConfig(_Section):
     node_labels: dict[str, str] = {}
     """Node labels each rollout worker's node must carry (Ray label selector), e.g. `{ray.io/accelerator-type: H100}`."""
     placement: Literal["pack", "spread"] = "pack"
-    """Where rollout workers go among the nodes that fit them: `pack` fills nodes one by one, `spread` puts each
-    new worker on the node with the fewest rollout workers."""
+    """Where rollout workers go among the nodes that fit them: `pack` leaves it to Ray (which fills nodes already
+    in use first), `spread` puts each new worker on the fitting node with the fewest rollout workers."""
+    chunks_per_worker: int = Field(4, ge=1, le=1024)
+    """Requests each step's prompts are cut into, per worker; a worker gets the next request when it finishes one,
+    so a slow worker serves fewer prompts. 1 splits the prompts evenly (no balancing, largest engine batches)."""
     group_size: int = Field(8, ge=1, le=1024)
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = Field(8, ge=1, le=1_000_000)

@@ -22,7 +22,8 @@ from cluster import checkpoint, resume
 from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
 from cluster.data import sampling_seeds
 from cluster.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
-from cluster.remote import Fleet, RunError, get, start_fleet, stop_fleet
+from cluster.control import start_control
+from cluster.remote import Fleet, RunError, get, node_of, start_fleet, stop_fleet
 from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
 from cluster.scoring import Scorer
 from rewards.arithmetic import Problem
@@ -32,7 +33,7 @@ from rewards.shaping import overlong_penalty
 class Trainer:
     """Runs steps over a started fleet; each `step` returns that step's metrics record."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer):
+    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer, control: Any = None):
         from actors.rollout import SamplingSettings
 
         self.config = config
@@ -45,11 +46,14 @@ class Trainer:
         self.rollouts = RolloutPool(config, fleet)
         self.weights_version = 0
         self.timings: dict[str, float] = {}
+        self.control = control  # the run's RunControl actor (`relay scale`), if any
 
     def step(self, step: int) -> dict[str, Any]:
         """One on-policy step; the weights are synced to every rollout worker before it returns."""
         self.timings = {"time/generate": 0.0, "time/score": 0.0}
         started = time.perf_counter()
+        with self.timed("scale"):
+            self.apply_scale_request()
         groups, rewards, sampling = self.sample(step)
         rollouts = [r for group in groups for r in group]
         with self.timed("reference"):
@@ -168,6 +172,25 @@ class Trainer:
         self.rollouts.sync(version)
         return point.step
 
+    def apply_scale_request(self) -> None:
+        """Grow or shrink the rollout fleet as `relay scale` asked since the last step (nothing is in flight now)."""
+        if self.control is None:
+            return
+        request = get([self.control.take_request.remote()], self.config.timeouts.sync, ["run control"], "sync")[0]
+        if request is not None:
+            self.rollouts.resize(request["num_workers"], request["remove"])
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Tell the control actor what the fleet is after this step (`relay status` shows it)."""
+        if self.control is None:
+            return
+        self.control.publish.remote({  # fire and forget: the step does not wait for it
+            "step": record["step"], "weights_version": self.weights_version,
+            "learner_node": node_of(self.fleet.placement),
+            "workers": [{"id": s.id, "node_id": s.node_id} for s in self.fleet.rollout],
+            "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
+            "scale_failures": self.rollouts.scale_failures, "last_scale_error": self.rollouts.last_scale_error})
+
     def sync_weights(self) -> float:
         """Every rollout worker serves the learner's new weights, checked by the probe; returns the probe's gap."""
         return self.rollouts.sync(self.weights_version)
@@ -188,6 +211,8 @@ class Trainer:
             "weights/version": self.weights_version,
             "sync/probe_max_diff": probe_diff,
             "rollout/workers": len(self.fleet.rollout_workers),
+            "rollout/scale_events": self.rollouts.scale_events,
+            "rollout/scale_failures": self.rollouts.scale_failures,
             "rollout/restarts": self.rollouts.restarts,
             "time/recovery": self.rollouts.recovery_seconds,
             **self.timings,
@@ -269,12 +294,14 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
         raise
     started_ray = _init_ray(config)
     records: list[dict[str, Any]] = []
-    fleet = None
+    fleet = control = None
     finished = False
     try:
+        control = start_control(str(run_dir))
         fleet = start_fleet(config, model_path, rollout_cls)
-        trainer = Trainer(config, fleet, data, scorer)
+        trainer = Trainer(config, fleet, data, scorer, control)
         first = trainer.restore(point) + 1 if point else 1
+        trainer.publish({"step": first - 1})
         if point is None and config.sync.probe:
             trainer.rollouts.verify()  # engines and learner agree before any update
         progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
@@ -283,6 +310,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
                 record = trainer.step(step)
                 recorder.write(record)
                 records.append(record)
+                trainer.publish(record)
                 if progress:
                     progress.update(record)
                 every = config.checkpoint.every
@@ -301,6 +329,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
         scorer.close()
         if fleet is not None:
             stop_fleet(fleet)
+        if control is not None:
+            ray.kill(control)
         if started_ray:
             ray.shutdown()
     return records

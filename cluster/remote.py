@@ -1,8 +1,9 @@
 """The one place where relay's plain worker classes become Ray actors, and where they are placed.
 
-Owns: the placement group (one bundle for the learner, one for the reference, one per rollout worker, each sized by
-its own config section, so the rollout fleet scales independently of the learner), each actor's runtime environment
-(thread counts, in-process vLLM), `ray.remote` wrapping, and a deadline-bounded `ray.get`.
+Owns: placement (one placement group for the learner, reference and reward models; one per rollout worker, sized by
+its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
+also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote`
+wrapping, and a deadline-bounded `ray.get`.
 Does not own: what a step does (cluster/driver.py).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
@@ -25,21 +26,39 @@ class RunError(RuntimeError):
 
 
 @dataclass
+class RolloutSlot:
+    """One rollout worker: a stable id (its name in errors and metrics), its actor, and its own placement group."""
+
+    id: int
+    actor: Any
+    placement: PlacementGroup
+    node_id: str  # the Ray node its engine runs on
+
+    @property
+    def name(self) -> str:
+        return f"rollout worker {self.id}"
+
+
+@dataclass
 class Fleet:
-    """Handles to every actor of a run."""
+    """Handles to every actor of a run. The learner, reference and reward models share one placement group; each
+    rollout worker has its own, so the fleet grows and shrinks without touching the others."""
 
     learner: Any
     reference: Any | None
-    rollout_workers: list[Any]
+    rollout: list[RolloutSlot]
     placement: PlacementGroup
+    launcher: RolloutLauncher
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
-    start_rollout_worker: Any = None  # (index) -> a new rollout actor in worker `index`'s bundle
-    restarts: int = 0  # rollout workers replaced so far
+
+    @property
+    def rollout_workers(self) -> list[Any]:
+        return [slot.actor for slot in self.rollout]
 
     @property
     def rollout_names(self) -> list[str]:
         """How errors and metrics name each rollout worker, by index."""
-        return [f"rollout worker {i}" for i in range(len(self.rollout_workers))]
+        return [slot.name for slot in self.rollout]
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -56,39 +75,124 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def _bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
-    bundle = {"CPU": num_cpus}
+def _bundle(num_cpus: float, num_gpus: float, resources: dict[str, float] | None = None) -> dict[str, float]:
+    bundle = {"CPU": num_cpus, **(resources or {})}
     if num_gpus:
         bundle["GPU"] = num_gpus
     return bundle
 
 
+def _reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, what: str, fix: str,
+             **kwargs: Any) -> PlacementGroup:
+    pg = placement_group(bundles, strategy=strategy, **kwargs)
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise RunError(f"Ray could not reserve {bundles} for {what} within timeouts.start={timeout:g} s; {fix}") \
+            from None
+    return pg
+
+
+class RolloutLauncher:
+    """Reserves, starts and stops rollout workers, each in its own placement group of `tensor_parallel_size`
+    bundles packed on one node, on the nodes the config allows (custom resources, node labels), packed or spread."""
+
+    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
+        from actors.engine import EngineSettings
+        from actors.rollout import RolloutWorker
+
+        self.config = config
+        self.rollout_cls = rollout_cls or RolloutWorker
+        ro = config.rollout
+        self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
+                                       max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
+                                       enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
+                                       seed=config.seed)
+        self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
+
+    def reserve(self, busy_nodes: list[str]) -> PlacementGroup:
+        """A placement group for one more worker; with `placement=spread`, preferably on the fitting node that
+        runs the fewest of `busy_nodes` (the nodes of the workers already running, with repeats)."""
+        ro = self.config.rollout
+        kwargs: dict[str, Any] = {}
+        if ro.node_labels:
+            kwargs["bundle_label_selector"] = [dict(ro.node_labels)] * ro.tensor_parallel_size
+        if ro.placement == "spread":
+            # A soft hint (what Ray Serve uses to spread replicas): a full or dead node falls back to any other.
+            kwargs["_soft_target_node_id"] = self._least_busy_node(busy_nodes)
+        return _reserve([dict(self.bundle) for _ in range(ro.tensor_parallel_size)], "STRICT_PACK",
+                        self.config.timeouts.start, "a rollout worker",
+                        "add nodes with these resources, or lower rollout.num_workers, rollout.num_cpus/num_gpus "
+                        "or rollout.resources", **kwargs)
+
+    def start(self, pg: PlacementGroup) -> Any:
+        """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`)."""
+        ro = self.config.rollout
+        return ray.remote(self.rollout_cls).options(
+            num_cpus=ro.num_cpus, num_gpus=ro.num_gpus, runtime_env={"env_vars": _env(ro.num_threads)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(self.settings, ro.num_threads)
+
+    def stop(self, slots: list[RolloutSlot], timeout: float = 10) -> None:
+        """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources."""
+        if not slots:
+            return
+        try:
+            ray.wait([s.actor.shutdown.remote() for s in slots], num_returns=len(slots), timeout=timeout)
+        finally:
+            for slot in slots:
+                ray.kill(slot.actor)
+                remove_placement_group(slot.placement)
+
+    def _least_busy_node(self, busy_nodes: list[str]) -> str | None:
+        ro = self.config.rollout
+        fitting = [n["NodeID"] for n in ray.nodes()
+                   if n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in self.bundle.items())
+                   and all(n.get("Labels", {}).get(k) == v for k, v in ro.node_labels.items())]
+        return min(fitting, key=busy_nodes.count) if fitting else None
+
+
+def node_of(pg: PlacementGroup) -> str:
+    """The node id of a placement group's first bundle."""
+    return placement_group_table(pg)["bundles_to_node_id"][0]
+
+
+def start_rollout_slots(launcher: RolloutLauncher, ids: list[int], busy_nodes: list[str]) -> list[RolloutSlot]:
+    """Reserve and start one worker per id and wait until every engine is up (within `timeouts.start`)."""
+    slots: list[RolloutSlot] = []
+    busy = list(busy_nodes)
+    try:
+        for worker_id in ids:
+            pg = launcher.reserve(busy)
+            busy.append(node_of(pg))
+            slots.append(RolloutSlot(worker_id, launcher.start(pg), pg, busy[-1]))
+        get([s.actor.__ray_ready__.remote() for s in slots], launcher.config.timeouts.start,
+            [s.name for s in slots], "start")
+    except BaseException:
+        launcher.stop(slots, timeout=0)
+        raise
+    return slots
+
+
 def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None) -> Fleet:
-    """Reserve resources for every actor in one placement group and start them (engines load their model).
+    """Reserve resources (one placement group for learner, reference and reward models; one per rollout worker)
+    and start every actor (engines load their model).
 
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
-    from actors.engine import EngineSettings
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
-    from actors.rollout import RolloutWorker
     from cluster.config import ModelSource
     from learner.learner import Learner
 
-    rollout_cls = rollout_cls or RolloutWorker
     lc, rc, ro = config.learner, config.reference, config.rollout
-    bundles = [_bundle(lc.num_cpus, lc.num_gpus)]
+    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources)]
     if config.uses_reference:
-        bundles.append(_bundle(rc.num_cpus, rc.num_gpus))
-    bundles += [_bundle(ro.num_cpus, ro.num_gpus) for _ in range(ro.num_workers)]
+        bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
     reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
     bundles += [_bundle(s.num_cpus, s.num_gpus) for s in reward_sources.values()]
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=config.timeouts.start)
-    except GetTimeoutError:
-        remove_placement_group(pg)
-        raise RunError(f"Ray could not reserve {bundles} within timeouts.start={config.timeouts.start:g} s; "
-                       "lower rollout.num_workers or the num_cpus/num_gpus of learner, reference or rollout") from None
+    pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
+                  "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
 
     def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
         return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": _env(threads)},
@@ -101,30 +205,20 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         reference = ray.remote(ReferenceWorker).options(**options(1, rc.num_threads, rc.num_cpus, rc.num_gpus)).remote(
             model_path, config.model.dtype, rc.num_threads, rc.micro_batch_size, ro.temperature)
     first = 2 if config.uses_reference else 1
-    settings = EngineSettings(model_path=model_path, dtype=config.model.dtype, max_model_len=ro.max_model_len,
-                              kv_cache_bytes=ro.kv_cache_bytes, enforce_eager=ro.enforce_eager,
-                              gpu_memory_utilization=ro.gpu_memory_utilization, seed=config.seed)
-    rollout_first = first
-
-    def start_rollout_worker(index: int) -> Any:
-        return ray.remote(rollout_cls).options(**options(rollout_first + index, ro.num_threads, ro.num_cpus,
-                                                         ro.num_gpus)).remote(settings, ro.num_threads)
-
-    workers = [start_rollout_worker(i) for i in range(ro.num_workers)]
-    first += ro.num_workers
     reward_models = {
         name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
             s.path, config.model.dtype, s.num_threads, s.micro_batch_size)
         for i, (name, s) in enumerate(reward_sources.items())
     }
-    fleet = Fleet(learner, reference, workers, pg, reward_models, start_rollout_worker)
-    names = (["learner"] + (["reference"] if reference else []) + fleet.rollout_names
-             + [f"reward model '{name}'" for name in reward_models])
-    actors = [learner] + ([reference] if reference else []) + workers + list(reward_models.values())
+    launcher = RolloutLauncher(config, model_path, rollout_cls)
+    fleet = Fleet(learner, reference, [], pg, launcher, reward_models)
+    names = ["learner"] + (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
+    actors = [learner] + ([reference] if reference else []) + list(reward_models.values())
     try:
+        fleet.rollout = start_rollout_slots(launcher, list(range(ro.num_workers)), [])
         get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
     except BaseException:
-        stop_fleet(fleet)  # release the placement group and the actors that did start
+        stop_fleet(fleet)  # release the placement groups and the actors that did start
         raise
     return fleet
 
@@ -148,12 +242,11 @@ def get(refs: list, timeout: float, names: list[str], what: str) -> list:
 
 
 def stop_fleet(fleet: Fleet) -> None:
-    """Shut the engines down before killing their actors (else vLLM leaves files in /dev/shm and the temp dir)."""
+    """Stop the rollout workers (engines first), then the other actors, and release every placement group."""
     try:
-        ray.wait([w.shutdown.remote() for w in fleet.rollout_workers], num_returns=len(fleet.rollout_workers),
-                 timeout=10)
+        fleet.launcher.stop(fleet.rollout)
     finally:
-        for actor in [fleet.learner, fleet.reference, *fleet.rollout_workers, *fleet.reward_models.values()]:
+        for actor in [fleet.learner, fleet.reference, *fleet.reward_models.values()]:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(fleet.placement)

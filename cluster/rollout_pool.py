@@ -1,24 +1,29 @@
-"""The rollout fleet as the driver sees it: generation split over the workers, verified weight sync, and replacing
-workers that die or hang.
+"""The rollout fleet as the driver sees it: generation balanced over the workers, verified weight sync, replacing
+workers that die or hang, and growing or shrinking the fleet between steps.
 
-Owns: splitting prompts into contiguous chunks (one per worker), the deadline on every worker call, putting the
-learner's weights in the object store once and loading them into every engine, the probe check that each engine
-serves exactly the learner's weights, and recovery: a worker that dies or misses its deadline is killed, started
-again in its placement-group bundle, given the current weights (checked by the probe) and handed its chunk again,
-so no prompt is lost; past `rollout.max_restarts` replacements the run stops naming the worker and the cause.
+Owns: cutting prompts into requests handed to workers as they free up (load balancing), the deadline on every
+worker call, loading the learner's weights into the engines through the configured transport (cluster/transport.py)
+and checking that each engine serves exactly them (the probe), recovery (a worker that dies or misses its deadline is
+killed, started again in its placement group, given the current weights, checked by the probe, and handed its
+request again, so no prompt is lost; past `rollout.max_restarts` replacements the run stops naming the worker and
+the cause), and resizing (`resize`: removed workers are stopped between steps, when they hold no prompts; added ones
+get the current weights, probe-checked, before their first request).
 Does not own: what a step does with the rollouts (cluster/driver.py) or placement (cluster/remote.py).
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from collections import deque
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
 from cluster.config import RunConfig
-from cluster.remote import Fleet, RunError, get
-from cluster.transport import collect, make_transport
+from cluster.remote import Fleet, RunError, get, start_rollout_slots
+from cluster.transport import make_transport
 
 
 class SyncError(RunError):
@@ -34,6 +39,10 @@ class RolloutPool:
         self.weights_version = 0  # what every worker serves
         self.restarts = 0
         self.recovery_seconds = 0.0
+        self.scale_events = 0  # workers added or removed by `resize`
+        self.scale_failures = 0  # `resize` calls that could not place the new workers
+        self.last_scale_error = ""
+        self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(self)
 
     @property
@@ -41,25 +50,89 @@ class RolloutPool:
         return self.fleet.rollout_workers
 
     def generate(self, prompts: list[str], seeds: list[int], sampling: Any) -> list[list[Any]]:
-        """[prompts][G] rollouts in prompt order, each prompt sampled with its own seed (so a re-dispatched chunk
-        gives the same completions). Chunks of failed workers are re-dispatched to their replacements."""
-        bounds = [round(i * len(prompts) / len(self.workers)) for i in range(len(self.workers) + 1)]
-        pending = {i: (bounds[i], bounds[i + 1]) for i in range(len(self.workers)) if bounds[i + 1] > bounds[i]}
+        """[prompts][G] rollouts in prompt order, each prompt sampled with its own seed (so the result does not
+        depend on which worker serves a prompt).
+
+        Prompts are cut into `rollout.chunks_per_worker` requests per worker, handed out as workers free up: a slow
+        worker serves fewer and does not set the pace of the step. A request whose worker dies or misses
+        `timeouts.generate` goes to the worker's replacement."""
+        bounds = _split(len(prompts), len(self.workers) * self.config.rollout.chunks_per_worker)
+        queue = deque(range(len(bounds)))
+        idle = deque(range(len(self.workers)))
+        running: dict[Any, tuple[int, int, float]] = {}  # ref -> (worker index, chunk, deadline)
         results: dict[int, list[list[Any]]] = {}
-        while pending:
-            refs = {i: self.workers[i].generate.remote(prompts[a:b], seeds[a:b], sampling)
-                    for i, (a, b) in pending.items()}
-            done, failed = collect(refs, self.config.timeouts.generate, "generate")
-            results.update(done)
-            for i, cause in failed.items():
-                self.replace(i, cause)
-            pending = {i: pending[i] for i in failed}
-        groups = [group for i in sorted(results) for group in results[i]]
+        timeout = self.config.timeouts.generate
+        while queue or running:
+            while queue and idle:
+                worker, chunk = idle.popleft(), queue.popleft()
+                a, b = bounds[chunk]
+                ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling)
+                running[ref] = (worker, chunk, time.monotonic() + timeout)
+            first_deadline = min(deadline for _, _, deadline in running.values())
+            ray.wait(list(running), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
+            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+            now = time.monotonic()
+            failed: dict[int, str] = {}
+            for ref in ready:
+                worker, chunk, _ = running.pop(ref)
+                try:
+                    results[chunk] = ray.get(ref)
+                    idle.append(worker)
+                except RayError as err:
+                    failed[worker] = f"died during 'generate' ({err.__class__.__name__}: " \
+                                     f"{str(err).splitlines()[0][:200]})"
+                    queue.appendleft(chunk)
+            for ref, (worker, chunk, deadline) in list(running.items()):
+                if deadline <= now:
+                    running.pop(ref)
+                    failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
+                    queue.appendleft(chunk)
+            for worker, cause in failed.items():
+                self.replace(worker, cause)
+                idle.append(worker)
+        groups = [group for chunk in sorted(results) for group in results[chunk]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
             raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
                             f"{self.weights_version}: a worker missed a sync")
         return groups
+
+    def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:
+        """Between steps: stop the workers `remove_ids`, then add or remove (newest first) workers until there are
+        `num_workers`. New workers get the current weights, checked by the probe, before their first request."""
+        removed = [slot for slot in self.fleet.rollout if slot.id in set(remove_ids)]
+        surplus = len(self.fleet.rollout) - len(removed) - num_workers
+        if surplus > 0:
+            kept = [slot for slot in self.fleet.rollout if slot not in removed]
+            removed += sorted(kept, key=lambda slot: slot.id)[-surplus:]
+        if removed:
+            self.fleet.rollout = [slot for slot in self.fleet.rollout if slot not in removed]
+            self.fleet.launcher.stop(removed)
+            self.transport.fleet_changed()
+            self.scale_events += len(removed)
+        missing = num_workers - len(self.fleet.rollout)
+        if missing > 0:
+            ids = list(range(self.next_id, self.next_id + missing))
+            self.next_id += missing
+            first = len(self.fleet.rollout)
+            try:
+                self.fleet.rollout += start_rollout_slots(self.fleet.launcher, ids,
+                                                          [slot.node_id for slot in self.fleet.rollout])
+            except RunError as err:  # no room for them: the run goes on with the fleet it has
+                self.scale_failures += 1
+                self.last_scale_error = f"could not add {missing} rollout workers: {err}"
+                print(f"relay: {self.last_scale_error}; going on with {first}", file=sys.stderr, flush=True)
+                return
+            self.transport.fleet_changed()
+            self.scale_events += missing
+            new = list(range(first, len(self.fleet.rollout)))
+            failed = self._load(new)
+            if failed:
+                index, cause = next(iter(failed.items()))
+                raise RunError(f"{self.fleet.rollout_names[index]} was just added but {cause} while loading the "
+                               "weights")
+            if self.config.sync.probe:
+                self.verify(new)
 
     def sync(self, version: int) -> float:
         """Load the learner's weights (version `version`) into every worker and verify them; returns the probe's
@@ -100,8 +173,9 @@ class RolloutPool:
                            f"(rollout.max_restarts={limit}); the engines keep failing, check the Ray logs")
         started = time.perf_counter()
         self.restarts += 1
-        ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = self.fleet.start_rollout_worker(index)
+        slot = self.fleet.rollout[index]
+        ray.kill(slot.actor, no_restart=True)
+        slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed()
         get([self.workers[index].__ray_ready__.remote()], self.config.timeouts.start, [name], "start")
         failed = self._load([index])
@@ -121,3 +195,10 @@ class RolloutPool:
                 raise SyncError(f"{self.fleet.rollout_names[i]} serves weights version {version}, expected "
                                 f"{self.weights_version}")
         return failed
+
+
+def _split(count: int, pieces: int) -> list[tuple[int, int]]:
+    """[start, end) of up to `pieces` contiguous, near-equal, non-empty chunks of `count` items."""
+    pieces = max(1, min(count, pieces))
+    bounds = [round(i * count / pieces) for i in range(pieces + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(pieces)]

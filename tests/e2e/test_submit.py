@@ -1,14 +1,18 @@
 """`relay submit` / `relay jobs` / `relay stop` against a Ray head this test starts on its own ports (through
-`ray.cluster_utils.Cluster`) and stops itself: never `ray stop`, which would kill every Ray process on the machine."""
+`ray start --block` in its own process group) and stops itself: never `ray stop`, which would kill every Ray process on the machine."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -32,17 +36,52 @@ def relay(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def ray_head(demo_model_dir, monkeypatch):
-    from ray.cluster_utils import Cluster
-
+def ray_head(demo_model_dir):
+    """A Ray head in its own process group (so this test process's own Ray instance is not involved), on free ports,
+    with its own temp dir; stopped by signalling that process group only."""
+    temp_dir = tempfile.mkdtemp(prefix="relay-head-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    gcs_port, dashboard_port = free_port(), free_port()
     # A job's entrypoint runs `python` from the head's PATH: on a real cluster, the image's Python with relay's
     # dependencies; here, this virtual environment's.
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    port = free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
-    yield f"http://127.0.0.1:{port}"
-    cluster.shutdown()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
+         "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+         # Fixed by default: another Ray instance on this machine (the test session's own) holds them already, and
+         # a head whose job agent cannot bind refuses every job ("No available agent").
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        wait_for_jobs_api(address, head)
+        yield address
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(head.pid, sig)
+                head.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_for_jobs_api(address: str, head: subprocess.Popen, timeout: float = 120) -> None:
+    from cluster.jobs import client
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"the test's Ray head exited with {head.returncode}")
+        try:
+            client(address).list_jobs()
+            return
+        except Exception:  # not up yet: connection refused, 5xx, no job agent
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def test_submitted_demo_job_finishes_with_the_reward_rising(ray_head, tmp_path):

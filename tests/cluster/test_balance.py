@@ -1,0 +1,64 @@
+"""Load balancing across rollout workers of different speeds, through the real loop: a slow worker serves fewer
+requests than a fast one, and which worker serves a prompt does not change the run (one sampling seed per prompt)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+
+from actors.rollout import RolloutWorker
+from cluster.config import load_config
+from cluster.driver import run_training
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
+
+
+class OneSlowWorker(RolloutWorker):
+    """The first worker process to start is 1 s slower per request; every worker logs each request it serves."""
+
+    log = ""
+
+    def __init__(self, settings, num_threads=1):
+        super().__init__(settings, num_threads)
+        try:
+            os.close(os.open(self.log + ".slow", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            self.speed = "slow"
+        except FileExistsError:
+            self.speed = "fast"
+
+    def generate(self, prompts, seeds, sampling):
+        if self.speed == "slow":
+            time.sleep(1.0)
+        with open(self.log, "a") as out:
+            out.write(f"{self.speed} {len(prompts)}\n")
+        return super().generate(prompts, seeds, sampling)
+
+
+def run(tmp_path, model_dir, name, chunks):
+    log = tmp_path / f"{name}.log"
+    worker_cls = type("Logged", (OneSlowWorker,), {"log": str(log)})
+    config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=2",
+                                "data.prompts_per_step=16", "rollout.num_workers=2",
+                                f"rollout.chunks_per_worker={chunks}", "checkpoint.every=0"])
+    records = run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=worker_cls)
+    served = {"slow": 0, "fast": 0}
+    for line in log.read_text().splitlines():
+        speed, prompts = line.split()
+        served[speed] += int(prompts)
+    return records, served
+
+
+def test_slow_worker_serves_fewer_prompts_and_the_split_does_not_change_the_run(ray_local, tmp_path, demo_model_dir):
+    balanced, served = run(tmp_path, demo_model_dir, "balanced", chunks=4)
+    even, even_served = run(tmp_path, demo_model_dir, "even", chunks=1)
+    # 2 steps x 16 prompts. Even split: 16 each. Balanced: 8 requests of 2 prompts per step; the fast worker
+    # (~0.1 s a request) takes most of them while the slow one (> 1 s) serves one or two.
+    assert even_served == {"slow": 16, "fast": 16}
+    assert served["slow"] + served["fast"] == 32 and served["slow"] <= 8, served
+    assert [r["reward/mean"] for r in balanced] == [r["reward/mean"] for r in even]
+    assert [r["loss/policy"] for r in balanced] == [r["loss/policy"] for r in even]
