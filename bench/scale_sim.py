@@ -2,7 +2,7 @@
 
 Usage: python bench/scale_sim.py [--workers 1,2,4,8,16,32,64] [--steps 5] [--prompts-per-worker 8] [--calibrate]
 
-Real: the driver's code (RolloutPool: requests handed out as workers free up, deadlines, the version check, the
+Real: the driver's code (RolloutPool: prompts split by measured worker speed, deadlines, the version check, the
 object-store weight sync to every worker), Ray actors in their own placement groups (RolloutLauncher), real Rollout
 payloads (G completions x `--tokens` token ids and logprobs each).
 Simulated: the engine. `SimulatedEngine.generate` sleeps for the time a vLLM engine takes for that many prompts,
@@ -12,9 +12,9 @@ prints the fit). Sleeping engines use no CPU, so 64 of them fit on 2 cores; what
 
 Weak scaling: every worker gets `--prompts-per-worker` prompts per step, so the ideal step time is constant.
 Throughput fraction of ideal = (completions/s at N workers) / (N x completions/s at 1 worker).
-A second table gives a fleet where every other worker is 2x slower: balanced (requests handed out as workers free
-up, the default `rollout.chunks_per_worker=4`) against an even split (`chunks_per_worker=1`), in completions/s and
-as a fraction of the fleet's capacity at that chunking (0.75 x the rate of the same number of fast workers).
+A second table gives a fleet where every other worker is 2x slower: prompts split by measured speed (the default,
+`rollout.balance=speed`) against an even split (`balance=even`), as a fraction of the fleet's capacity (0.75 x the
+rate of the same number of fast workers).
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ class SimulatedLearner:
         return [("w", np.zeros(1024, dtype=np.float32))]
 
 
-def measure(n: int, steps: int, per_worker: int, chunks: int, slow: bool, latency: tuple[float, float]) -> float:
+def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple[float, float]) -> float:
     """Completions per second over `steps` steps (generate + weight sync) with n simulated workers."""
     from cluster.config import load_config
     from cluster.remote import Fleet, RolloutLauncher, start_rollout_slots
     from cluster.rollout_pool import RolloutPool
 
     config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
-                                f"rollout.chunks_per_worker={chunks}", "rollout.group_size=8"])
+                                f"rollout.balance={balance}", "rollout.group_size=8"])
     launcher = RolloutLauncher(config, "unused", SimulatedEngine)
     launcher.settings = None  # the engine settings would make every worker import torch; stand-ins ignore them
     pools = []
@@ -116,7 +116,8 @@ def measure(n: int, steps: int, per_worker: int, chunks: int, slow: bool, latenc
     sampling = SamplingSettings(8, 8)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
-    pool.generate(prompts, seeds, sampling)  # warm-up: first calls start the actors' Python paths
+    for _ in range(2):  # warm-up: first calls start the actors' Python paths; speeds get measured
+        pool.generate(prompts, seeds, sampling)
     started = time.perf_counter()
     for step in range(1, steps + 1):
         groups = pool.generate(prompts, seeds, sampling)
@@ -171,21 +172,19 @@ def main() -> None:
     print("|---|---|---|---|---|")
     base = None
     for n in counts:
-        rate = measure(n, args.steps, args.prompts_per_worker, 4, False, latency)
+        rate = measure(n, args.steps, args.prompts_per_worker, "speed", False, latency)
         base = base or rate / n
         print(f"| {n} | {n * args.prompts_per_worker} | {rate:.0f} | {base * n:.0f} | {rate / (base * n):.1%} |",
               flush=True)
-    print("\nEvery other worker 2x slower. Capacity = 0.75 x the rate of N fast workers at the same chunking:")
-    print("| workers | balanced (chunks_per_worker=4) | of capacity | even split (chunks_per_worker=1) | of capacity |")
+    print("\nEvery other worker 2x slower (capacity = 0.75 x the rate of as many fast workers):")
+    print("| workers | balance=speed | of capacity | balance=even | of capacity |")
     print("|---|---|---|---|---|")
     for n in [c for c in counts if c >= 2]:
-        rates = {}
-        for chunks in (4, 1):
-            fast = measure(n, args.steps, args.prompts_per_worker, chunks, False, latency)
-            mixed = measure(n, args.steps, args.prompts_per_worker, chunks, True, latency)
-            rates[chunks] = (mixed, mixed / (0.75 * fast))
-        print(f"| {n} | {rates[4][0]:.0f}/s | {rates[4][1]:.1%} | {rates[1][0]:.0f}/s | {rates[1][1]:.1%} |",
-              flush=True)
+        fast = measure(n, args.steps, args.prompts_per_worker, "even", False, latency)
+        speed = measure(n, args.steps, args.prompts_per_worker, "speed", True, latency)
+        even = measure(n, args.steps, args.prompts_per_worker, "even", True, latency)
+        capacity = 0.75 * fast
+        print(f"| {n} | {speed:.0f}/s | {speed / capacity:.1%} | {even:.0f}/s | {even / capacity:.1%} |", flush=True)
     ray.shutdown()
 
 

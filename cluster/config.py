@@ -89,9 +89,10 @@ class RolloutConfig(_Section):
     placement: Literal["pack", "spread"] = "pack"
     """Where rollout workers go among the nodes that fit them: `pack` leaves it to Ray (which fills nodes already
     in use first), `spread` puts each new worker on the fitting node with the fewest rollout workers."""
-    chunks_per_worker: int = Field(4, ge=1, le=1024)
-    """Requests each step's prompts are cut into, per worker; a worker gets the next request when it finishes one,
-    so a slow worker serves fewer prompts. 1 splits the prompts evenly (no balancing, largest engine batches)."""
+    balance: Literal["speed", "even"] = "speed"
+    """How each step's prompts are split over the workers (one request, one engine batch, per worker): `speed` in
+    proportion to the prompts per second each worker managed in recent steps, so a slow worker gets fewer and the
+    fleet finishes together; `even` in equal shares."""
     group_size: int = Field(8, ge=1, le=1024)
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = Field(8, ge=1, le=1_000_000)

@@ -24,7 +24,7 @@ MAY_CHANGE = [
     "max_steps", "resume", "run_dir", "timeouts.*", "ray.*", "logging.*", "checkpoint.*", "sync.*",
     "rollout.num_workers", "rollout.num_cpus", "rollout.num_gpus", "rollout.num_threads", "rollout.max_restarts",
     "rollout.kv_cache_bytes", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
-    "rollout.resources*", "rollout.node_labels*", "rollout.placement", "rollout.chunks_per_worker",
+    "rollout.resources*", "rollout.node_labels*", "rollout.placement", "rollout.balance",
     "rollout.tensor_parallel_size", "learner.resources*", "reference.resources*",
     "reference.num_cpus", "reference.num_gpus", "reference.num_threads", "reference.micro_batch_size",
     "learner.num_cpus", "learner.num_gpus", "learner.num_threads", "learner.micro_batch_size",

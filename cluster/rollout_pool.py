@@ -1,7 +1,7 @@
 """The rollout fleet as the driver sees it: generation balanced over the workers, verified weight sync, replacing
 workers that die or hang, and growing or shrinking the fleet between steps.
 
-Owns: cutting prompts into requests handed to workers as they free up (load balancing), the deadline on every
+Owns: splitting prompts over the workers in proportion to their measured speed (load balancing), the deadline on every
 worker call, loading the learner's weights into the engines through the configured transport (cluster/transport.py)
 and checking that each engine serves exactly them (the probe), recovery (a worker that dies or misses its deadline is
 killed, started again in its placement group, given the current weights, checked by the probe, and handed its
@@ -41,6 +41,7 @@ class RolloutPool:
         self.recovery_seconds = 0.0
         self.scale_events = 0  # workers added or removed by `resize`
         self.scale_failures = 0  # `resize` calls that could not place the new workers
+        self.speeds: dict[int, float] = {}  # worker id -> prompts per second in recent steps (`rollout.balance`)
         self.last_scale_error = ""
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(self)
@@ -53,49 +54,72 @@ class RolloutPool:
         """[prompts][G] rollouts in prompt order, each prompt sampled with its own seed (so the result does not
         depend on which worker serves a prompt).
 
-        Prompts are cut into `rollout.chunks_per_worker` requests per worker, handed out as workers free up: a slow
-        worker serves fewer and does not set the pace of the step. A request whose worker dies or misses
-        `timeouts.generate` goes to the worker's replacement."""
-        bounds = _split(len(prompts), len(self.workers) * self.config.rollout.chunks_per_worker)
-        queue = deque(range(len(bounds)))
-        idle = deque(range(len(self.workers)))
-        running: dict[Any, tuple[int, int, float]] = {}  # ref -> (worker index, chunk, deadline)
-        results: dict[int, list[list[Any]]] = {}
+        Each worker gets one request per step (one engine batch), sized by `rollout.balance`: with `speed`, in
+        proportion to the prompts per second it managed in recent steps, so a slow worker gets fewer prompts and
+        the fleet finishes together. A request whose worker dies or misses `timeouts.generate` goes to the worker's
+        replacement."""
+        shares = self._shares(len(prompts))
+        starts = [sum(shares[:i]) for i in range(len(shares) + 1)]
+        todo = deque((i, (starts[i], starts[i + 1])) for i in range(len(shares)) if shares[i])
+        running: dict[Any, tuple[int, tuple[int, int], float]] = {}  # ref -> (worker index, chunk, dispatched at)
+        results: dict[int, list[list[Any]]] = {}  # chunk start -> groups
         timeout = self.config.timeouts.generate
-        while queue or running:
-            while queue and idle:
-                worker, chunk = idle.popleft(), queue.popleft()
-                a, b = bounds[chunk]
+        while todo or running:
+            while todo:
+                worker, (a, b) = todo.popleft()
                 ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling)
-                running[ref] = (worker, chunk, time.monotonic() + timeout)
-            first_deadline = min(deadline for _, _, deadline in running.values())
+                running[ref] = (worker, (a, b), time.monotonic())
+            first_deadline = min(started for _, _, started in running.values()) + timeout
             ray.wait(list(running), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             now = time.monotonic()
             failed: dict[int, str] = {}
             for ref in ready:
-                worker, chunk, _ = running.pop(ref)
+                worker, (a, b), started = running.pop(ref)
                 try:
-                    results[chunk] = ray.get(ref)
-                    idle.append(worker)
+                    results[a] = ray.get(ref)
+                    self._record_speed(worker, b - a, now - started)
                 except RayError as err:
                     failed[worker] = f"died during 'generate' ({err.__class__.__name__}: " \
                                      f"{str(err).splitlines()[0][:200]})"
-                    queue.appendleft(chunk)
-            for ref, (worker, chunk, deadline) in list(running.items()):
-                if deadline <= now:
+                    todo.append((worker, (a, b)))
+            for ref, (worker, chunk, started) in list(running.items()):
+                if started + timeout <= now:
                     running.pop(ref)
                     failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
-                    queue.appendleft(chunk)
+                    todo.append((worker, chunk))
             for worker, cause in failed.items():
-                self.replace(worker, cause)
-                idle.append(worker)
-        groups = [group for chunk in sorted(results) for group in results[chunk]]
+                self.replace(worker, cause)  # its request then goes to the replacement
+        groups = [group for start in sorted(results) for group in results[start]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
             raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
                             f"{self.weights_version}: a worker missed a sync")
         return groups
+
+    def _shares(self, count: int) -> list[int]:
+        """Prompts per worker (by index): in proportion to each worker's speed (`balance=speed`; workers not yet
+        measured count as the mean), at least one each while there are enough prompts to keep speeds measured."""
+        ids = [slot.id for slot in self.fleet.rollout]
+        known = [self.speeds[i] for i in ids if i in self.speeds]
+        if self.config.rollout.balance == "even" or not known:
+            weights = [1.0] * len(ids)
+        else:
+            weights = [self.speeds.get(i, sum(known) / len(known)) for i in ids]
+        floor = 1 if count >= len(ids) else 0
+        rest = count - floor * len(ids)
+        exact = [rest * w / sum(weights) for w in weights]
+        shares = [int(x) for x in exact]
+        by_remainder = sorted(range(len(ids)), key=lambda i: (shares[i] - exact[i], i))
+        for i in by_remainder[:rest - sum(shares)]:  # largest remainders first
+            shares[i] += 1
+        return [floor + share for share in shares]
+
+    def _record_speed(self, worker: int, prompts: int, seconds: float) -> None:
+        """Prompts per second of worker `worker`'s last request, averaged over steps (half-life of one step)."""
+        slot_id = self.fleet.rollout[worker].id
+        rate = prompts / max(seconds, 1e-6)
+        self.speeds[slot_id] = rate if slot_id not in self.speeds else 0.5 * self.speeds[slot_id] + 0.5 * rate
 
     def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:
         """Between steps: stop the workers `remove_ids`, then add or remove (newest first) workers until there are
@@ -196,9 +220,3 @@ class RolloutPool:
                                 f"{self.weights_version}")
         return failed
 
-
-def _split(count: int, pieces: int) -> list[tuple[int, int]]:
-    """[start, end) of up to `pieces` contiguous, near-equal, non-empty chunks of `count` items."""
-    pieces = max(1, min(count, pieces))
-    bounds = [round(i * count / pieces) for i in range(pieces + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(pieces)]

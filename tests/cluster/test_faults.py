@@ -59,9 +59,7 @@ def faulty(tmp_path, mode):
 
 def run(tmp_path, model_dir, name, rollout_cls=None, *overrides):
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=4",
-                                "data.prompts_per_step=8", "rollout.num_workers=2",
-                                # One request per worker per step, so "the 2nd call" is in step 2.
-                                "rollout.chunks_per_worker=1", *overrides])
+                                "data.prompts_per_step=8", "rollout.num_workers=2", *overrides])
     return run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=rollout_cls)
 
 

@@ -1,11 +1,10 @@
-"""The run's mailbox (`RunControl`, used without Ray) and how prompts are cut into requests."""
+"""The run's mailbox (`RunControl`, used without Ray) and how prompts are shared over rollout workers."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.control import ControlError, RunControl, control_name
-from cluster.rollout_pool import _split
 
 
 def control_with_workers(ids):
@@ -48,11 +47,27 @@ def test_control_actor_is_named_after_the_run_directory():
     assert control_name("/shared/runs/gsm8k-1/") == "relay/gsm8k-1"
 
 
-@pytest.mark.parametrize("count, pieces, expected", [
-    (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
-    (5, 2, [(0, 2), (2, 5)]),  # round(2.5) = 2: near-equal, contiguous
-    (3, 8, [(0, 1), (1, 2), (2, 3)]),  # never an empty request
-    (1, 1, [(0, 1)]),
+class FakePool:
+    """Just what RolloutPool._shares reads: the fleet's worker ids, the measured speeds and the balance mode."""
+
+    def __init__(self, ids, speeds, balance="speed"):
+        from types import SimpleNamespace
+
+        self.fleet = SimpleNamespace(rollout=[SimpleNamespace(id=i) for i in ids])
+        self.speeds = speeds
+        self.config = SimpleNamespace(rollout=SimpleNamespace(balance=balance))
+
+
+@pytest.mark.parametrize("ids, speeds, balance, count, expected", [
+    ([0, 1], {}, "speed", 32, [16, 16]),  # nothing measured yet: equal shares
+    ([0, 1], {0: 30.0, 1: 10.0}, "speed", 32, [24, 8]),  # 1 each, then 30 split 3:1: 22.5, 7.5; tie -> first
+    ([0, 1], {0: 30.0, 1: 10.0}, "even", 32, [16, 16]),
+    ([0, 1, 5], {0: 30.0, 1: 10.0}, "speed", 12, [6, 2, 4]),  # the new worker 5 counts as the mean (20)
+    ([0, 1], {0: 1000.0, 1: 1.0}, "speed", 8, [7, 1]),  # never 0 while there are enough prompts: keeps measuring
+    ([0, 1, 2], {}, "speed", 2, [1, 1, 0]),  # fewer prompts than workers
 ])
-def test_prompts_are_cut_into_contiguous_non_empty_requests(count, pieces, expected):
-    assert _split(count, pieces) == expected
+def test_prompts_are_shared_in_proportion_to_measured_speed(ids, speeds, balance, count, expected):
+    from cluster.rollout_pool import RolloutPool
+
+    shares = RolloutPool._shares(FakePool(ids, speeds, balance), count)
+    assert shares == expected and sum(shares) == count
