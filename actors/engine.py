@@ -2,7 +2,8 @@
 
 Owns: starting an engine with settings that work on both device kinds, sampling G completions per prompt with the
 sampled tokens' logprobs, loading new weights into the running engine (through `RelayWorkerExtension`, vLLM's
-reload path, the tied-head fix and a prefix-cache reset), and shutting it down without leaving files behind.
+reload path, the tied-head fix and a prefix-cache reset) whether they are handed over or broadcast to the engine's
+workers by a weight group, and shutting it down without leaving files behind.
 Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
 lives here so that a new vLLM release, or another engine, changes one file.
 """
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from learner.weight_group import GroupSpec
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
 
@@ -30,6 +33,7 @@ class EngineSettings:
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.5
     seed: int = 0
+    tensor_parallel_size: int = 1  # > 1: vLLM starts one Ray worker per shard in the actor's placement group
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class VllmEngine:
             device_args["block_size"] = 32
         else:
             device_args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if settings.tensor_parallel_size > 1:
+            # The shards run as Ray workers in the bundles of the placement group this actor was started in (its
+            # child tasks are captured there: cluster/remote.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
+            device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.llm = LLM(
             model=settings.model_path,
@@ -99,6 +107,25 @@ class VllmEngine:
                 self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
         self.reset_prefix_cache()
 
+    @property
+    def num_ranks(self) -> int:
+        """vLLM workers of this engine (tensor x pipeline parallel): each is one member of a weight group."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def join_weight_group(self, spec: GroupSpec, first_rank: int) -> None:
+        """Every worker of the engine joins the learner's weight group, as ranks `first_rank` onwards."""
+        self.llm.collective_rpc("relay_join_weight_group", args=(spec.to_dict(), first_rank))
+
+    def receive_weights(self) -> dict[str, float]:
+        """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path (tied-head
+        fix included); then the prefix cache is reset, as for `load_weights`. Returns the first worker's timings."""
+        timings = self.llm.collective_rpc("relay_receive_weights")[0]
+        self.reset_prefix_cache()
+        return timings
+
+    def leave_weight_group(self) -> None:
+        self.llm.collective_rpc("relay_leave_weight_group")
+
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache; stale KV entries would survive the update")
@@ -107,15 +134,18 @@ class VllmEngine:
         """Stop the engine core and vLLM's distributed state, so no shared memory or temp files stay behind."""
         if not hasattr(self, "llm"):
             return  # already shut down
-        engine = getattr(self.llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        try:
+            self.leave_weight_group()
+        finally:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None:
+                core.shutdown()
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-        destroy_model_parallel()
-        destroy_distributed_environment()
-        del self.llm
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            del self.llm
 
 
 def _completion(output) -> SampledCompletion:

@@ -1,7 +1,8 @@
 """ReferenceWorker: the frozen initial policy, scoring prompt+response tokens for the KL penalty.
 
-Owns: a transformers causal LM in eval mode with gradients off. Does not own: the KL itself (learner/algo/losses).
-A plain class: Ray wraps it in `cluster/`.
+Owns: a transformers causal LM in eval mode with gradients off, on the actor's GPU when it has one
+(`learner.device.pick_device`). Does not own: the KL itself (learner/algo/losses). A plain class: Ray wraps it in
+`cluster/`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from learner.algo.sequences import batched_logprobs, pad_sequences, unpad_per_token
+from learner.device import pick_device
 
 
 class ReferenceWorker:
@@ -21,7 +23,8 @@ class ReferenceWorker:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.device = pick_device()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
         self.micro_batch_size = micro_batch_size
@@ -29,6 +32,6 @@ class ReferenceWorker:
 
     def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        """log pi_ref of every response token: [B][T_resp_i]."""
-        batch = pad_sequences(prompt_ids, response_ids, self.pad_id)
+        """log pi_ref of every response token: [B][T_resp_i] (float32 logprobs, computed on the model's device)."""
+        batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
         return unpad_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)

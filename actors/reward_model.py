@@ -1,7 +1,8 @@
 """RewardModelWorker: a frozen reward model scoring prompt + completion texts, in batches.
 
 Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode with gradients
-off, its own tokenizer (a reward model need not share the policy's), and batched scoring of right-padded text.
+off, on the actor's GPU when it has one (`learner.device.pick_device`), its own tokenizer (a reward model need not
+share the policy's), and batched scoring of right-padded text.
 Does not own: combining or normalising scores (the driver, `rewards/combine.py`). A plain class: Ray wraps it in
 `cluster/`.
 """
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from learner.device import pick_device
+
 
 class RewardModelWorker:
     """`score(prompts, completions)` -> one float per pair: the model's output on the concatenated text."""
@@ -20,12 +23,13 @@ class RewardModelWorker:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         torch.set_num_threads(num_threads)
+        self.device = pick_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=getattr(torch, dtype))
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {model_path} has {self.model.config.num_labels} outputs; a reward model "
                              "has one (num_labels=1)")
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
         pad_id = self.model.config.pad_token_id
         if pad_id is None:  # the classifier reads the last non-pad token, so it must know which id pads
             pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
@@ -45,11 +49,13 @@ class RewardModelWorker:
                                            completions[start:start + self.micro_batch_size])]
             ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
             length = max(len(row) for row in ids)
-            input_ids = torch.full((len(ids), length), self.pad_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(ids), length), dtype=torch.long)
+            # Filled in host memory row by row, then moved to the model's device in one copy each.
+            input_ids = torch.full((len(ids), length), self.pad_id, dtype=torch.long, device="cpu")
+            attention_mask = torch.zeros((len(ids), length), dtype=torch.long, device="cpu")
             for i, row in enumerate(ids):
-                input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+                input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long, device="cpu")
                 attention_mask[i, :len(row)] = 1
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
-            scores.extend(logits[:, 0].float().tolist())
+            logits = self.model(input_ids=input_ids.to(self.device),
+                                attention_mask=attention_mask.to(self.device)).logits  # [b, 1]
+            scores.extend(logits[:, 0].float().cpu().tolist())
         return scores

@@ -15,28 +15,8 @@ import numpy as np
 import torch
 
 from actors.engine import EngineSettings, SampledCompletion, VllmEngine
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How completions are sampled (the rollout config's sampling knobs)."""
-
-    group_size: int  # G completions per prompt
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One completion of one prompt, with what the learner needs to score it."""
-
-    prompt_ids: list[int]  # [T_prompt]
-    response_ids: list[int]  # [T_resp]
-    behavior_logprobs: list[float]  # [T_resp], from the engine that sampled (weights `weights_version`)
-    text: str  # the response text, EOS dropped
-    finish_reason: str  # "stop" | "length"
-    weights_version: int
+from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (part of this module's API)
+from learner.weight_group import GroupSpec
 
 
 class RolloutWorker:
@@ -47,8 +27,9 @@ class RolloutWorker:
         self.engine = VllmEngine(settings)
         self.tokenizer = self.engine.tokenizer
         self.weights_version = 0
+        self.last_load: dict[str, float] = {}
 
-    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings) -> list[list[Rollout]]:
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch."""
         if len(prompts) != len(seeds):
@@ -56,7 +37,7 @@ class RolloutWorker:
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
-        return [[self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups)]
+        return RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
 
     def load_weights(self, version: int, *buckets: list[tuple[str, np.ndarray | torch.Tensor]]) -> int:
         """Load every bucket of (name, array) pairs into the engine in place; return the version now served."""
@@ -64,6 +45,24 @@ class RolloutWorker:
         self.engine.load_weights(named)
         self.weights_version = version
         return version
+
+    # The `collective` transport: this worker's engine is a member of the learner's weight group.
+    def weight_group_ranks(self) -> int:
+        """Members this worker adds to a weight group: one per vLLM worker of its engine."""
+        return self.engine.num_ranks
+
+    def join_weight_group(self, spec: GroupSpec, first_rank: int) -> None:
+        self.engine.join_weight_group(spec, first_rank)
+
+    def receive_weights(self, version: int) -> int:
+        """Receive weights `version` from the learner's broadcast and load them in place; return the version now
+        served. `last_load` keeps the engine's timings (receive, reload)."""
+        self.last_load = self.engine.receive_weights()
+        self.weights_version = version
+        return version
+
+    def leave_weight_group(self) -> None:
+        self.engine.leave_weight_group()
 
     def probe(self, prompt: str, max_tokens: int, temperature: float,
               seed: int) -> tuple[list[int], list[int], list[float], int]:

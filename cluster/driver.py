@@ -149,15 +149,14 @@ class Trainer:
         batch = TrainBatch(prompt_ids=[r.prompt_ids for r in rollouts], response_ids=[r.response_ids for r in rollouts],
                            behavior_logprobs=[r.behavior_logprobs for r in rollouts], rewards=rewards,
                            group_size=self.config.rollout.group_size, ref_logprobs=ref_logprobs)
-        metrics = get([self.fleet.learner.train_step.remote(batch)], self.config.timeouts.train, ["learner"],
-                      "train")[0]
+        metrics = self.fleet.learner_group.train_step(batch)
         self.weights_version += 1
         return metrics
 
     def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:
         """Write `checkpoints/step_<step>` atomically: the learner's state, the data cursor, the resolved config."""
         tmp = checkpoint.begin(run_dir, step)
-        get([self.fleet.learner.save_checkpoint.remote(str(tmp))], self.config.timeouts.train, ["learner"], "train")
+        self.fleet.learner_group.save_checkpoint(str(tmp))
         checkpoint.write_driver_state(tmp, {"step": step, "weights_version": self.weights_version,
                                             "data": self.data.state()})
         checkpoint.write_config(tmp, resolved_config)
@@ -165,8 +164,7 @@ class Trainer:
 
     def restore(self, point: resume.ResumePoint) -> int:
         """Load a checkpoint into the learner, the data cursor and every engine (probe-checked); returns its step."""
-        version = get([self.fleet.learner.load_checkpoint.remote(str(point.path))], self.config.timeouts.train,
-                      ["learner"], "train")[0]
+        version = self.fleet.learner_group.load_checkpoint(str(point.path))
         self.data.load_state(point.state["data"])
         self.weights_version = version
         self.rollouts.sync(version)

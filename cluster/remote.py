@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -44,12 +44,13 @@ class Fleet:
     """Handles to every actor of a run. The learner, reference and reward models share one placement group; each
     rollout worker has its own, so the fleet grows and shrinks without touching the others."""
 
-    learner: Any
+    learner: Any  # rank 0's actor: weight export and the probe's reference logprobs
     reference: Any | None
     rollout: list[RolloutSlot]
     placement: PlacementGroup
     launcher: RolloutLauncher
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
+    learner_group: Any = None  # cluster.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -108,7 +109,7 @@ class RolloutLauncher:
         self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
                                        max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
                                        enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
-                                       seed=config.seed)
+                                       seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size)
         self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
 
     def reserve(self, busy_nodes: list[str]) -> PlacementGroup:
@@ -127,11 +128,18 @@ class RolloutLauncher:
                         "or rollout.resources", **kwargs)
 
     def start(self, pg: PlacementGroup) -> Any:
-        """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`)."""
+        """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`).
+
+        With tensor parallelism the actor itself holds no GPU: vLLM starts one Ray worker per shard in the
+        placement group's bundles (captured as the actor's child tasks), and Ray gives each its own
+        CUDA_VISIBLE_DEVICES."""
         ro = self.config.rollout
+        sharded = ro.tensor_parallel_size > 1
         return ray.remote(self.rollout_cls).options(
-            num_cpus=ro.num_cpus, num_gpus=ro.num_gpus, runtime_env={"env_vars": _env(ro.num_threads)},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
+            runtime_env={"env_vars": _env(ro.num_threads)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                                 placement_group_capture_child_tasks=sharded),
         ).remote(self.settings, ro.num_threads)
 
     def stop(self, slots: list[RolloutSlot], timeout: float = 10) -> None:
@@ -183,10 +191,10 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
     from cluster.config import ModelSource
-    from learner.learner import Learner
+    from cluster.learner_group import launch_learner_group
 
     lc, rc, ro = config.learner, config.reference, config.rollout
-    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources)]
+    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
     reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
@@ -198,25 +206,31 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": _env(threads)},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
-    learner = ray.remote(Learner).options(**options(0, lc.num_threads, lc.num_cpus, lc.num_gpus)).remote(
-        model_path, lc, config.model.dtype, ro.temperature, config.seed, config.critic, ro.max_new_tokens)
+    # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
+    group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
+                                  for rank in range(lc.num_ranks)], model_path, lc, dtype=config.model.dtype,
+                                 temperature=ro.temperature, seed=config.seed, critic=config.critic,
+                                 norm_length=ro.max_new_tokens, timeouts=config.timeouts)
+    first = lc.num_ranks
     reference = None
     if config.uses_reference:
-        reference = ray.remote(ReferenceWorker).options(**options(1, rc.num_threads, rc.num_cpus, rc.num_gpus)).remote(
+        reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
+                                                                  rc.num_gpus)).remote(
             model_path, config.model.dtype, rc.num_threads, rc.micro_batch_size, ro.temperature)
-    first = 2 if config.uses_reference else 1
+        first += 1
     reward_models = {
         name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
             s.path, config.model.dtype, s.num_threads, s.micro_batch_size)
         for i, (name, s) in enumerate(reward_sources.items())
     }
     launcher = RolloutLauncher(config, model_path, rollout_cls)
-    fleet = Fleet(learner, reference, [], pg, launcher, reward_models)
-    names = ["learner"] + (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
-    actors = [learner] + ([reference] if reference else []) + list(reward_models.values())
+    fleet = Fleet(group.rank0, reference, [], pg, launcher, reward_models, group)
+    names = (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
+    actors = ([reference] if reference else []) + list(reward_models.values())
     try:
         fleet.rollout = start_rollout_slots(launcher, list(range(ro.num_workers)), [])
         get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
+        group.connect()  # the ranks are up and, with several, joined in their process group
     except BaseException:
         stop_fleet(fleet)  # release the placement groups and the actors that did start
         raise
@@ -241,12 +255,30 @@ def get(refs: list, timeout: float, names: list[str], what: str) -> list:
                        f"{str(cause).splitlines()[0] if str(cause) else ''}") from err
 
 
+def get_ready(refs: list) -> list[tuple[Any, str | None]]:
+    """Results of calls that have finished: (value, None), or (None, why it failed) for a call that raised or whose
+    actor died. One round trip to the object store when none failed."""
+    try:
+        return [(value, None) for value in ray.get(refs)]
+    except RayError:
+        pass
+    results: list[tuple[Any, str | None]] = []
+    for ref in refs:
+        try:
+            results.append((ray.get(ref), None))
+        except RayError as err:
+            results.append((None, f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"))
+    return results
+
+
 def stop_fleet(fleet: Fleet) -> None:
     """Stop the rollout workers (engines first), then the other actors, and release every placement group."""
     try:
         fleet.launcher.stop(fleet.rollout)
     finally:
-        for actor in [fleet.learner, fleet.reference, *fleet.reward_models.values()]:
+        if fleet.learner_group is not None:
+            fleet.learner_group.kill()
+        for actor in [fleet.reference, *fleet.reward_models.values()]:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(fleet.placement)

@@ -19,10 +19,9 @@ from collections import deque
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 
 from cluster.config import RunConfig
-from cluster.remote import Fleet, RunError, get, start_rollout_slots
+from cluster.remote import Fleet, RunError, get, get_ready, start_rollout_slots
 from cluster.transport import make_transport
 
 
@@ -74,14 +73,13 @@ class RolloutPool:
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             now = time.monotonic()
             failed: dict[int, str] = {}
-            for ref in ready:
+            for ref, (value, error) in zip(ready, get_ready(ready)):
                 worker, (a, b), started = running.pop(ref)
-                try:
-                    results[a] = ray.get(ref)
+                if error is None:
+                    results[a] = value
                     self._record_speed(worker, b - a, now - started)
-                except RayError as err:
-                    failed[worker] = f"died during 'generate' ({err.__class__.__name__}: " \
-                                     f"{str(err).splitlines()[0][:200]})"
+                else:
+                    failed[worker] = f"died during 'generate' ({error})"
                     todo.append((worker, (a, b)))
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
@@ -175,8 +173,7 @@ class RolloutPool:
         probes = get([self.workers[i].probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens,
                                                    cfg.rollout.temperature, self.weights_version) for i in indices],
                      cfg.timeouts.sync, names, "sync")
-        learner_lps = get([self.fleet.learner.compute_logprobs.remote([p[0] for p in probes], [p[1] for p in probes])],
-                          cfg.timeouts.sync, ["learner"], "sync")[0]
+        learner_lps = self.fleet.learner_group.compute_logprobs([p[0] for p in probes], [p[1] for p in probes])
         worst = 0.0
         for name, (_, _, engine_lps, version), ours in zip(names, probes, learner_lps):
             gap = max((abs(a - b) for a, b in zip(engine_lps, ours)), default=0.0)

@@ -3,8 +3,9 @@
 Owns: the value model (a transformers `AutoModelForTokenClassification` with one label, so it saves and loads as a
 plain Hugging Face checkpoint), its own AdamW and warm-up schedule, computing values in the token layout of
 `learner.algo.sequences`, accumulating the clipped value loss micro-batch by micro-batch, and saving/restoring
-itself for checkpoints. Also the two Hugging Face directory helpers the policy and the value model share
-(`save_model_dir`, `load_model_weights`). Does not own: GAE (`learner.algo.advantages`), the loss math
+itself for checkpoints, data-parallel over the learner's ranks like the policy (`distribute`). Also the Hugging
+Face directory helpers the policy and the value model share (`save_model_dir`, `read_model_weights`,
+`load_model_weights`). Does not own: GAE (`learner.algo.advantages`), the loss math
 (`learner.algo.losses`), when to step or checkpoint (the `Learner`, the driver), or checkpoint atomicity
 (`cluster.checkpoint`).
 """
@@ -20,6 +21,8 @@ import torch
 
 from learner.algo.losses import value_loss
 from learner.algo.sequences import SequenceBatch
+from learner.device import pick_device
+from learner.distributed import DataParallel, clip_grad_norm, tied_names
 
 if TYPE_CHECKING:
     from cluster.config import CriticConfig
@@ -32,11 +35,13 @@ SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.jso
                       "preprocessor_config.json")
 
 
-def save_model_dir(model: torch.nn.Module, source: str, directory: str | os.PathLike) -> None:
+def save_model_dir(model: torch.nn.Module, source: str, directory: str | os.PathLike,
+                   state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """`model` as a Hugging Face directory: safetensors weights and config.json (`save_pretrained`), plus the
     tokenizer and generation files of `source` (the directory or hub id it was loaded from), so that transformers
-    and vLLM load `directory` exactly as they load `source`."""
-    model.save_pretrained(directory)
+    and vLLM load `directory` exactly as they load `source`. `state_dict`: the whole weights to write instead of the
+    model's own (a sharded model's, gathered)."""
+    model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
     source_dir = Path(source)
     if not source_dir.is_dir():  # a hub id: its files are in (or go to) the local hub cache
         from huggingface_hub import snapshot_download
@@ -49,9 +54,16 @@ def save_model_dir(model: torch.nn.Module, source: str, directory: str | os.Path
 
 
 def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """Copy the safetensors weights of a `save_model_dir` directory into `model` in place, strictly: every key
-    must be a parameter or buffer of `model`, and every one of those must be loaded, except tied weights that
-    share storage with a loaded one (save_pretrained writes a tied output head once, as the embedding)."""
+    """Copy the safetensors weights of a `save_model_dir` directory into `model` in place, strictly (see
+    `read_model_weights`)."""
+    model.load_state_dict(read_model_weights(model, directory), strict=False)  # strictness checked when read
+
+
+def read_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The safetensors weights of a `save_model_dir` directory, checked strictly against `model`: every key must
+    be a parameter or buffer of `model`, and every one of those must be there, except tied weights that are the
+    same tensor as a loaded one (save_pretrained writes a tied output head once, as the embedding). In host memory:
+    loading them copies each into the model's own device (or, sharded, each rank's slice of it)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(directory).glob("*.safetensors"))
@@ -60,14 +72,15 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(path))
-    expected = model.state_dict()
-    unexpected = sorted(state.keys() - expected.keys())
-    loaded = {expected[name].data_ptr() for name in state.keys() & expected.keys()}
-    missing = sorted(name for name in expected.keys() - state.keys() if expected[name].data_ptr() not in loaded)
+    expected = model.state_dict().keys()
+    tied = tied_names(model)  # by identity, not storage: also right for a sharded model
+    unexpected = sorted(state.keys() - expected)
+    loaded = {tied.get(name, name) for name in state.keys() & expected}
+    missing = sorted(name for name in expected - state.keys() if tied.get(name, name) not in loaded)
     if unexpected or missing:
         raise ValueError(f"{directory}: weights do not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; was it saved from another architecture?")
-    model.load_state_dict(state, strict=False)  # strictness checked above, with tied weights allowed for
+    return state
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -84,6 +97,7 @@ class Critic:
         from transformers.utils import logging as hf_logging
 
         self.config = config
+        self.device = pick_device()
         self.model_path = config.path or model_path  # where the tokenizer files of a saved value model come from
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report calls the new head "MISSING": expected, and handled below
@@ -99,9 +113,22 @@ class Critic:
             for name in info["missing_keys"]:
                 if name in parameters:
                     parameters[name].zero_()
+        self.model.to(self.device)  # backbone and head, before the optimizer: its state is made beside them
         self.model.eval()  # no dropout: the value clip compares V with V_old from the same function
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, config.warmup_steps)
+        self.dp = DataParallel()
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+        self.scheduler = warmup_schedule(self.optimizer, self.config.warmup_steps)
+
+    def distribute(self, dp: DataParallel) -> None:
+        """Make the value model data-parallel over `dp`'s ranks (joined already), before any update: its optimizer
+        is rebuilt (fully_shard replaces the parameters)."""
+        self.dp = dp
+        dp.distribute(self.model)
+        self._make_optimizer()
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V of the state before each next token: [B, L-1], position j is V(tokens 0..j) (scores token j+1's state),
@@ -111,8 +138,9 @@ class Critic:
 
     @torch.no_grad()
     def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> torch.Tensor:
-        """`values` without gradients, micro-batch by micro-batch: [B, L-1] (zeros past each sequence)."""
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        """`values` without gradients, micro-batch by micro-batch: [B, L-1] float32 on the batch's device (the
+        model's; zeros past each sequence)."""
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
         for start in range(0, len(batch), micro_batch_size):
             part = batch.select(slice(start, start + micro_batch_size))
             out[start : start + micro_batch_size, : part.response_mask.shape[1]] = self.values(part)
@@ -133,7 +161,7 @@ class Critic:
                 * weight, "value/mean": mean_value * weight}
 
     def clip_gradients(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+        return clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -146,17 +174,21 @@ class Critic:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def save_model(self, directory: str | os.PathLike) -> None:
-        """The value model as a Hugging Face token-classification directory (safetensors)."""
-        save_model_dir(self.model, self.model_path, directory)
+        """The value model as a Hugging Face token-classification directory (safetensors), written by rank 0
+        (with several ranks every rank must call it: a sharded model's weights are gathered)."""
+        weights = self.dp.gather_weights(self.model)
+        if self.dp.is_writer:
+            save_model_dir(self.model, self.model_path, directory, weights)
 
     def load_model(self, directory: str | os.PathLike) -> None:
-        load_model_weights(self.model, directory)
+        self.dp.load_weights(self.model, read_model_weights(self.model, directory))
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer and scheduler state: plain containers of tensors and numbers (`torch.load(weights_only=True)`
-        reads them back; the schedule's lambda is not in it and is rebuilt from the config)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        reads them back; the schedule's lambda is not in it and is rebuilt from the config). Whole tensors, on rank 0,
+        whatever the ranks (every rank must call it)."""
+        return {"optimizer": self.dp.full_optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -4,7 +4,11 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 `old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x
 micro-batches of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite
-updates; exporting weights in buckets for the engines; saving and restoring its whole state for checkpoints.
+updates; exporting weights in buckets for the engines; saving and restoring its whole state for checkpoints. With
+`learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank gets
+the whole batch and computes its share of each pass, and together they make the one-rank update. Models, optimizer
+state and every tensor of a step live on the actor's GPU when it has one, else on the CPU (`learner.device`); what
+goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
 Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain
 class: Ray wraps it in `cluster/`.
 """
@@ -25,7 +29,9 @@ from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
                                      sequence_logprobs_and_entropy, unpad_per_token)
-from learner.critic import Critic, load_model_weights, save_model_dir, warmup_schedule
+from learner.critic import Critic, read_model_weights, save_model_dir, warmup_schedule
+from learner.device import pick_device, to_cpu
+from learner.distributed import DataParallel, clip_grad_norm
 
 if TYPE_CHECKING:
     from cluster.config import CriticConfig, LearnerConfig
@@ -72,10 +78,14 @@ class NonFiniteError(RuntimeError):
 
 
 class Learner:
-    """Holds the policy (+ critic) and optimizers; `train_step` updates them, `export_weights` hands them out."""
+    """Holds the policy (+ critic) and optimizers; `train_step` updates them, `export_weights` hands them out.
+
+    With `config.num_ranks` > 1 this is rank `rank` of the group: call `join_process_group` on every rank first, then
+    call `train_step`, `compute_logprobs`, `save_checkpoint` and `load_checkpoint` on every rank, in the same order
+    (they run collectives); `export_weights` and `count_buckets` are rank 0's alone."""
 
     def __init__(self, model_path: str, config: LearnerConfig, dtype: str = "float32", temperature: float = 1.0,
-                 seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None):
+                 seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None, rank: int = 0):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(config.num_threads)
@@ -85,14 +95,15 @@ class Learner:
         self.config = config
         self.temperature = temperature
         self.norm_length = config.loss_norm_length or norm_length  # seq-mean-token-sum-norm's fixed length
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.device = pick_device()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         # eval(): no dropout, ever. Old and new logprobs (and the engines') must come from one deterministic function,
         # or ratios and the sync check measure dropout noise. Gradients do not depend on the mode.
         self.model.eval()
         self.pad_id = self.model.config.pad_token_id or 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay)
-        self.scheduler = warmup_schedule(self.optimizer, config.warmup_steps)
+        self.dp = DataParallel(rank, config.num_ranks, config.strategy)
+        self._gathered: dict[str, torch.Tensor] | None = None  # fsdp2: rank 0's copy of the whole policy weights
+        self._make_optimizer()
         self.critic = Critic(model_path, critic, dtype) if critic is not None and critic.enabled else None
         if (self.critic is None) == (config.advantage == "gae"):
             raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
@@ -100,12 +111,35 @@ class Learner:
         self.weights_version = 0
         self.nonfinite_in_row = 0
 
+    def _make_optimizer(self) -> None:
+        cfg = self.config
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
+
+    def join_process_group(self, host: str, port: int, timeout_s: float) -> None:
+        """Join the data-parallel group whose rank 0 listens on `host:port` (every rank, before any other call).
+        `timeout_s` bounds the rendezvous and every later collective. fsdp2 shards the policy and the value model
+        here (their optimizers are rebuilt); ddp starts every rank from rank 0's weights."""
+        self.dp.join(host, port, timeout_s, self.device)  # gloo on CPU, NCCL on a GPU
+        self.dp.distribute(self.model)
+        self._make_optimizer()
+        if self.critic:
+            self.critic.distribute(self.dp)
+        self._gathered = self.dp.gather_weights(self.model)
+
     def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
-        """log pi of every response token under the current weights: [B][T_resp_i]."""
-        batch = pad_sequences(prompt_ids, response_ids, self.pad_id)
-        return unpad_per_token(batched_logprobs(self.model, batch, self.config.micro_batch_size, self.temperature),
-                               batch)
+        """log pi of every response token under the current weights: [B][T_resp_i] (every rank computes its share
+        of the rows and gets all of them)."""
+        batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
+        return unpad_per_token(self._policy_rows(batch), batch)
+
+    def _policy_rows(self, batch: SequenceBatch) -> torch.Tensor:
+        """`batched_logprobs` of the whole batch, [B, L-1], each rank computing its share of the rows."""
+        mbs = self.config.micro_batch_size
+        return self.dp.compute_rows(batch, lambda part: batched_logprobs(self.model, part, mbs, self.temperature),
+                                    mbs)
 
     def num_trained_parameters(self) -> dict[str, int]:
         """Trainable parameters of the policy and of the value model (0 without one)."""
@@ -115,17 +149,19 @@ class Learner:
     def train_step(self, data: TrainBatch) -> dict[str, float]:
         """One update on a step's completions; returns the step's learner metrics."""
         cfg = self.config
-        batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id)
+        batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device)
         mask = batch.response_mask
-        old_logprobs = batched_logprobs(self.model, batch, cfg.micro_batch_size, self.temperature)
+        old_logprobs = self._policy_rows(batch)
         ref = pad_per_token(data.ref_logprobs, batch) if data.ref_logprobs is not None else None
         metrics: dict[str, float] = {}
-        token_rewards = last_token_rewards(torch.tensor(data.rewards, dtype=torch.float32), mask)
+        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
+        token_rewards = last_token_rewards(rewards, mask)
         if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
             token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
             token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
             metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
-        old_values = self.critic.compute_values(batch, cfg.micro_batch_size) if self.critic else None
+        old_values = self.dp.compute_rows(batch, lambda part: self.critic.compute_values(part, cfg.micro_batch_size),
+                                          cfg.micro_batch_size) if self.critic else None
         estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
             token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
             lam=cfg.lam, scale=cfg.group_scale))
@@ -134,7 +170,8 @@ class Learner:
 
         sums: dict[str, float] = {}
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(batch), generator=self.shuffle)
+            # Drawn on the host from the checkpointed generator (the same order on any device), used on the model's.
+            order = torch.randperm(len(batch), generator=self.shuffle, device="cpu").to(self.device)
             for b_idx in order.chunk(cfg.num_minibatches):
                 for key, value in self._minibatch_update(tensors, b_idx).items():
                     sums[key] = sums.get(key, 0.0) + value
@@ -149,10 +186,14 @@ class Learner:
         metrics["memory/learner_peak_mb"] = _peak_rss_mb()
         metrics["memory/learner_base_mb"] = self.base_rss_mb
         self.weights_version += 1
+        self._gathered = self.dp.gather_weights(self.model)
         return metrics
 
     def _minibatch_update(self, step: StepTensors, b_idx: torch.Tensor) -> dict[str, float]:
-        """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite)."""
+        """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite).
+
+        With several ranks, this rank runs its share of the minibatch `b_idx`, weighted against the whole minibatch;
+        gradients and metrics are summed over ranks before the norm and the skip decision, so all ranks agree."""
         cfg = self.config
         b_mask = step.batch.response_mask[b_idx]
         totals: dict[str, float] = {}
@@ -163,13 +204,14 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
-        for mb_idx in b_idx.split(cfg.micro_batch_size):
+        for mb_idx, live in self.dp.micro_batches(b_idx, cfg.micro_batch_size):
             mb = step.batch.select(mb_idx)
             width = mb.response_mask.shape[1]
             mb_mask = mb.response_mask
-            # The minibatch's loss is the sum over micro-batches of weight x micro-batch loss, for every mode.
-            weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg)
-            token_share = micro_batch_weight(mb_mask, b_mask, "token-mean")  # for token-mean metrics
+            # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for
+            # every mode. A dead pass (ranks run equally many) weighs 0.
+            weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
+            token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
             logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0)
             policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
                 logprobs, step.old_logprobs[mb_idx, :width], step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
@@ -190,8 +232,9 @@ class Learner:
                 for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
                                                           step.returns[mb_idx, :width], token_share).items():
                     add(name, value, 1.0)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-        norms = {"grad_norm": grad_norm}
+        self.dp.reduce_gradients([self.model, self.critic.model] if self.critic else [self.model])
+        totals = self.dp.sum_metrics(totals)
+        norms = {"grad_norm": clip_grad_norm(self.model.parameters(), cfg.max_grad_norm)}
         if self.critic:
             norms["critic/grad_norm"] = self.critic.clip_gradients()
         finite = all(np.isfinite(v) for v in [*norms.values(), *totals.values()])
@@ -212,14 +255,20 @@ class Learner:
             norms = {name: 0.0 for name in norms}
         return {**totals, **norms, "train/skipped_updates": float(not finite)}
 
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's whole weights by checkpoint name: the live tensors, or under fsdp2 rank 0's CPU copy gathered
+        after the last update or load (other fsdp2 ranks: empty). No collective: rank 0 alone may call it."""
+        return self._gathered if self._gathered is not None else self.model.state_dict()
+
     def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, np.ndarray | torch.Tensor]]]:
         """The policy's weights as buckets of (name, array) of about `bucket_bytes` each, in checkpoint names.
 
-        numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors.
-        The arrays are views of the live parameters: load or copy them before the next `train_step`."""
+        numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors; both
+        in host memory whatever the model's device. On the CPU the arrays are views of the live parameters: load or
+        copy them before the next `train_step`."""
         buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = [[]]
         size = 0
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self.policy_state_dict().items():
             tensor = tensor.detach().contiguous().cpu()
             if size and size + tensor.nbytes > bucket_bytes:
                 buckets.append([])
@@ -237,22 +286,65 @@ class Learner:
     def count_buckets(self, bucket_bytes: int) -> int:
         return len(self.export_weights(bucket_bytes))
 
+    # The `collective` transport (cluster/transport.py): a weight-broadcast group of this learner (rank 0) and every
+    # engine worker; the torch.distributed plumbing lives in learner/weight_group.py.
+    def open_weight_group(self, host: str, world_size: int, bucket_bytes: int, timeout: float):
+        """Leave the previous weight group and open a new one of `world_size` members as its rank 0: a rendezvous
+        store on a fresh port of `host` (this node's address), buckets of about `bucket_bytes`, `timeout` seconds for
+        every collective. Returns the `GroupSpec` the engines join with; `join_weight_group` then completes it."""
+        from learner.weight_group import WeightGroup, plan_buckets
+
+        old = self.__dict__.pop("weight_group", None)
+        if old is not None:
+            old.close()
+        state = self.policy_state_dict()
+        layout = plan_buckets(((name, t.shape, t.dtype) for name, t in state.items()), bucket_bytes)
+        self.weight_group = WeightGroup.host(host, world_size, layout, next(iter(state.values())).device, timeout,
+                                             avoid_port=old.spec.port if old is not None else None)
+        return self.weight_group.spec
+
+    def join_weight_group(self) -> None:
+        """Join the group `open_weight_group` opened, as rank 0; returns once every member has joined."""
+        self._weight_group().join(0)
+
+    def broadcast_weights(self) -> dict[str, float]:
+        """Broadcast the current weights to every member of the weight group: {"seconds", "bytes"}."""
+        group = self._weight_group()
+        seconds = group.send(self.policy_state_dict())
+        return {"seconds": seconds, "bytes": float(sum(b.nbytes for b in group.spec.layout))}
+
+    def leave_weight_group(self) -> None:
+        group = self.__dict__.pop("weight_group", None)
+        if group is not None:
+            group.close()
+
+    def _weight_group(self):
+        if "weight_group" not in self.__dict__:
+            raise RuntimeError("the learner is in no weight group: call open_weight_group first")
+        return self.weight_group
+
     def save_checkpoint(self, directory: str) -> None:
         """Write the learner's whole state into `directory` (existing and empty; the caller makes it atomic):
         `policy/` and, with a critic, `critic/` as Hugging Face directories (safetensors), and `learner_state.pt`
         with the optimizers, schedulers, RNG states and counters as plain tensors and numbers, so that it loads
-        with `torch.load(weights_only=True)`. With `load_checkpoint` the next `train_step` is bitwise the same."""
+        with `torch.load(weights_only=True)`. With `load_checkpoint` the next `train_step` is bitwise the same.
+        With several ranks every rank calls it and rank 0 writes the same files, with whole tensors, that one rank
+        would: a checkpoint resumes with any number of ranks and either strategy."""
         root = Path(directory)
-        save_model_dir(self.model, self.model_path, root / POLICY_DIR)
         if self.critic:
             self.critic.save_model(root / CRITIC_DIR)
-        torch.save(self._training_state(), root / LEARNER_STATE_FILE)
+        state = self._training_state()  # under fsdp2 every rank joins the gathers, rank 0 keeps the result
+        if self.dp.is_writer:
+            save_model_dir(self.model, self.model_path, root / POLICY_DIR, self._gathered)
+            torch.save(state, root / LEARNER_STATE_FILE)
 
     def load_checkpoint(self, directory: str) -> int:
         """Restore what `save_checkpoint` wrote into this learner (built with the same model and config); returns
         the weights version the restored policy has."""
         root = Path(directory)
-        state = torch.load(root / LEARNER_STATE_FILE, weights_only=True)  # no arbitrary unpickling
+        # No arbitrary unpickling. Into host memory: the RNG states must be CPU tensors, and loading the optimizers'
+        # state moves each tensor to its parameter's device.
+        state = torch.load(root / LEARNER_STATE_FILE, map_location="cpu", weights_only=True)
         if state.get("format") != LEARNER_STATE_FORMAT:
             raise ValueError(f"{root / LEARNER_STATE_FILE}: format {state.get('format')!r}, this relay reads "
                              f"{LEARNER_STATE_FORMAT}; resume with the relay version that wrote it")
@@ -260,8 +352,8 @@ class Learner:
             raise ValueError(f"{root}: the checkpoint {'has' if state['critic'] is not None else 'has no'} value "
                              f"model but this run {'has' if self.critic else 'has none'}; resume with the "
                              "checkpoint's learner.advantage and critic settings")
-        load_model_weights(self.model, root / POLICY_DIR)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.dp.load_weights(self.model, read_model_weights(self.model, root / POLICY_DIR))
+        self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic:
             self.critic.load_model(root / CRITIC_DIR)
@@ -270,17 +362,19 @@ class Learner:
         torch.set_rng_state(state["rng"]["torch"])  # unused by the update today (no dropout); restored for anything
         self.weights_version = int(state["weights_version"])
         self.nonfinite_in_row = int(state["nonfinite_in_row"])
+        self._gathered = self.dp.gather_weights(self.model)
         return self.weights_version
 
     def _training_state(self) -> dict[str, Any]:
         """Everything but the weights that the next update depends on. The learner draws no numpy or Python
-        random numbers; its only generators are `self.shuffle` and torch's global one."""
-        return {
+        random numbers; its only generators are `self.shuffle` and torch's global one. In host memory (`to_cpu`): a
+        checkpoint written on a GPU resumes on any device."""
+        return to_cpu({
             "format": LEARNER_STATE_FORMAT,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.dp.full_optimizer_state(self.optimizer),  # whole tensors, whatever the ranks
             "scheduler": self.scheduler.state_dict(),  # LambdaLR leaves the lambda out: rebuilt from the config
             "critic": self.critic.training_state() if self.critic else None,
             "rng": {"shuffle": self.shuffle.get_state(), "torch": torch.get_rng_state()},
             "weights_version": self.weights_version,
             "nonfinite_in_row": self.nonfinite_in_row,
-        }
+        })

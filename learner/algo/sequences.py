@@ -2,7 +2,9 @@
 
 Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is
 prompt + response, right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from
-tokens 0..j; `response_mask` marks the response tokens. Does not own: models or optimizers. Imports only torch.
+tokens 0..j; `response_mask` marks the response tokens. Tensors are built in host memory and moved to the
+consumer's device in one copy; everything computed from a batch stays on the batch's device, and results for Python
+lists come back through the CPU. Does not own: models, optimizers, or choosing the device. Imports only torch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> SequenceBatch:
+        """The same batch on `device` (no copy of tensors that are there already)."""
+        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+
     def select(self, index: torch.Tensor | slice) -> SequenceBatch:
         """A sub-batch, trimmed to its own longest sequence (saves compute on short micro-batches)."""
         attention = self.attention_mask[index]
@@ -35,39 +45,44 @@ class SequenceBatch:
 
 
 def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                  pad_id: int = 0) -> SequenceBatch:
-    """Concatenate each prompt with its response and right-pad to a [B, L] batch."""
+                  pad_id: int = 0, device: torch.device | str = "cpu") -> SequenceBatch:
+    """Concatenate each prompt with its response and right-pad to a [B, L] batch on `device` (filled in host
+    memory row by row, then moved in one copy)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     length = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
     batch = len(prompt_ids)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    response_mask = torch.zeros((batch, max(length - 1, 1)), dtype=torch.float32)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long, device="cpu")
+    attention_mask = torch.zeros((batch, length), dtype=torch.long, device="cpu")
+    response_mask = torch.zeros((batch, max(length - 1, 1)), dtype=torch.float32, device="cpu")
     for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
         if not prompt:
             raise ValueError(f"sequence {i} has an empty prompt; every prompt needs at least one token")
         n_prompt, n_total = len(prompt), len(prompt) + len(response)
-        input_ids[i, :n_total] = torch.tensor([*prompt, *response], dtype=torch.long)
+        input_ids[i, :n_prompt] = torch.as_tensor(prompt, dtype=torch.long, device="cpu")
+        input_ids[i, n_prompt:n_total] = torch.as_tensor(response, dtype=torch.long, device="cpu")
         attention_mask[i, :n_total] = 1
         response_mask[i, n_prompt - 1 : n_total - 1] = 1.0  # position j scores token j+1
-    return SequenceBatch(input_ids, attention_mask, response_mask)
+    return SequenceBatch(input_ids, attention_mask, response_mask).to(device)
 
 
 def pad_per_token(values: Sequence[Sequence[float]], batch: SequenceBatch) -> torch.Tensor:
-    """Place per-response-token values ([B][T_resp_i]) at the response positions of a [B, L-1] tensor."""
-    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    """Place per-response-token values ([B][T_resp_i]) at the response positions of a [B, L-1] float32 tensor on
+    the batch's device (filled in host memory, then moved in one copy)."""
+    response_mask = batch.response_mask.cpu()
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device="cpu")
     for i, row in enumerate(values):
-        positions = batch.response_mask[i].nonzero().squeeze(-1)
+        positions = response_mask[i].nonzero().squeeze(-1)
         if len(row) != len(positions):
             raise ValueError(f"sequence {i}: {len(row)} values for {len(positions)} response tokens")
-        out[i, positions] = torch.tensor(row, dtype=torch.float32)
-    return out
+        out[i, positions] = torch.as_tensor(row, dtype=torch.float32, device="cpu")
+    return out.to(batch.device)
 
 
 def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[float]]:
-    """Inverse of `pad_per_token`: [B, L-1] -> [B][T_resp_i]."""
-    return [values[i][batch.response_mask[i].bool()].tolist() for i in range(len(batch))]
+    """Inverse of `pad_per_token`: [B, L-1] (on any device) -> [B][T_resp_i] Python floats."""
+    values, keep = values.detach().cpu(), batch.response_mask.cpu().bool()  # one copy each, not one per row
+    return [values[i][keep[i]].tolist() for i in range(len(batch))]
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -90,8 +105,9 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, micro_batch_size: int,
                      temperature: float = 1.0) -> torch.Tensor:
-    """`sequence_logprobs` without gradients, micro-batch by micro-batch: [B, L-1] (zeros past each sequence)."""
-    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    """`sequence_logprobs` without gradients, micro-batch by micro-batch: [B, L-1] on the batch's device (the
+    model's; zeros past each sequence)."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
     for start in range(0, len(batch), micro_batch_size):
         part = batch.select(slice(start, start + micro_batch_size))
         out[start : start + micro_batch_size, : part.response_mask.shape[1]] = sequence_logprobs(

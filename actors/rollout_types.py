@@ -1,0 +1,67 @@
+"""What a rollout worker hands back: sampling settings in, `Rollout`s out, and how they travel between processes.
+
+Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a Python
+object per token), and `SamplingSettings`. Imports only numpy, so the driver (and benchmarks that simulate engines)
+can use these types without torch or vLLM.
+Does not own: sampling itself (actors/rollout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are sampled (the rollout config's sampling knobs)."""
+
+    group_size: int  # G completions per prompt
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(slots=True)  # not frozen: a frozen init costs ~3x, and the driver builds thousands per step
+class Rollout:
+    """One completion of one prompt, with what the learner needs to score it."""
+
+    prompt_ids: list[int]  # [T_prompt]
+    response_ids: Sequence[int]  # [T_resp]; an int32 array after crossing processes (see RolloutGroups)
+    behavior_logprobs: Sequence[float]  # [T_resp], from the engine that sampled (weights `weights_version`)
+    text: str  # the response text, EOS dropped
+    finish_reason: str  # "stop" | "length"
+    weights_version: int
+
+
+class RolloutGroups(list):
+    """[prompts][G] Rollouts, as `RolloutWorker.generate` returns them. Between processes (Ray) they travel packed:
+    every completion's token ids and logprobs in two flat arrays, so the driver decodes one buffer per request rather
+    than a Python object per token (3-10x less of its time per worker at 256-token responses). On the receiving side
+    `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
+    float32: nothing is lost)."""
+
+    def __reduce__(self):
+        rollouts = [r for group in self for r in group]
+        return (_unpack_groups, (
+            [len(group) for group in self], [group[0].prompt_ids if group else [] for group in self],
+            np.fromiter((len(r.response_ids) for r in rollouts), np.int64, len(rollouts)),
+            np.concatenate([np.asarray(r.response_ids, np.int32) for r in rollouts] or [np.zeros(0, np.int32)]),
+            np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
+                           or [np.zeros(0, np.float32)]),
+            [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts]))
+
+
+def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions) -> RolloutGroups:
+    # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
+    ids, logprobs = np.array(ids), np.array(logprobs)
+    ends = np.cumsum(lengths).tolist()
+    starts = [0] + ends[:-1]
+    groups, k = RolloutGroups(), 0
+    for size, prompt in zip(sizes, prompt_ids):
+        groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
+                               finish_reasons[j], versions[j]) for j in range(k, k + size)])
+        k += size
+    return groups

@@ -1,0 +1,198 @@
+"""Weight sync: seconds and GB/s of each transport, learner -> 1, 2 and 4 real vLLM engines, beside memcpy.
+
+Usage: python bench/weight_sync.py [--sizes 25M 100M] [--workers 1 2 4] [--repeats 5] [dotted.key=value ...]
+For each model size (a random-init Qwen2 with the character tokenizer, built locally once into RELAY_CACHE_DIR) and
+worker count, starts a learner and that many rollout workers (real vLLM engines in Ray actors) with the run's own
+placement code, then loads the learner's weights into every worker through each transport's `load` (what a run's sync
+calls) `--repeats` times after one warm-up load; for `collective` the warm-up load also forms the group (reported
+apart). The probe then checks that every engine serves the learner's weights. Columns, medians over the repeats:
+- load: end to end (export or pack, transfer, the engines' load);
+- engine load: inside each engine, vLLM's reload path + the prefix-cache reset (median over the workers);
+- transfer: load - engine load, what the transport itself costs;
+- GB/s: model bytes / seconds (every worker gets the whole model in that time);
+- memcpy: one thread copying the model's bytes once (`Tensor.copy_`), the physical reference;
+- first load: the warm-up load (for `collective`, with the group's formation);
+- learner send: `collective` only, the learner's pack + broadcast of every bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+from actors.rollout import RolloutWorker  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
+
+# name -> Qwen2 shape (head_dim 64; vLLM's CPU attention needs >= 32)
+SIZES = {
+    "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
+    "100M": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8, "intermediate_size": 3072},
+}
+TRANSPORT_NAMES = ("object_store", "collective")
+
+
+class TimedWorker(RolloutWorker):
+    """Records the engine's own load time for the object store path too (the collective one reports it itself)."""
+
+    def load_weights(self, version, *buckets):
+        started = time.perf_counter()
+        version = super().load_weights(version, *buckets)
+        self.last_load = {"reload_s": time.perf_counter() - started}
+        return version
+
+    def load_timings(self) -> dict[str, float]:
+        return self.last_load
+
+
+def model_dir(size: str) -> Path:
+    from cluster.demo_model import make_random_model_dir
+
+    path = Path(os.environ.get("RELAY_CACHE_DIR", Path.home() / ".cache" / "relay")) / "bench" / f"qwen2-{size}"
+    if not path.exists():
+        make_random_model_dir(path, seed=0, max_position_embeddings=128, **SIZES[size])
+    return path
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch of the destination pages
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(pool, name: str, repeats: int) -> dict[str, float]:
+    """Warm-up load, then `repeats` timed loads of every worker through transport `name`; then the probe."""
+    from cluster.transport import TRANSPORTS
+
+    transport = TRANSPORTS[name](pool)
+    indices = list(range(len(pool.workers)))
+    loads, engine, broadcast = [], [], []
+    first = 0.0
+    try:
+        for attempt in range(repeats + 1):
+            pool.weights_version += 1
+            started = time.perf_counter()
+            done, failed = transport.load(indices)
+            elapsed = time.perf_counter() - started
+            if failed or set(done.values()) != {pool.weights_version}:
+                raise RuntimeError(f"{name}: load failed: {failed or done}")
+            if attempt == 0:
+                first = elapsed
+                continue
+            loads.append(elapsed)
+            timings = ray.get([w.load_timings.remote() for w in pool.workers])
+            engine.append(statistics.median(t["reload_s"] for t in timings))
+            if name == "collective":
+                broadcast.append(transport.last_broadcast["seconds"])
+        probe = pool.verify()
+    finally:
+        transport.close()
+    load, engine_load = statistics.median(loads), statistics.median(engine)
+    return {"load": load, "engine": engine_load, "transfer": max(load - engine_load, 0.0), "first": first,
+            "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": probe}
+
+
+def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) -> list[dict]:
+    from cluster.config import load_config
+    from cluster.remote import RunError, start_fleet, stop_fleet
+    from cluster.rollout_pool import RolloutPool
+
+    path = model_dir(size)
+    nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))  # float32 weights (+ a small header)
+    memcpy = memcpy_seconds(nbytes)
+    rows = []
+    for n in workers:
+        config = load_config(None, [f"model.path={path}", f"rollout.num_workers={n}", "learner.kl_coef=0",
+                                    "learner.kl_reward_coef=0", "timeouts.sync=600", "rollout.max_model_len=64",
+                                    *overrides])
+        row = {"size": size, "bytes": nbytes, "workers": n, "memcpy": memcpy}
+        fleet = None
+        try:
+            fleet = start_fleet(config, str(path), TimedWorker)
+            pool = RolloutPool(config, fleet)
+            for name in TRANSPORT_NAMES:
+                rows.append({**row, "transport": name, **measure(pool, name, repeats)})
+                print(f"  {size} x{n} {name}: {rows[-1]['load']:.3f} s", file=sys.stderr, flush=True)
+        except (RunError, RuntimeError) as err:
+            rows.append({**row, "transport": "-", "error": str(err).splitlines()[0][:160]})
+        finally:
+            if fleet is not None:
+                stop_fleet(fleet)
+    return rows
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")), float("nan"))
+    import torch
+    import vllm
+
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, load average {os.getloadavg()[0]:.1f} at start; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, vLLM {vllm.__version__}, Ray "
+            f"{ray.__version__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    header = machine()
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="relay-vllm-cache-"))
+    # Logical CPUs: 4 workers x 0.5 + the learner must fit, whatever the core count (they take turns here).
+    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
+    try:
+        rows = [row for size in args.sizes for row in run_size(size, args.workers, args.repeats, args.overrides)]
+    finally:
+        ray.shutdown()
+    print(f"machine: {header}; load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"median of {args.repeats} loads after a warm-up; GB/s = model bytes / seconds; collective: gloo")
+    print("| model | MB | workers | transport | load s | load GB/s | engine load s | transfer s | transfer GB/s | "
+          "load / memcpy | transfer / memcpy | memcpy s | first load s | learner send s | probe max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mb = r["bytes"] / 1e6
+        if "error" in r:
+            print(f"| {r['size']} | {mb:.0f} | {r['workers']} | did not run: {r['error']} ||||||||||||")
+            continue
+        gbs = r["bytes"] / 1e9
+        print(f"| {r['size']} | {mb:.0f} | {r['workers']} | {r['transport']} | {r['load']:.3f} | "
+              f"{gbs / r['load']:.2f} | {r['engine']:.3f} | {r['transfer']:.3f} | "
+              f"{gbs / r['transfer'] if r['transfer'] else float('inf'):.2f} | {r['load'] / r['memcpy']:.1f}x | "
+              f"{r['transfer'] / r['memcpy']:.1f}x | {r['memcpy']:.3f} | {r['first']:.3f} | "
+              f"{'' if r['broadcast'] != r['broadcast'] else format(r['broadcast'], '.3f')} | {r['probe']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The learner as a group of `learner.num_ranks` Ray actors, one data-parallel rank each, called as one learner.
+
+Owns: starting the rank actors with the per-rank Ray options the caller gives (placement is the caller's),
+forming their torch.distributed group (rank 0's node address and a free port; the rendezvous and every collective
+bounded by `timeouts.train`), and calling the ranks together under a deadline: every rank gets the whole batch
+(one object in the object store, read by each) and the same call, in the same order, because the calls run
+collectives. The first rank that fails ends the call (the others would wait in a collective until its timeout).
+With one rank it makes exactly the calls the single learner actor got before (no process group, no `ray.put`).
+Does not own: placement groups or bundles (cluster/remote.py), what a step does (cluster/driver.py), or the
+data-parallel arithmetic (learner/distributed.py). Weight transports talk to `rank0` directly: rank 0 alone serves
+`export_weight_buckets` and `count_buckets`.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayError
+
+from cluster.remote import RunError, get
+
+if TYPE_CHECKING:
+    from cluster.config import CriticConfig, LearnerConfig, TimeoutConfig
+    from learner.learner import TrainBatch
+
+
+class LearnerGroup:
+    """Handles to every rank's actor; each method calls the ranks it needs and waits within its deadline."""
+
+    def __init__(self, ranks: list[Any], timeouts: TimeoutConfig):
+        self.ranks = ranks
+        self.timeouts = timeouts
+
+    @property
+    def rank0(self) -> Any:
+        """Rank 0's actor: it writes checkpoints and serves the whole weights for sync."""
+        return self.ranks[0]
+
+    @property
+    def names(self) -> list[str]:
+        """How errors name each rank ("learner" alone, as before, with one rank)."""
+        return ["learner"] if len(self.ranks) == 1 else [f"learner rank {i}" for i in range(len(self.ranks))]
+
+    def connect(self) -> None:
+        """Wait for every rank's actor to start (`timeouts.start`) and, with several ranks, form their group."""
+        self._call_all("__ray_ready__", (), self.timeouts.start, "start")
+        if len(self.ranks) > 1:
+            host, port = get([self.rank0.__ray_call__.remote(_free_address)], self.timeouts.start, self.names[:1],
+                             "start")[0]
+            self._call_all("join_process_group", (host, port, self.timeouts.train), self.timeouts.start, "start")
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One update over every rank; rank 0's metrics (the same on every rank: they are summed over ranks)."""
+        shared = batch if len(self.ranks) == 1 else ray.put(batch)  # one copy, each rank reads all of it
+        return self._call_all("train_step", (shared,), self.timeouts.train, "train")[0]
+
+    def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """The learner's logprobs of the given sequences (every rank computes its share; rank 0's answer)."""
+        return self._call_all("compute_logprobs", (prompt_ids, response_ids), self.timeouts.sync, "sync")[0]
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank joins; rank 0 writes the learner's part of the checkpoint into `directory`."""
+        self._call_all("save_checkpoint", (directory,), self.timeouts.train, "train")
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Every rank loads `directory`; returns the weights version of the restored policy."""
+        versions = self._call_all("load_checkpoint", (directory,), self.timeouts.train, "train")
+        if len(set(versions)) != 1:
+            raise RunError(f"learner ranks restored different weights versions {versions} from {directory}")
+        return versions[0]
+
+    def count_buckets(self, bucket_bytes: int) -> int:
+        return get([self.rank0.count_buckets.remote(bucket_bytes)], self.timeouts.sync, self.names[:1], "sync")[0]
+
+    def export_weight_buckets(self, bucket_bytes: int, num_buckets: int) -> list[Any]:
+        """Rank 0 exports its whole weights: one object ref per bucket (`num_buckets` from `count_buckets`)."""
+        refs = self.rank0.export_weight_buckets.options(num_returns=num_buckets).remote(bucket_bytes)
+        return refs if num_buckets > 1 else [refs]
+
+    def kill(self) -> None:
+        for actor in self.ranks:
+            ray.kill(actor)
+
+    def _call_all(self, method: str, args: tuple, timeout: float, what: str) -> list[Any]:
+        """`method(*args)` on every rank; their results in rank order. RunError (naming the rank) on the first
+        failure, or when a rank misses the deadline."""
+        refs = [getattr(actor, method).remote(*args) for actor in self.ranks]
+        if len(refs) == 1:
+            return get(refs, timeout, self.names, what)
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [name for ref, name in zip(refs, self.names) if ref in pending]
+                raise RunError(f"{', '.join(late)} missed the {timeout:g} s deadline of '{what}' "
+                               f"(raise timeouts.{what} if the work is legitimately slow)")
+            try:
+                ray.get(ready[0])
+            except RayError:  # re-raised by `get` as a one-line RunError naming the rank
+                get(ready, timeout, [self.names[refs.index(ready[0])]], what)
+        return get(refs, timeout, self.names, what)  # all done: returns at once
+
+
+def launch_learner_group(rank_options: list[dict[str, Any]], model_path: str, config: LearnerConfig, *,
+                         dtype: str, temperature: float, seed: int, critic: CriticConfig | None,
+                         norm_length: int | None, timeouts: TimeoutConfig,
+                         learner_cls: type | None = None) -> LearnerGroup:
+    """Create one actor per rank with `rank_options[rank]` (Ray actor options: resources, scheduling strategy,
+    runtime env); the models start loading. Call `connect` (or use `start_learner_group`) before anything else.
+    `learner_cls` replaces `Learner` (a subclass with injected faults, in the tests)."""
+    from learner.learner import Learner
+
+    if len(rank_options) != config.num_ranks:
+        raise ValueError(f"{len(rank_options)} sets of actor options for learner.num_ranks={config.num_ranks}")
+    remote_cls = ray.remote(learner_cls or Learner)
+    ranks = [remote_cls.options(**options).remote(model_path, config, dtype, temperature, seed, critic, norm_length,
+                                                  rank)
+             for rank, options in enumerate(rank_options)]
+    return LearnerGroup(ranks, timeouts)
+
+
+def start_learner_group(rank_options: list[dict[str, Any]], model_path: str, config: LearnerConfig,
+                        **kwargs: Any) -> LearnerGroup:
+    """`launch_learner_group`, then `connect`; kills the ranks if either fails."""
+    group = launch_learner_group(rank_options, model_path, config, **kwargs)
+    try:
+        group.connect()
+    except BaseException:
+        group.kill()
+        raise
+    return group
+
+
+def _free_address(_learner: Any) -> tuple[str, int]:
+    """Run inside rank 0's actor (`__ray_call__`): its node's address and a port free there now, for the group's
+    rendezvous. Another process could take the port before rank 0 listens on it: rare, and the join then fails
+    with a clear error instead of joining a stranger."""
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return host, probe.getsockname()[1]

@@ -1,0 +1,31 @@
+"""Which device the torch-side actors (learner, value model, reference, reward model) run their models on.
+
+Owns `pick_device` (the GPU this process sees, else the CPU) and `to_cpu` (a nested state moved to host memory for
+a checkpoint). Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets
+CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is `cuda:0` there. One device per process:
+nothing here spreads a model over several GPUs. Imports only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def pick_device() -> torch.device:
+    """`cuda:0` when this process sees a GPU, else the CPU: the same code runs on both."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_cpu(state: Any) -> Any:
+    """`state` (dicts, lists and tuples of tensors and plain values) with every tensor in host memory, so a
+    checkpoint loads on a machine without the GPU that wrote it. Tensors already on the CPU are returned as they are
+    (no copy)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state

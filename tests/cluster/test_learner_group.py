@@ -1,0 +1,210 @@
+"""The data-parallel learner on real Ray actors with gloo on CPU: 2 ranks on a batch make the update of 1 rank on
+the same batch (ddp and fsdp2; GRPO with KL and entropy, and PPO's GAE with the value model), report its metrics,
+skip a non-finite update together, and resume bitwise from their own checkpoint, which one rank can load too."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from cluster.config import CriticConfig, LearnerConfig, TimeoutConfig
+from cluster.learner_group import start_learner_group
+from cluster.remote import RunError
+from learner.learner import Learner, TrainBatch
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # SgdLearner travels to the rank actors by value
+
+pytestmark = pytest.mark.slow
+
+# Three groups of two, unequal lengths: each rank's share of a minibatch of 3 is 2 rows or 1 (uneven shares, and
+# micro-batches that differ from one rank's), so the global weighting across ranks is exercised.
+PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2 + [[9, 12, 9, 15]] * 2
+RESPONSES = [[12, 2, 1], [4, 4, 1], [5, 1], [9, 1], [13, 1], [3, 12, 2, 1]]
+REWARDS = ([1.0, 0.0, 0.5, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 0.5, 0.0, 1.0, 1.0, 0.0])
+# Tolerance, float32: ranks change only the order of float32 sums (gradients per rank then across ranks; fsdp2 also
+# takes the clip norm as a sum of per-shard sums), ~1 ulp per gradient element. After 3 SGD steps of lr 0.1 the
+# weights agree to within 1 ulp of their size: measured max |diff| 0 for ddp (here its row partition matches one
+# rank's micro-batches) and 6e-8 for fsdp2, on layer-norm weights of ~1 (ulp 6e-8 < 1e-6 relative). The bound
+# |diff| <= 1e-6 |w| + 2e-7 is ~3x above that, and a real mistake is far outside it (averaging instead of summing
+# gradients halves them: caught at once; a lost share or wrong normaliser moves weights by ~1e-3).
+RTOL, ATOL = 1e-6, 2e-7
+
+CONFIGS = {
+    # seq-mean-token-mean: a sequence weighting that a per-rank normaliser would get wrong; KL in the loss, entropy
+    # bonus, and a clip threshold below the gradient norm, so the clip needs the global norm.
+    "grpo": dict(advantage="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.01, max_grad_norm=0.5),
+    "gae": dict(advantage="gae", kl_coef=0.0, lam=0.95),
+}
+
+
+class SgdLearner(Learner):
+    """SGD with momentum for the policy and the value model: linear in the gradient, so float noise stays noise
+    (Adam's first steps are sign-like and turn noise in near-zero gradient elements into lr-sized differences),
+    and the momentum buffers are optimizer state for the checkpoint to carry."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.critic:
+            self.critic._make_optimizer = lambda: _use_sgd(self.critic, self.critic.model, self.critic.config.lr)
+            self.critic._make_optimizer()  # and again after fully_shard, in join_process_group
+
+    def _make_optimizer(self) -> None:
+        _use_sgd(self, self.model, self.config.lr)
+
+    def fail_on_rank_1(self) -> None:
+        """Rank 1 raises while rank 0 waits in a collective, like a rank that hits a bug mid-step."""
+        if self.dp.rank == 1:
+            raise RuntimeError("injected failure")
+        self.dp.all_reduce(torch.zeros(1))
+
+
+def _use_sgd(owner, model, lr: float) -> None:
+    owner.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    owner.scheduler = torch.optim.lr_scheduler.LambdaLR(owner.optimizer, lambda n: 1.0)
+
+
+def learner_config(algo: str, **overrides) -> LearnerConfig:
+    return LearnerConfig(**{"lr": 0.1, "warmup_steps": 0, "num_minibatches": 2, "micro_batch_size": 2,
+                            "num_threads": 1, **CONFIGS[algo], **overrides})
+
+
+def critic_config(algo: str) -> CriticConfig | None:
+    return CriticConfig(enabled=True, lr=0.1) if algo == "gae" else None
+
+
+def batch(behavior, rewards) -> TrainBatch:
+    ref = [[lp - 0.1 * (i % 3) for lp in row] for i, row in enumerate(behavior)]  # log pi - log pi_ref != 0
+    return TrainBatch(PROMPTS, RESPONSES, behavior, list(rewards), 2, ref)
+
+
+def weights(buckets) -> dict[str, torch.Tensor]:
+    return {name: torch.as_tensor(np.array(array)) for bucket in buckets for name, array in bucket}
+
+
+def assert_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], **tolerance) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], msg=name, **(tolerance or {"rtol": RTOL, "atol": ATOL}))
+
+
+def learned(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if not k.startswith("memory/")}  # per process, not the update's
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gae"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_make_the_one_rank_update(ray_local, tiny_model_dir, tmp_path, strategy, algo):
+    config = learner_config(algo, num_ranks=2, strategy=strategy)
+    args = dict(dtype="float32", temperature=1.0, seed=0, critic=critic_config(algo), norm_length=4,
+                timeouts=TimeoutConfig(start=120, train=120, sync=60))
+    group = start_learner_group([{"num_cpus": 0.5}] * 2, str(tiny_model_dir), config, learner_cls=SgdLearner,
+                                **args)
+    try:
+        one = SgdLearner(str(tiny_model_dir), learner_config(algo), critic=critic_config(algo), norm_length=4)
+        initial = {name: tensor.clone() for name, tensor in one.policy_state_dict().items()}
+        behavior = one.compute_logprobs(PROMPTS, RESPONSES)
+        for ours, theirs in zip(group.compute_logprobs(PROMPTS, RESPONSES), behavior):
+            assert ours == pytest.approx(theirs, rel=RTOL, abs=ATOL)
+
+        for rewards in REWARDS[:2]:
+            expected = learned(one.train_step(batch(behavior, rewards)))
+            got = learned(group.train_step(batch(behavior, rewards)))
+            assert got.keys() == expected.keys()
+            for name in expected:  # metrics are sums over ranks of the same terms: as close as the weights
+                assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
+        assert got["train/skipped_updates"] == 0 and got["grad_norm"] > 0
+        exported = weights(ray.get(group.rank0.export_weights.remote(2**30)))
+        assert_close(exported, one.policy_state_dict())
+        assert not all(torch.allclose(initial[n], exported[n], rtol=1e-4, atol=1e-5) for n in exported)  # it learned
+
+        # The checkpoint: rank 0 writes whole tensors, in the layout one rank writes; resuming is bitwise.
+        group.save_checkpoint(str(tmp_path))
+        if algo == "gae":
+            from safetensors.torch import load_file
+
+            assert_close(load_file(tmp_path / "critic" / "model.safetensors"),
+                         {k: v for k, v in one.critic.model.state_dict().items()})
+        third = batch(behavior, REWARDS[2])
+        group.train_step(third)
+        after_third = weights(ray.get(group.rank0.export_weights.remote(2**30)))
+        assert group.load_checkpoint(str(tmp_path)) == 2
+        assert weights(ray.get(group.rank0.export_weights.remote(2**30))).keys() == exported.keys()
+        group.train_step(third)
+        resumed = weights(ray.get(group.rank0.export_weights.remote(2**30)))
+        for name in after_third:
+            assert torch.equal(resumed[name], after_third[name]), name
+        restored = SgdLearner(str(tiny_model_dir), learner_config(algo), critic=critic_config(algo), norm_length=4)
+        assert restored.load_checkpoint(str(tmp_path)) == 2  # one rank loads the two ranks' checkpoint
+        restored.train_step(third)
+        one.train_step(third)
+        assert_close(weights(restored.export_weights(2**30)), after_third)
+        assert_close(after_third, one.policy_state_dict())
+
+        # A non-finite update. grpo: one reference logprob is NaN, so only the rank holding that row gets a
+        # non-finite loss, in one minibatch; every rank must skip that update and take the other. gae: a NaN reward
+        # reaches every row through the batch-wide whitening: every update is skipped.
+        bad = batch(behavior, REWARDS[0])
+        if algo == "grpo":
+            bad.ref_logprobs[0][0] = math.nan
+        else:
+            bad.rewards[0] = math.nan
+        expected = one.train_step(bad)["train/skipped_updates"]
+        assert group.train_step(bad)["train/skipped_updates"] == expected == (1 if algo == "grpo" else 2)
+        per_rank = [weights(b) for b in ray.get([r.export_weights.remote(2**30) for r in group.ranks])]
+        assert_close(per_rank[0], one.policy_state_dict())  # fsdp2: rank 0's gather holds every rank's shard
+        if strategy == "ddp":  # replicas: every rank made the same decision, bitwise
+            for name in per_rank[0]:
+                assert torch.equal(per_rank[1][name], per_rank[0][name]), name
+        if strategy == "ddp" and algo == "grpo":
+            check_a_failing_rank_ends_the_call_at_once(group)
+    finally:
+        group.kill()
+
+
+def check_a_failing_rank_ends_the_call_at_once(group) -> None:
+    """The group reports rank 1's error as soon as it happens, not when rank 0's collective times out (120 s)."""
+    started = time.monotonic()
+    with pytest.raises(RunError, match="learner rank 1 failed during 'train': RuntimeError: injected failure"):
+        group._call_all("fail_on_rank_1", (), 100, "train")
+    assert time.monotonic() - started < 30
+
+
+def test_one_rank_group_is_the_single_learner(ray_local, tiny_model_dir):
+    """num_ranks=1: no process group, the same calls as the single learner actor: bitwise the same update."""
+    config = learner_config("grpo", num_ranks=1)
+    group = start_learner_group([{"num_cpus": 0.5}], str(tiny_model_dir), config, dtype="float32", temperature=1.0,
+                                seed=0, critic=None, norm_length=4, timeouts=TimeoutConfig(start=120, train=120))
+    try:
+        assert group.names == ["learner"]
+        one = Learner(str(tiny_model_dir), config, seed=0, norm_length=4)  # Adam, as configured
+        behavior = one.compute_logprobs(PROMPTS, RESPONSES)
+        assert group.compute_logprobs(PROMPTS, RESPONSES) == behavior
+        step = batch(behavior, REWARDS[0])
+        assert learned(group.train_step(step)) == learned(one.train_step(step))
+        assert group.count_buckets(2**30) == 1
+        exported = weights([ray.get(group.export_weight_buckets(2**30, 1)[0])])  # one bucket travels bare
+        for name, tensor in one.policy_state_dict().items():
+            assert torch.equal(exported[name], tensor), name
+    finally:
+        group.kill()
+
+
+def test_a_run_with_two_learner_ranks_trains_and_keeps_the_engines_in_sync(ray_local, tmp_path, demo_model_dir):
+    """Through the driver: placement reserves a bundle per rank, the probe asks every rank, checkpoints come from
+    rank 0 and the weights reach the engines from rank 0 after each step."""
+    from cluster.config import load_config
+    from cluster.driver import run_training
+
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={demo_model_dir}", "max_steps=3",
+                                "data.prompts_per_step=8", "rollout.num_workers=1", "learner.num_ranks=2",
+                                "learner.num_cpus=0.25", "checkpoint.every=2"])
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False)
+    assert [r["weights/version"] for r in records] == [1, 2, 3]
+    assert all(r["logprob/mismatch"] < 1e-4 and r["sync/probe_max_diff"] < 1e-4 for r in records)
+    assert (tmp_path / "run" / "checkpoints" / "step_3" / "policy" / "config.json").is_file()

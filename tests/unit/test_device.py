@@ -1,0 +1,94 @@
+"""Device handling: `pick_device`, `to_cpu`, and the pure math creating its tensors on its inputs' device.
+
+The math check runs on CPU inputs with torch's default device set to "meta": a tensor made without naming its device
+lands there and can neither meet the inputs nor be read, so equal results mean every tensor followed the inputs (on a
+GPU node the same tensor would have been a CPU tensor next to CUDA inputs)."""
+
+from __future__ import annotations
+
+import torch
+
+from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards, masked_whiten
+from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from learner.algo.losses import (AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES, aggregate, kl, micro_batch_weight,
+                                 value_loss)
+from learner.algo.sequences import pad_per_token, pad_sequences, unpad_per_token
+from learner.device import pick_device, to_cpu
+
+
+def test_pick_device_is_the_visible_gpu_else_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device() == torch.device("cuda:0")  # Ray's CUDA_VISIBLE_DEVICES makes the actor's GPU the first
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device() == torch.device("cpu")
+
+
+def test_to_cpu_keeps_the_structure_and_does_not_copy_host_tensors():
+    t = torch.arange(3)
+    state = {"state": {0: {"step": t, "exp_avg": [t, (t, 2)]}}, "param_groups": [{"betas": (0.9, 0.99), "lr": 1e-3}]}
+    out = to_cpu(state)
+    assert out == state and out["state"][0]["step"] is t and isinstance(out["state"][0]["exp_avg"][1], tuple)
+
+
+def math_inputs() -> dict[str, torch.Tensor]:
+    """CPU inputs for `every_math_result`; B = 4 sequences, T = 4 positions, V = 5."""
+    g = torch.Generator().manual_seed(0)
+    logprobs, old, ref = (-torch.rand(4, 4, generator=g) for _ in range(3))
+    return {"logprobs": logprobs, "old": old, "ref": ref, "values": torch.randn(4, 4, generator=g),
+            "returns": torch.randn(4, 4, generator=g), "rewards": torch.tensor([1.0, 0.0, 0.5, 1.0]),
+            "logits": torch.randn(2, 3, 5, generator=g), "labels": torch.tensor([[0, 1, 2], [3, 4, 0]]),
+            "no_labels": torch.zeros(0, 3, dtype=torch.long)}
+
+
+def every_math_result(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | float | list]:
+    """Every registry entry and helper the learner calls, on `math_inputs`, including the branches that make new
+    tensors (a group of one, a batch of one, no response tokens)."""
+    batch = pad_sequences([[7, 8], [9], [4, 4, 4], [5]], [[3, 4, 1], [5], [2], [6, 6]])  # names its (host) device
+    mask = batch.response_mask  # [4, 4]
+    logprobs, old, ref, values, returns, rewards = (x[k] for k in ("logprobs", "old", "ref", "values", "returns",
+                                                                   "rewards"))
+    token_rewards = last_token_rewards(rewards, mask)
+    out: dict[str, torch.Tensor | float | list] = {"token_rewards": token_rewards}
+    out["no_tokens"] = last_token_rewards(rewards, mask[:, :0])
+    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+        for group_size in (1, 2) if name != "rloo" else (2,):
+            result = estimator(AdvantageInputs(token_rewards, mask, group_size, values=values, gamma=0.9, lam=0.8))
+            out[f"{name}/{group_size}"] = result.advantages
+            if result.returns is not None:
+                out[f"{name}/{group_size}/returns"] = result.returns
+    one_sequence = AdvantageInputs(token_rewards[:1], mask[:1], 1)
+    out["one_sequence"] = ADVANTAGE_ESTIMATORS["reinforce_pp"](one_sequence).advantages
+    out["gae/empty"] = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(token_rewards[:, :0], mask[:, :0], 2,
+                                                                    values=values[:, :0])).advantages
+    out["whiten/one_token"] = masked_whiten(values[:1], mask[1:2])
+    for name, loss in POLICY_LOSSES.items():
+        value, metrics = loss(logprobs, old, values, mask, 0.2, 0.28, None, "token-mean", 4)
+        out[name] = value
+        out.update({f"{name}/{key}": metric for key, metric in metrics.items()})
+    out["ppo/dual"] = POLICY_LOSSES["ppo"](logprobs, old, values, mask, 0.2, 0.2, 3.0)[0]
+    out["value_loss"] = value_loss(values, old, returns, mask, 0.2)[0]
+    for estimator in KL_ESTIMATORS:
+        out[f"kl/{estimator}"] = kl(logprobs, ref, estimator, mask)
+    for mode in AGGREGATION_MODES:
+        out[f"aggregate/{mode}"] = aggregate(values, mask, mode, 4)
+        out[f"weight/{mode}"] = micro_batch_weight(mask[:2], mask, mode)
+    out["logprobs"] = logprobs_from_logits(x["logits"], x["labels"])
+    out["entropy"] = entropy_from_logits(x["logits"])
+    out["logprobs/empty"] = logprobs_from_logits(x["logits"][:0], x["no_labels"])
+    padded = pad_per_token([[0.1, 0.2, 0.3], [0.4], [0.5], [0.6, 0.7]], batch)
+    out["padded"] = padded
+    out["unpadded"] = unpad_per_token(padded, batch)
+    return out
+
+
+def test_the_math_makes_its_tensors_on_its_inputs_device():
+    inputs = math_inputs()
+    expected = every_math_result(inputs)
+    with torch.device("meta"):
+        got = every_math_result(inputs)
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "cpu" and torch.equal(value, expected[name]), name
+        else:
+            assert value == expected[name], name
