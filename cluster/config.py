@@ -229,7 +229,7 @@ class SyncConfig(_Section):
     `collective` broadcasts them over a torch.distributed group of the learner's rank 0 and every engine (NCCL on
     GPUs, gloo on CPU)."""
     bucket_mb: float = Field(256.0, gt=0, le=65536)
-    """Size of each weight bucket put in the object store, in MB."""
+    """Size of each weight bucket (one object-store object, or one broadcast of the collective transport), in MB."""
     probe: bool = True
     """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's."""
     probe_tolerance: float = Field(1e-4, gt=0)

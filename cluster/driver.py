@@ -292,7 +292,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
         raise
     started_ray = _init_ray(config)
     records: list[dict[str, Any]] = []
-    fleet = control = None
+    fleet = control = trainer = None
     finished = False
     try:
         control = start_control(str(run_dir))
@@ -325,6 +325,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str, display: boo
     finally:
         recorder.close(failed=not finished)
         scorer.close()
+        if trainer is not None:
+            trainer.rollouts.transport.close()  # the collective transport leaves its group
         if fleet is not None:
             stop_fleet(fleet)
         if control is not None:

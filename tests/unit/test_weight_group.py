@@ -156,3 +156,13 @@ def test_group_spec_survives_the_trip_as_plain_data():
     layout = plan_buckets(specs(named_tensors()), bucket_bytes=128)
     spec = WeightGroup.host("127.0.0.1", 2, layout, torch.device("cpu"), timeout=TIMEOUT).spec
     assert GroupSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_every_configured_transport_is_registered():
+    from typing import get_args
+
+    from cluster.config import SyncConfig
+    from cluster.transport import TRANSPORTS
+
+    assert set(TRANSPORTS) == set(get_args(SyncConfig.model_fields["transport"].annotation)) == {"object_store",
+                                                                                               "collective"}
