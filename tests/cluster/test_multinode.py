@@ -24,7 +24,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "relay"
 RELAY = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cluster.cli"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def env() -> dict[str, str]:
+    # Read at call time: the cluster's auth mode (set in `three_nodes`) must reach the `relay` processes.
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def free_port() -> int:
@@ -41,9 +45,12 @@ def node_args(resources: dict[str, float], **extra) -> dict:
 
 
 @pytest.fixture
-def three_nodes():
+def three_nodes(monkeypatch):
     from ray.cluster_utils import Cluster
 
+    # Ray 2.60's token authentication: on for clusters started from a process where `ray.init` ran (it exports
+    # RAY_AUTH_MODE=token), else off. Pin it, so the nodes and the `relay` processes agree either way.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args=node_args({"learner_node": 1}, include_dashboard=False))
     rollout_nodes = [cluster.add_node(**node_args({"rollout_node": 4})) for _ in range(2)]
@@ -53,7 +60,7 @@ def three_nodes():
 
 
 def relay(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*RELAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+    return subprocess.run([*RELAY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env())
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -90,7 +97,7 @@ def test_run_across_three_nodes_grows_and_shrinks_with_relay_scale(three_nodes, 
          "rollout.num_workers=2", "rollout.placement=spread", "rollout.resources={rollout_node: 1}",
          "learner.resources={learner_node: 0.5}", "reference.resources={learner_node: 0.5}",
          "checkpoint.every=0", "logging.tensorboard=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env())
     try:
         wait_for(run, run_dir, lambda r: r["step"] >= 2, "step 2")
         before = status(address)
