@@ -85,8 +85,10 @@ class SimulatedLearner:
         return [("w", np.zeros(1024, dtype=np.float32))]
 
 
-def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple, tokens: int) -> float:
-    """Completions per second over `steps` steps (generate + weight sync) with n simulated workers."""
+def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple,
+            tokens: int) -> tuple[float, float]:
+    """(completions per second, driver CPU seconds per step) over `steps` steps (generate + weight sync) with n
+    simulated workers."""
     from cluster.config import load_config
     from cluster.remote import Fleet, RolloutLauncher, start_rollout_slots
     from cluster.rollout_pool import RolloutPool
@@ -117,8 +119,7 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     launcher.stop(fleet.rollout)
     ray.kill(learner)
-    measure.driver_cpu_per_step = cpu / steps
-    return steps * len(prompts) * 8 / seconds
+    return steps * len(prompts) * 8 / seconds, cpu / steps
 
 
 def calibrate() -> tuple[float, float, float]:
@@ -176,17 +177,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     base = None
     for n in counts:
-        rate = measure(n, args.steps, args.prompts_per_worker, "speed", False, latency, args.tokens)
+        rate, driver_cpu = measure(n, args.steps, args.prompts_per_worker, "speed", False, latency, args.tokens)
         base = base or rate / n
         print(f"| {n} | {n * args.prompts_per_worker} | {rate:.0f} | {base * n:.0f} | {rate / (base * n):.1%} | "
-              f"{measure.driver_cpu_per_step * 1e3:.0f} ms |", flush=True)
+              f"{driver_cpu * 1e3:.0f} ms |", flush=True)
     print("\nEvery other worker 2x slower (capacity = 0.75 x the rate of as many fast workers):")
     print("| workers | balance=speed | of capacity | balance=even | of capacity |")
     print("|---|---|---|---|---|")
     for n in [int(c) for c in args.mixed.split(",")]:
-        fast = measure(n, args.steps, args.prompts_per_worker, "even", False, latency, args.tokens)
-        speed = measure(n, args.steps, args.prompts_per_worker, "speed", True, latency, args.tokens)
-        even = measure(n, args.steps, args.prompts_per_worker, "even", True, latency, args.tokens)
+        fast, _ = measure(n, args.steps, args.prompts_per_worker, "even", False, latency, args.tokens)
+        speed, _ = measure(n, args.steps, args.prompts_per_worker, "speed", True, latency, args.tokens)
+        even, _ = measure(n, args.steps, args.prompts_per_worker, "even", True, latency, args.tokens)
         capacity = 0.75 * fast
         print(f"| {n} | {speed:.0f}/s | {speed / capacity:.1%} | {even:.0f}/s | {even / capacity:.1%} |", flush=True)
     ray.shutdown()

@@ -47,6 +47,8 @@ class Trainer:
         self.weights_version = 0
         self.timings: dict[str, float] = {}
         self.control = control  # the run's RunControl actor (`relay scale`), if any
+        # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
+        self.learner_node = node_of(fleet.placement) if control is not None else None
 
     def step(self, step: int) -> dict[str, Any]:
         """One on-policy step; the weights are synced to every rollout worker before it returns."""
@@ -184,7 +186,7 @@ class Trainer:
             return
         self.control.publish.remote({  # fire and forget: the step does not wait for it
             "step": record["step"], "weights_version": self.weights_version,
-            "learner_node": node_of(self.fleet.placement),
+            "learner_node": self.learner_node,
             "workers": [{"id": s.id, "node_id": s.node_id} for s in self.fleet.rollout],
             "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
             "scale_failures": self.rollouts.scale_failures, "last_scale_error": self.rollouts.last_scale_error})
