@@ -35,12 +35,32 @@ def relay(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(demo_model_dir):
     """A Ray head in its own process group (so this test process's own Ray instance is not involved), on free ports,
-    with its own temp dir; stopped by signalling that process group only."""
+    with its own temp dir, shared by this module's tests; stopped by signalling its processes only."""
+    for attempt in range(3):
+        head, temp_dir, address, agent_port = start_head()
+        try:
+            # The Jobs API answers before the head's job agent is up; a job sent then is refused ("No available
+            # agent"). An agent that lost a port race never comes up: start the head again on other ports.
+            wait_for_port(agent_port, head, timeout=90)
+            wait_for_jobs_api(address, head)
+        except (TimeoutError, RuntimeError):
+            stop_head(head, temp_dir, keep_logs=attempt == 2)
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield address
+        finally:
+            stop_head(head, temp_dir)
+        return
+
+
+def start_head() -> tuple[subprocess.Popen, str, str, int]:
     temp_dir = tempfile.mkdtemp(prefix="relay-head-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     # A job's entrypoint runs `python` from the head's PATH: on a real cluster, the image's Python with relay's
     # dependencies; here, this virtual environment's.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -51,21 +71,44 @@ def ray_head(demo_model_dir):
          f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
          # Fixed by default: another Ray instance on this machine (the test session's own) holds them already, and
          # a head whose job agent cannot bind refuses every job ("No available agent").
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
+         f"--dashboard-agent-listen-port={agent_port}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--ray-client-server-port={free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard_port}"
+    return head, temp_dir, f"http://127.0.0.1:{dashboard_port}", agent_port
+
+
+def stop_head(head: subprocess.Popen, temp_dir: str, keep_logs: bool = False) -> None:
+    """SIGTERM to `ray start --block` alone lets it drain and stop its processes (~4 s); signalling the whole group
+    at once kills the GCS first and leaves it waiting 30 s to drain. Then SIGKILL whatever is left in the group."""
     try:
-        wait_for_jobs_api(address, head)
-        yield address
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(head.pid, sig)
-                head.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    head.wait(timeout=30)
+    if keep_logs:
+        print(f"the test's Ray head logs are kept in {temp_dir}")
+    else:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_for_port(port: int, head: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"the test's Ray head exited with {head.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
+            time.sleep(0.5)
 
 
 def wait_for_jobs_api(address: str, head: subprocess.Popen, timeout: float = 120) -> None:
@@ -78,9 +121,9 @@ def wait_for_jobs_api(address: str, head: subprocess.Popen, timeout: float = 120
         try:
             client(address).list_jobs()
             return
-        except Exception:  # not up yet: connection refused, 5xx, no job agent
+        except Exception as err:  # not up yet: connection refused, 5xx
             if time.monotonic() > deadline:
-                raise
+                raise TimeoutError(f"the test's Ray head's Jobs API did not answer: {err}") from err
             time.sleep(1.0)
 
 
@@ -104,7 +147,19 @@ def test_a_submitted_job_can_be_stopped(ray_head, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     job_id = result.stdout.strip().splitlines()[-1]
     stopped = relay("stop", job_id, "--address", ray_head)
-    assert stopped.returncode == 0 and job_id in stopped.stderr
+    assert stopped.returncode == 0 and f"stopping job {job_id}" in stopped.stderr
+    deadline = time.monotonic() + 60
+    while (status := job_status(ray_head, job_id)) != "STOPPED" and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert status == "STOPPED"
+
+
+def job_status(address: str, job_id: str) -> str:
+    listed = relay("jobs", "--address", address)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if line.startswith(job_id)]
+    assert len(rows) == 1, listed.stdout
+    return next(word for word in ("PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED") if word in rows[0])
 
 
 def test_bad_submissions_fail_here_with_one_line(tmp_path):
