@@ -35,20 +35,26 @@ def relay(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+HEAD_ATTEMPTS = 3
+
+
 @pytest.fixture(scope="module")
 def ray_head(demo_model_dir):
     """A Ray head in its own process group (so this test process's own Ray instance is not involved), on free ports,
     with its own temp dir, shared by this module's tests; stopped by signalling its processes only."""
-    for attempt in range(3):
+    from cluster.jobs import client
+
+    for attempt in range(1, HEAD_ATTEMPTS + 1):
         head, temp_dir, address, agent_port = start_head()
         try:
             # The Jobs API answers before the head's job agent is up; a job sent then is refused ("No available
             # agent"). An agent that lost a port race never comes up: start the head again on other ports.
-            wait_for_port(agent_port, head, timeout=90)
-            wait_for_jobs_api(address, head)
+            wait_until(head, lambda: socket.create_connection(("127.0.0.1", agent_port), timeout=1.0).close(),
+                       f"nothing listens on the job agent's port {agent_port}", timeout=90)
+            wait_until(head, lambda: client(address).list_jobs(), "the Jobs API does not answer", timeout=120)
         except (TimeoutError, RuntimeError):
-            stop_head(head, temp_dir, keep_logs=attempt == 2)
-            if attempt == 2:
+            stop_head(head, temp_dir, keep_logs=attempt == HEAD_ATTEMPTS)
+            if attempt == HEAD_ATTEMPTS:
                 raise
             continue
         try:
@@ -97,34 +103,19 @@ def stop_head(head: subprocess.Popen, temp_dir: str, keep_logs: bool = False) ->
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def wait_for_port(port: int, head: subprocess.Popen, timeout: float) -> None:
+def wait_until(head: subprocess.Popen, check, what: str, timeout: float) -> None:
+    """Call `check` until it stops raising (not up yet: connection refused, 5xx), the head exits, or `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         if head.poll() is not None:
             raise RuntimeError(f"the test's Ray head exited with {head.returncode}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            check()
             return
-        except OSError:
+        except Exception as err:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
+                raise TimeoutError(f"the test's Ray head: {what} after {timeout:.0f} s ({err})") from err
             time.sleep(0.5)
-
-
-def wait_for_jobs_api(address: str, head: subprocess.Popen, timeout: float = 120) -> None:
-    from cluster.jobs import client
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if head.poll() is not None:
-            raise RuntimeError(f"the test's Ray head exited with {head.returncode}")
-        try:
-            client(address).list_jobs()
-            return
-        except Exception as err:  # not up yet: connection refused, 5xx
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the test's Ray head's Jobs API did not answer: {err}") from err
-            time.sleep(1.0)
 
 
 def test_submitted_demo_job_finishes_with_the_reward_rising(ray_head, tmp_path):
