@@ -29,11 +29,15 @@ class RolloutWorker:
         self.weights_version = 0
         self.last_load: dict[str, float] = {}
 
-    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings) -> RolloutGroups:
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings,
+                 version: int | None = None, *buckets: list[tuple[str, np.ndarray | torch.Tensor]]) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
-        prompt's completions do not depend on which worker serves it or what else is in the batch."""
+        prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
+        and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if version is not None:
+            self.load_weights(version, *buckets)
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))

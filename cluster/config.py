@@ -231,7 +231,10 @@ class SyncConfig(_Section):
     bucket_mb: float = Field(256.0, gt=0, le=65536)
     """Size of each weight bucket (one object-store object, or one broadcast of the collective transport), in MB."""
     probe: bool = True
-    """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's."""
+    """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's. Off, an
+    `object_store` sync only exports the weights and each worker loads them at the start of its next generate request
+    (one call per worker per step instead of two: for large fleets); rollouts' weights versions are checked either
+    way."""
     probe_tolerance: float = Field(1e-4, gt=0)
     """Largest allowed max |engine - learner| logprob on the probe (1e-4 is safe in float32; ~5e-2 for bfloat16)."""
     probe_tokens: int = Field(8, ge=1, le=1024)

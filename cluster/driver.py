@@ -9,6 +9,7 @@ Does not own: the math (learner/), the engines (actors/), or placement (cluster/
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import statistics
 import time
@@ -23,7 +24,7 @@ from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
 from cluster.data import sampling_seeds
 from cluster.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.control import start_control
-from cluster.remote import Fleet, RunError, get, node_of, start_fleet, stop_fleet
+from cluster.remote import RAY_SYSTEM_CONFIG, Fleet, RunError, get, node_of, start_fleet, stop_fleet
 from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
 from cluster.scoring import Scorer
 from rewards.arithmetic import Problem
@@ -342,9 +343,11 @@ def _init_ray(config: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     rc = config.ray
+    starts = rc.address is None and not os.environ.get("RAY_ADDRESS")  # else it joins a cluster (relay submit)
     context = ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
                        include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
-                       configure_logging=True, logging_level="WARNING")
+                       configure_logging=True, logging_level="WARNING",
+                       **({"_system_config": RAY_SYSTEM_CONFIG} if starts else {}))
     line = dashboard_line(context)
     if line:
         print(line, file=sys.stderr, flush=True)

@@ -21,6 +21,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import RunConfig
 
 
+# Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
+# every node: deploy/'s images set them). A rollout worker's reply (G completions x response tokens x ids and
+# logprobs: ~130 KB at 8 prompts x 8 x 256 tokens) returns inline to the driver up to 1 MiB, instead of through the
+# object store above Ray's default 100 KB: 3-5 points of ideal throughput at 64 workers (docs/benchmarks.md).
+RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
+
+
 class RunError(RuntimeError):
     """The run cannot go on; the message is one line for the user."""
 

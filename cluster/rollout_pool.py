@@ -13,6 +13,7 @@ Does not own: what a step does with the rollouts (cluster/driver.py) or placemen
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections import deque
@@ -22,7 +23,10 @@ import ray
 
 from cluster.config import RunConfig
 from cluster.remote import Fleet, RunError, get, get_ready, start_rollout_slots
-from cluster.transport import make_transport
+from cluster.transport import check_export, make_transport
+
+
+SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
 
 
 class SyncError(RunError):
@@ -44,6 +48,9 @@ class RolloutPool:
         self.last_scale_error = ""
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(self)
+        # Without the probe, a sync only exports the weights: each worker loads them at the start of its next
+        # `generate` (one call per worker per step instead of two). slot id -> the `version, *buckets` to send.
+        self.pending: dict[int, list] = {}
 
     @property
     def workers(self) -> list[Any]:
@@ -63,11 +70,15 @@ class RolloutPool:
         running: dict[Any, tuple[int, tuple[int, int], float]] = {}  # ref -> (worker index, chunk, dispatched at)
         results: dict[int, list[list[Any]]] = {}  # chunk start -> groups
         timeout = self.config.timeouts.generate
+        carried: dict[Any, list] = {}  # ref -> the weights its request loads first
         while todo or running:
             while todo:
                 worker, (a, b) = todo.popleft()
-                ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling)
+                load = self.pending.get(self.fleet.rollout[worker].id, [])
+                ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load)
                 running[ref] = (worker, (a, b), time.monotonic())
+                if load:
+                    carried[ref] = load
             first_deadline = min(started for _, _, started in running.values()) + timeout
             ray.wait(list(running), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
@@ -75,15 +86,22 @@ class RolloutPool:
             failed: dict[int, str] = {}
             for ref, (value, error) in zip(ready, get_ready(ready)):
                 worker, (a, b), started = running.pop(ref)
+                load = carried.pop(ref, None)
                 if error is None:
                     results[a] = value
                     self._record_speed(worker, b - a, now - started)
+                    slot_id = self.fleet.rollout[worker].id
+                    if load is not None and self.pending.get(slot_id) is load:  # not a later sync's
+                        del self.pending[slot_id]
                 else:
+                    if load:
+                        check_export(load[1:], self.config.timeouts.sync)  # the learner's death stops the run
                     failed[worker] = f"died during 'generate' ({error})"
                     todo.append((worker, (a, b)))
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
                     running.pop(ref)
+                    carried.pop(ref, None)
                     failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
                     todo.append((worker, chunk))
             for worker, cause in failed.items():
@@ -97,13 +115,18 @@ class RolloutPool:
 
     def _shares(self, count: int) -> list[int]:
         """Prompts per worker (by index): in proportion to each worker's speed (`balance=speed`; workers not yet
-        measured count as the mean), at least one each while there are enough prompts to keep speeds measured."""
+        measured count as the mean), at least one each while there are enough prompts to keep speeds measured.
+        Speeds within SPEED_BAND of the fleet's median count as the median: a one-prompt shift that measurement noise
+        would cause costs more than it gains (a worker given 9 prompts instead of 8 takes ~10% longer, and sets the
+        step's pace)."""
         ids = [slot.id for slot in self.fleet.rollout]
         known = [self.speeds[i] for i in ids if i in self.speeds]
         if self.config.rollout.balance == "even" or not known:
             weights = [1.0] * len(ids)
         else:
             weights = [self.speeds.get(i, sum(known) / len(known)) for i in ids]
+            median = statistics.median(weights)
+            weights = [median if abs(w / median - 1) <= SPEED_BAND else w for w in weights]
         floor = 1 if count >= len(ids) else 0
         rest = count - floor * len(ids)
         exact = [rest * w / sum(weights) for w in weights]
@@ -129,6 +152,8 @@ class RolloutPool:
             removed += sorted(kept, key=lambda slot: slot.id)[-surplus:]
         if removed:
             self.fleet.rollout = [slot for slot in self.fleet.rollout if slot not in removed]
+            for slot in removed:
+                self.pending.pop(slot.id, None)
             self.fleet.launcher.stop(removed)
             self.transport.fleet_changed()
             self.scale_events += len(removed)
@@ -158,8 +183,17 @@ class RolloutPool:
 
     def sync(self, version: int) -> float:
         """Load the learner's weights (version `version`) into every worker and verify them; returns the probe's
-        largest gap (NaN without the probe)."""
+        largest gap (NaN without the probe).
+
+        Without the probe (`sync.probe=false`) and with a transport that allows it (`object_store`), the weights are
+        only exported here: every worker loads them at the start of its next `generate` request, which Ray runs after
+        any earlier call from this driver, and every rollout's weights version is still checked."""
         self.weights_version = version
+        load = None if self.config.sync.probe else self.transport.defer()
+        if load is not None:
+            self.pending = {slot.id: load for slot in self.fleet.rollout}
+            return float("nan")
+        self.pending = {}
         failed = self._load(list(range(len(self.workers))))
         for i, cause in failed.items():
             self.replace(i, cause)  # the replacement is loaded and probed on its own
@@ -195,6 +229,7 @@ class RolloutPool:
         started = time.perf_counter()
         self.restarts += 1
         slot = self.fleet.rollout[index]
+        self.pending.pop(slot.id, None)  # the replacement is loaded here
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed()

@@ -31,6 +31,12 @@ class WeightTransport(Protocol):
         ({index: version it reports}, {index: why it failed}). Raises RunError when the learner itself fails."""
         ...
 
+    def defer(self) -> list | None:
+        """The arguments that let each worker load the learner's current weights itself at the start of its next
+        `generate` call (RolloutWorker.generate's `version, *buckets`), or None when this transport cannot do that
+        (both ends of a collective must take part at once)."""
+        ...
+
     def fleet_changed(self) -> None:
         """Workers were added, removed or replaced: forget per-worker state (a collective group is re-formed on the
         next `load`)."""
@@ -52,20 +58,34 @@ class ObjectStoreTransport:
 
     def load(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str]]:
         pool = self.pool
-        export = pool.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
-        buckets = export.remote(self.bucket_bytes)
-        buckets = buckets if self.num_buckets > 1 else [buckets]
+        buckets = self.export()
         refs = {i: pool.workers[i].load_weights.remote(pool.weights_version, *buckets) for i in indices}
         done, failed = collect(refs, pool.config.timeouts.sync, "sync")
-        if failed:  # the workers' fault, or the learner's? A dead learner fails every load through its buckets.
-            get(list(buckets), pool.config.timeouts.sync, ["learner"] * len(buckets), "sync")
+        if failed:
+            check_export(buckets, pool.config.timeouts.sync)
         return done, failed
+
+    def defer(self) -> list:
+        return [self.pool.weights_version, *self.export()]
+
+    def export(self) -> list:
+        """Object refs of the learner's current weights, one per bucket (the learner runs calls in order, so they
+        hold the weights as of now, whatever it is asked to do next)."""
+        export = self.pool.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
+        buckets = export.remote(self.bucket_bytes)
+        return list(buckets) if self.num_buckets > 1 else [buckets]
 
     def fleet_changed(self) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def check_export(buckets: list, timeout: float) -> None:
+    """After loads failed: the workers' fault, or the learner's? A dead learner fails every load through its
+    buckets; then this raises a RunError naming the learner."""
+    get(list(buckets), timeout, ["learner"] * len(buckets), "sync")
 
 
 class CollectiveTransport:
@@ -107,6 +127,9 @@ class CollectiveTransport:
         else:
             failed.update(retry)  # failed in a group of survivors too: its own fault
         return done, failed
+
+    def defer(self) -> None:
+        return None
 
     def fleet_changed(self) -> None:
         self.stale = True

@@ -80,6 +80,19 @@ def test_load_weights_updates_the_running_engine(worker, tiny_model_dir):
     assert (hf_logprobs(old, r.prompt_ids, r.response_ids) - expected).abs().max() > 1e-2
 
 
+def test_generate_given_weights_loads_them_first(worker, tiny_model_dir):
+    """The deferred sync (`sync.probe=false`): the load rides on the next request, prefix cache reset included."""
+    first, second = perturbed_state(tiny_model_dir, seed=6), perturbed_state(tiny_model_dir, seed=7)
+    sampling = SamplingSettings(group_size=2, max_new_tokens=6)
+    for version, model in ((10, first), (11, second)):  # the second call's prompt is cached from the first
+        [group] = worker.generate([PROBE], [3], sampling, version, *buckets_of(model))
+        assert worker.weights_version == version
+        for r in group:
+            assert r.weights_version == version
+            torch.testing.assert_close(torch.tensor(r.behavior_logprobs),
+                                       hf_logprobs(model, r.prompt_ids, r.response_ids), atol=1e-4, rtol=0)
+
+
 def test_prefix_cache_is_reset_on_load(worker, tiny_model_dir, monkeypatch):
     """The probe prompt is cached after one call; a load that skipped the reset would score with stale KV."""
     first = perturbed_state(tiny_model_dir, seed=4)

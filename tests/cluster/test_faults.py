@@ -43,13 +43,13 @@ class OnceFaultyWorker(RolloutWorker):
     fail_on = 2
     mode = "kill"
 
-    def generate(self, prompts, seeds, sampling):
+    def generate(self, prompts, seeds, sampling, *load):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == self.fail_on and _first(self.marker):
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-generation, as an OOM kill would
             time.sleep(3600)  # a hung engine
-        return super().generate(prompts, seeds, sampling)
+        return super().generate(prompts, seeds, sampling, *load)
 
 
 def faulty(tmp_path, mode):
@@ -68,10 +68,12 @@ def clean_run(ray_local, tmp_path_factory, demo_model_dir):
     return run(tmp_path_factory.mktemp("clean"), demo_model_dir, "clean")
 
 
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_failed_worker_is_replaced_and_nothing_is_lost(ray_local, tmp_path, demo_model_dir, clean_run, mode):
+# Without the probe, the 2nd generate call also carries the load of weights version 1 (RolloutPool.sync): a worker
+# killed there must not cost its load either.
+@pytest.mark.parametrize("mode, probe", [("kill", False), ("hang", True)])
+def test_failed_worker_is_replaced_and_nothing_is_lost(ray_local, tmp_path, demo_model_dir, clean_run, mode, probe):
     worker_cls = faulty(tmp_path, mode)
-    records = run(tmp_path, demo_model_dir, mode, worker_cls, "timeouts.generate=10")
+    records = run(tmp_path, demo_model_dir, mode, worker_cls, "timeouts.generate=10", f"sync.probe={probe}")
     assert (tmp_path / f"{mode}.marker").exists()  # the fault happened
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # Every worker fails on its 2nd call; the first to get there is replaced once (the marker stops the others).

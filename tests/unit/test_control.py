@@ -65,6 +65,9 @@ class FakePool:
     ([0, 1, 5], {0: 30.0, 1: 10.0}, "speed", 12, [6, 2, 4]),  # the new worker 5 counts as the mean (20)
     ([0, 1], {0: 1000.0, 1: 1.0}, "speed", 8, [7, 1]),  # never 0 while there are enough prompts: keeps measuring
     ([0, 1, 2], {}, "speed", 2, [1, 1, 0]),  # fewer prompts than workers
+    # within 10% of the median (noise, or a fixed per-call cost): equal shares, not 9/7/8/8 (the 9 would set the pace)
+    ([0, 1, 2, 3], {0: 10.8, 1: 9.2, 2: 10.0, 3: 10.0}, "speed", 32, [8, 8, 8, 8]),
+    ([0, 1, 2, 3], {0: 12.0, 1: 10.0, 2: 10.0, 3: 10.0}, "speed", 32, [9, 8, 8, 7]),  # 20% faster: a real difference
 ])
 def test_prompts_are_shared_in_proportion_to_measured_speed(ids, speeds, balance, count, expected):
     from cluster.rollout_pool import RolloutPool

@@ -521,6 +521,19 @@ def test_cluster_launcher_installs_relay_and_turns_on_token_auth():
         assert "RAY_AUTH_MODE=token" in command
 
 
+def test_every_ray_process_in_deploy_gets_the_ray_settings_relay_starts_ray_with():
+    """relay sets RAY_SYSTEM_CONFIG when it starts Ray itself; a cluster's nodes need them as RAY_<name> variables."""
+    from cluster.remote import RAY_SYSTEM_CONFIG
+
+    wanted = {f"RAY_{name}={value}" for name, value in RAY_SYSTEM_CONFIG.items()}
+    cluster = yaml.safe_load(LAUNCHER.read_text())
+    for command in cluster["head_start_ray_commands"][1:] + cluster["worker_start_ray_commands"][1:]:
+        assert wanted <= set(shlex.split(command.split(";")[0])), command
+    for name in ("Dockerfile.gpu", "Dockerfile.cpu"):  # the KubeRay manifests run the GPU image
+        env = {word for step, rest in instructions(DEPLOY / "docker" / name) if step == "ENV" for word in rest.split()}
+        assert wanted <= env, name
+
+
 # --- Docker images --------------------------------------------------------------------------------------------
 
 def instructions(path: Path) -> list[tuple[str, str]]:
