@@ -70,42 +70,38 @@ class RolloutPool:
         running: dict[Any, tuple[int, tuple[int, int], float]] = {}  # ref -> (worker index, chunk, dispatched at)
         results: dict[int, list[list[Any]]] = {}  # chunk start -> groups
         timeout = self.config.timeouts.generate
-        carried: dict[Any, list] = {}  # ref -> the weights its request loads first
         while todo or running:
             while todo:
                 worker, (a, b) = todo.popleft()
                 load = self.pending.get(self.fleet.rollout[worker].id, [])
                 ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load)
                 running[ref] = (worker, (a, b), time.monotonic())
-                if load:
-                    carried[ref] = load
             first_deadline = min(started for _, _, started in running.values()) + timeout
             ray.wait(list(running), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             now = time.monotonic()
             failed: dict[int, str] = {}
+            died: list[int] = []
             for ref, (value, error) in zip(ready, get_ready(ready)):
                 worker, (a, b), started = running.pop(ref)
-                load = carried.pop(ref, None)
                 if error is None:
                     results[a] = value
                     self._record_speed(worker, b - a, now - started)
-                    slot_id = self.fleet.rollout[worker].id
-                    if load is not None and self.pending.get(slot_id) is load:  # not a later sync's
-                        del self.pending[slot_id]
+                    self.pending.pop(self.fleet.rollout[worker].id, None)  # it loaded them first
                 else:
-                    if load:
-                        check_export(load[1:], self.config.timeouts.sync)  # the learner's death stops the run
+                    died.append(worker)
                     failed[worker] = f"died during 'generate' ({error})"
                     todo.append((worker, (a, b)))
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
                     running.pop(ref)
-                    carried.pop(ref, None)
                     failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
                     todo.append((worker, chunk))
+            if any(self.fleet.rollout[worker].id in self.pending for worker in died):
+                # Their requests carried the weights: a dead learner fails them all, and then stops the run.
+                check_export(next(iter(self.pending.values()))[1:], self.config.timeouts.sync)
             for worker, cause in failed.items():
-                self.replace(worker, cause)  # its request then goes to the replacement
+                self.replace(worker, cause)  # its request then goes to the replacement (pending dropped)
         groups = [group for start in sorted(results) for group in results[start]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
