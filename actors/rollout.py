@@ -16,7 +16,12 @@ import torch
 
 from actors.engine import EngineSettings, SampledCompletion, VllmEngine
 from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (part of this module's API)
+from learner.shared_weights import SharedWeightsHandle, read_shared
 from learner.weight_group import GroupSpec
+
+# What a weight load carries: buckets of (name, array) from the object store, or one handle of the learner's
+# shared-memory buffer.
+Weights = list[tuple[str, np.ndarray | torch.Tensor]] | SharedWeightsHandle
 
 
 class RolloutWorker:
@@ -30,7 +35,7 @@ class RolloutWorker:
         self.last_load: dict[str, float] = {}
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings,
-                 version: int | None = None, *buckets: list[tuple[str, np.ndarray | torch.Tensor]]) -> RolloutGroups:
+                 version: int | None = None, *buckets: Weights) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call."""
@@ -43,10 +48,14 @@ class RolloutWorker:
                                       sampling.max_new_tokens, list(seeds))
         return RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
 
-    def load_weights(self, version: int, *buckets: list[tuple[str, np.ndarray | torch.Tensor]]) -> int:
-        """Load every bucket of (name, array) pairs into the engine in place; return the version now served."""
-        named = [(name, _as_tensor(array)) for bucket in buckets for name, array in bucket]
-        self.engine.load_weights(named)
+    def load_weights(self, version: int, *buckets: Weights) -> int:
+        """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the
+        learner's node), into the engine in place; return the version now served."""
+        if len(buckets) == 1 and isinstance(buckets[0], SharedWeightsHandle):
+            with read_shared(buckets[0]) as named:  # fails if the learner rewrote it meanwhile
+                self.engine.load_weights(named)
+        else:
+            self.engine.load_weights([(name, _as_tensor(array)) for bucket in buckets for name, array in bucket])
         self.weights_version = version
         return version
 

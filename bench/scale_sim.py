@@ -79,13 +79,26 @@ class SimulatedEngine:
 
 
 class SimulatedLearner:
-    """Stands in for the learner's weight export: one small bucket."""
+    """Stands in for the learner's weight export: one small tensor, in a real shared-memory buffer (the stand-ins
+    are on the learner's node) or as one object-store bucket."""
+
+    weights = {"w": np.zeros(1024, dtype=np.float32)}
 
     def count_buckets(self, bucket_bytes):
         return 1
 
     def export_weight_buckets(self, bucket_bytes):
-        return [("w", np.zeros(1024, dtype=np.float32))]
+        return list(self.weights.items())
+
+    def share_weights(self, version):
+        import torch
+
+        from learner.shared_weights import SharedWeights
+
+        tensors = {name: torch.from_numpy(array) for name, array in self.weights.items()}
+        if not hasattr(self, "shared"):
+            self.shared = SharedWeights(tensors)
+        return self.shared.write(tensors, version)
 
 
 def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple,
@@ -112,6 +125,7 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
+    pool.sync(0)  # warm-up, as a run's first sync: the learner makes its buffer, the workers learn its class
     for _ in range(2):  # warm-up: first calls start the actors' Python paths; speeds get measured
         pool.generate(prompts, seeds, sampling)
     started, cpu = time.perf_counter(), time.process_time()

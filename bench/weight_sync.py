@@ -1,14 +1,18 @@
 """Weight sync: seconds and GB/s of each transport, learner -> 1, 2 and 4 real vLLM engines, beside memcpy.
 
-Usage: python bench/weight_sync.py [--sizes 25M 100M] [--workers 1 2 4] [--repeats 5] [dotted.key=value ...]
+Usage: python bench/weight_sync.py [--sizes 25M 100M] [--workers 1 2 4] [--repeats 9] [dotted.key=value ...]
 For each model size (a random-init Qwen2 with the character tokenizer, built locally once into RELAY_CACHE_DIR) and
 worker count, starts a learner and that many rollout workers (real vLLM engines in Ray actors) with the run's own
 placement code, then loads the learner's weights into every worker through each transport's `load` (what a run's sync
 calls) `--repeats` times after one warm-up load; for `collective` the warm-up load also forms the group (reported
-apart). The probe then checks that every engine serves the learner's weights. Columns, medians over the repeats:
+apart). The probe then checks that every engine serves the learner's weights. Transports: `object_store` as a run
+has it by default (here every worker is on the learner's node, so they read its shared-memory buffer), the same with
+`sync.shared_memory=false` (through Ray's object store, as workers on other nodes do), and `collective` (gloo).
+Columns, medians over the repeats:
 - load: end to end (export or pack, transfer, the engines' load);
-- engine load: inside each engine, vLLM's reload path + the prefix-cache reset (median over the workers);
-- transfer: load - engine load, what the transport itself costs;
+- engine load: inside each engine, vLLM's reload path (which copies out of the shared buffer or the object store)
+  + the prefix-cache reset; the slowest worker's (the engines load at once, and the load ends with the last);
+- transfer: load - engine load, what the transport itself costs (the part of the load outside the engines);
 - GB/s: model bytes / seconds (every worker gets the whole model in that time);
 - memcpy: one thread copying the model's bytes once (`Tensor.copy_`), the physical reference;
 - first load: the warm-up load (for `collective`, with the group's formation);
@@ -41,7 +45,10 @@ SIZES = {
     "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
     "100M": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8, "intermediate_size": 3072},
 }
-TRANSPORT_NAMES = ("object_store", "collective")
+# label -> (sync.transport, overrides): the default, the object store alone, the collective
+TRANSPORTS = {"object_store": ("object_store", []),
+              "object_store, no shm": ("object_store", ["sync.shared_memory=false"]),
+              "collective": ("collective", [])}
 
 
 class TimedWorker(RolloutWorker):
@@ -87,9 +94,9 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 def measure(pool, name: str, repeats: int) -> dict[str, float]:
     """Warm-up load, then `repeats` timed loads of every worker through transport `name`; then the probe."""
-    from cluster.transport import TRANSPORTS
+    from cluster.transport import make_transport
 
-    transport = TRANSPORTS[name](pool)
+    transport = make_transport(pool)
     indices = list(range(len(pool.workers)))
     loads, engine, broadcast = [], [], []
     first = 0.0
@@ -106,7 +113,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
                 continue
             loads.append(elapsed)
             timings = ray.get([w.load_timings.remote() for w in pool.workers])
-            engine.append(statistics.median(t["reload_s"] for t in timings))
+            engine.append(max(t["reload_s"] for t in timings))
             if name == "collective":
                 broadcast.append(transport.last_broadcast["seconds"])
         probe = pool.verify()
@@ -127,16 +134,16 @@ def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) 
     memcpy = memcpy_seconds(nbytes)
     rows = []
     for n in workers:
-        config = load_config(None, [f"model.path={path}", f"rollout.num_workers={n}", "learner.kl_coef=0",
-                                    "learner.kl_reward_coef=0", "timeouts.sync=600", "rollout.max_model_len=64",
-                                    *overrides])
+        common = [f"model.path={path}", f"rollout.num_workers={n}", "learner.kl_coef=0", "learner.kl_reward_coef=0",
+                  "timeouts.sync=600", "rollout.max_model_len=64", *overrides]
+        config = load_config(None, common)
         row = {"size": size, "bytes": nbytes, "workers": n, "memcpy": memcpy}
         fleet = None
         try:
             fleet = start_fleet(config, str(path), TimedWorker)
-            pool = RolloutPool(config, fleet)
-            for name in TRANSPORT_NAMES:
-                rows.append({**row, "transport": name, **measure(pool, name, repeats)})
+            for label, (name, extra) in TRANSPORTS.items():
+                pool = RolloutPool(load_config(None, [*common, f"sync.transport={name}", *extra]), fleet)
+                rows.append({**row, "transport": label, **measure(pool, name, repeats)})
                 print(f"  {size} x{n} {name}: {rows[-1]['load']:.3f} s", file=sys.stderr, flush=True)
         except (RunError, RuntimeError) as err:
             rows.append({**row, "transport": "-", "error": str(err).splitlines()[0][:160]})
@@ -163,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 

@@ -225,11 +225,17 @@ class CriticConfig(_Section):
 
 class SyncConfig(_Section):
     transport: Literal["object_store", "collective"] = "object_store"
-    """How weights reach the engines: `object_store` puts them once (numpy, zero-copy) for every worker to read;
-    `collective` broadcasts them over a torch.distributed group of the learner's rank 0 and every engine (NCCL on
-    GPUs, gloo on CPU)."""
+    """How weights reach the engines: `object_store` puts them once (numpy, zero-copy) for every worker to read, or
+    into a shared-memory buffer for workers on the learner's node (`shared_memory`); `collective` broadcasts them over
+    a torch.distributed group of the learner's rank 0 and every engine (NCCL on GPUs, gloo on CPU)."""
     bucket_mb: float = Field(256.0, gt=0, le=65536)
     """Size of each weight bucket (one object-store object, or one broadcast of the collective transport), in MB."""
+    shared_memory: bool = True
+    """`object_store` only: workers on the learner's node read its weights from one shared-memory buffer that the
+    learner rewrites in place at every sync (no new object-store object per sync, ~1 copy of the model's bytes);
+    workers on other nodes get them through the object store either way. The buffer costs one host copy of the
+    model in the learner's memory. Off: every worker reads through the object store (e.g. when workers cannot open
+    the learner's `/proc/<pid>/fd`, as in another PID namespace)."""
     probe: bool = True
     """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's. Off, an
     `object_store` sync only exports the weights and each worker loads them at the start of its next generate request

@@ -23,7 +23,7 @@ import ray
 
 from cluster.config import RunConfig
 from cluster.remote import Fleet, RunError, get, get_ready, start_rollout_slots
-from cluster.transport import check_export, make_transport
+from cluster.transport import make_transport
 
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
@@ -99,7 +99,7 @@ class RolloutPool:
                     todo.append((worker, chunk))
             if any(self.fleet.rollout[worker].id in self.pending for worker in died):
                 # Their requests carried the weights: a dead learner fails them all, and then stops the run.
-                check_export(next(iter(self.pending.values()))[1:], self.config.timeouts.sync)
+                self.transport.check_learner()
             for worker, cause in failed.items():
                 self.replace(worker, cause)  # its request then goes to the replacement (pending dropped)
         groups = [group for start in sorted(results) for group in results[start]]
@@ -185,9 +185,9 @@ class RolloutPool:
         only exported here: every worker loads them at the start of its next `generate` request, which Ray runs after
         any earlier call from this driver, and every rollout's weights version is still checked."""
         self.weights_version = version
-        load = None if self.config.sync.probe else self.transport.defer()
-        if load is not None:
-            self.pending = {slot.id: load for slot in self.fleet.rollout}
+        loads = None if self.config.sync.probe else self.transport.defer()
+        if loads is not None:
+            self.pending = loads
             return float("nan")
         self.pending = {}
         failed = self._load(list(range(len(self.workers))))

@@ -1,11 +1,12 @@
 """How new weights travel from the learner to the rollout engines: one interface, a transport per `sync.transport`.
 
-Owns: moving the learner's current weights into a given set of rollout workers and reporting, per worker, the
-weights version it now serves or why it failed (death or missed deadline). `object_store` (the default) has the
-learner export its weights once, in buckets of `sync.bucket_mb`, as zero-copy numpy objects that every worker reads
-and loads through the engine's reload path. `collective` forms a torch.distributed group of the learner (rank 0) and
-every engine worker, broadcasts the weights in flat buckets, and re-forms the group when the fleet changes or a member
-fails (the group itself lives in learner/weight_group.py).
+Owns: moving the learner's current weights into a given set of rollout workers and reporting, per worker, the weights
+version it now serves or why it failed (death or missed deadline). `object_store` (the default) has the learner write
+its weights into its shared-memory buffer for workers on its node (`sync.shared_memory`, learner/shared_weights.py),
+and export them once, in buckets of `sync.bucket_mb`, as zero-copy numpy objects in Ray's object store for workers on
+other nodes; every worker loads them through the engine's reload path. `collective` forms a torch.distributed group of
+the learner (rank 0) and every engine worker, broadcasts the weights in flat buckets, and re-forms the group when the
+fleet changes or a member fails (the group itself lives in learner/weight_group.py).
 Does not own: which workers exist, replacing failed ones, or the probe check (cluster/rollout_pool.py); the version
 check of what a worker reports (RolloutPool does it, for every transport alike).
 """
@@ -31,10 +32,15 @@ class WeightTransport(Protocol):
         ({index: version it reports}, {index: why it failed}). Raises RunError when the learner itself fails."""
         ...
 
-    def defer(self) -> list | None:
+    def defer(self) -> dict[int, list] | None:
         """The arguments that let each worker load the learner's current weights itself at the start of its next
-        `generate` call (RolloutWorker.generate's `version, *buckets`), or None when this transport cannot do that
-        (both ends of a collective must take part at once)."""
+        `generate` call, by slot id (RolloutWorker.generate's `version, *buckets`), or None when this transport cannot
+        do that (both ends of a collective must take part at once)."""
+        ...
+
+    def check_learner(self) -> None:
+        """After requests that carried deferred loads failed: raise a RunError if the learner's side failed (only
+        called for transports whose `defer` gives loads)."""
         ...
 
     def fleet_changed(self) -> None:
@@ -47,33 +53,58 @@ class WeightTransport(Protocol):
 
 
 class ObjectStoreTransport:
-    """The learner puts its weights once per load as one object-store object per bucket; every worker reads them."""
+    """Workers on the learner's node read its shared-memory buffer, which it rewrites in place (`sync.shared_memory`);
+    for the others the learner puts its weights once per load as one object-store object per bucket."""
 
     def __init__(self, pool: RolloutPool):
         self.pool = pool
         config = pool.config
+        learner = pool.fleet.learner
         self.bucket_bytes = int(config.sync.bucket_mb * 2**20)
-        self.num_buckets = get([pool.fleet.learner.count_buckets.remote(self.bucket_bytes)], config.timeouts.sync,
-                               ["learner"], "sync")[0]
+        self.timeout = config.timeouts.sync
+        self.num_buckets, self.learner_node = get(
+            [learner.count_buckets.remote(self.bucket_bytes), learner.__ray_call__.remote(_node_id)], self.timeout,
+            ["learner"] * 2, "sync")
+        self.exported: list = []  # refs of the latest export: the buffer's handle and/or the buckets
 
     def load(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str]]:
         pool = self.pool
-        buckets = self.export()
-        refs = {i: pool.workers[i].load_weights.remote(pool.weights_version, *buckets) for i in indices}
-        done, failed = collect(refs, pool.config.timeouts.sync, "sync")
+        loads = self.export(indices)
+        refs = {i: pool.workers[i].load_weights.remote(pool.weights_version, *loads[i]) for i in indices}
+        done, failed = collect(refs, self.timeout, "sync")
         if failed:
-            check_export(buckets, pool.config.timeouts.sync)
+            self.check_learner()
         return done, failed
 
-    def defer(self) -> list:
-        return [self.pool.weights_version, *self.export()]
+    def defer(self) -> dict[int, list]:
+        loads = self.export(list(range(len(self.pool.workers))))
+        return {self.pool.fleet.rollout[i].id: [self.pool.weights_version, *load] for i, load in loads.items()}
 
-    def export(self) -> list:
-        """Object refs of the learner's current weights, one per bucket (the learner runs calls in order, so they
-        hold the weights as of now, whatever it is asked to do next)."""
-        export = self.pool.fleet.learner.export_weight_buckets.options(num_returns=self.num_buckets)
-        buckets = export.remote(self.bucket_bytes)
-        return list(buckets) if self.num_buckets > 1 else [buckets]
+    def export(self, indices: list[int]) -> dict[int, list]:
+        """What each worker (by index) loads the learner's current weights from, as refs Ray resolves before the
+        worker's call runs: the handle of the learner's shared-memory buffer on its node, one object per bucket on
+        others. The learner runs calls in order, so either holds the weights as of now, whatever it does next."""
+        pool, learner = self.pool, self.pool.fleet.learner
+        local = [i for i in indices if pool.config.sync.shared_memory
+                 and pool.fleet.rollout[i].node_id == self.learner_node]
+        loads: dict[int, list] = {}
+        self.exported = []
+        if local:
+            self.exported.append(learner.share_weights.remote(pool.weights_version))
+            loads.update((i, self.exported[:1]) for i in local)
+        if len(local) < len(indices):
+            export = learner.export_weight_buckets.options(num_returns=self.num_buckets)
+            buckets = export.remote(self.bucket_bytes)
+            buckets = list(buckets) if self.num_buckets > 1 else [buckets]
+            self.exported += buckets
+            loads.update((i, buckets) for i in indices if i not in local)
+        return loads
+
+    def check_learner(self) -> None:
+        """After loads failed: the workers' fault, or the learner's? Raises a RunError naming the learner when it
+        died (before or after its export) or its latest export failed."""
+        refs = [self.pool.fleet.learner.__ray_ready__.remote(), *self.exported]
+        get(refs, self.timeout, ["learner"] * len(refs), "sync")
 
     def fleet_changed(self) -> None:
         pass
@@ -82,10 +113,8 @@ class ObjectStoreTransport:
         pass
 
 
-def check_export(buckets: list, timeout: float) -> None:
-    """After loads failed: the workers' fault, or the learner's? A dead learner fails every load through its
-    buckets; then this raises a RunError naming the learner."""
-    get(list(buckets), timeout, ["learner"] * len(buckets), "sync")
+def _node_id(_) -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 class CollectiveTransport:

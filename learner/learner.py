@@ -2,15 +2,16 @@
 
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
 `old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
-penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x
-micro-batches of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite
-updates; exporting weights in buckets for the engines; saving and restoring its whole state for checkpoints. With
-`learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank gets
-the whole batch and computes its share of each pass, and together they make the one-rank update. Models, optimizer
-state and every tensor of a step live on the actor's GPU when it has one, else on the CPU (`learner.device`); what
-goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
-Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain
-class: Ray wraps it in `cluster/`.
+penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
+of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite updates;
+exporting weights in buckets for the engines, or into a shared-memory buffer for those on its node; saving and
+restoring its whole state for checkpoints. With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel
+group (`learner.distributed`): every rank gets the whole batch and computes its share of each pass, and together they
+make the one-rank update. Models, optimizer state and every tensor of a step live on the actor's GPU when it has one,
+else on the CPU (`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in
+host memory.
+Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain class:
+Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_tok
 from learner.critic import Critic, read_model_weights, save_model_dir, warmup_schedule
 from learner.device import pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
+from learner.shared_weights import SharedWeights, SharedWeightsHandle
 
 if TYPE_CHECKING:
     from cluster.config import CriticConfig, LearnerConfig
@@ -110,6 +112,8 @@ class Learner:
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
+        self.shared_weights: SharedWeights | None = None  # made by the first `share_weights`
+        self.shared_at = -1  # this learner's `weights_version` when the buffer was last written
 
     def _make_optimizer(self) -> None:
         cfg = self.config
@@ -282,6 +286,19 @@ class Learner:
         (Ray stores a method's whole return value as one object when num_returns is 1, so one bucket goes bare)."""
         buckets = self.export_weights(bucket_bytes)
         return buckets[0] if len(buckets) == 1 else buckets
+
+    def share_weights(self, version: int) -> SharedWeightsHandle:
+        """The policy's weights, as `version`, in this process's shared-memory buffer (laid out by the first call,
+        rewritten in place by later ones; not again for the same `version` while this learner's weights are unchanged),
+        for engines on this node to read (learner/shared_weights.py). Rank 0's alone, like `export_weights`."""
+        shared = self.shared_weights
+        if shared is not None and shared.version == version and self.shared_at == self.weights_version:
+            return shared.handle()  # engines may be reading it now (a replacement's load during a step)
+        state = self.policy_state_dict()
+        if shared is None:
+            shared = self.shared_weights = SharedWeights(state)
+        self.shared_at = self.weights_version
+        return shared.write(state, version)
 
     def count_buckets(self, bucket_bytes: int) -> int:
         return len(self.export_weights(bucket_bytes))

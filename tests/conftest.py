@@ -20,6 +20,10 @@ os.environ.setdefault("RELAY_CACHE_DIR", str(ROOT / ".cache" / "relay"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray 2.60's token authentication: the first `ray.init` that starts a local Ray turns it on and exports
+# RAY_AUTH_MODE=token, but a process reads the mode once. Pinned here, so a test that starts its own nodes gets the
+# same mode whether or not a `ray.init` ran before it in this process.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 

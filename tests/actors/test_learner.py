@@ -100,6 +100,28 @@ def test_export_weights_in_buckets(tiny_model_dir):
     assert learner.count_buckets(64 * 64 * 4) == len(small)
 
 
+def test_share_weights_rewrites_one_buffer_only_when_the_weights_or_their_version_change(tiny_model_dir):
+    from learner.shared_weights import read_shared
+
+    learner = make_learner(tiny_model_dir)
+    first = learner.share_weights(version=1)
+    with read_shared(first) as named:
+        assert [n for n, _ in named] == list(learner.model.state_dict())
+        assert all(torch.equal(t, learner.model.state_dict()[n]) for n, t in named)
+        assert learner.share_weights(version=1) == first  # unchanged: not rewritten under a reader (no error here)
+    learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))
+    second = learner.share_weights(version=2)
+    assert (second.token, second.version) == (first.token, 2)  # the same buffer, rewritten
+    with read_shared(second) as named:
+        assert all(torch.equal(t, learner.model.state_dict()[n]) for n, t in named)
+    learner.train_step(batch_for(learner, [0.0, 1.0, 1.0, 0.0]))
+    with pytest.raises(RuntimeError, match="wrote new weights while this worker was loading"):
+        with read_shared(second):
+            learner.share_weights(version=2)  # the weights changed under the same version: written again
+    with read_shared(learner.share_weights(version=2)) as named:
+        assert all(torch.equal(t, learner.model.state_dict()[n]) for n, t in named)
+
+
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
 def test_micro_batching_does_not_change_the_update_in_any_mode(tiny_model_dir, mode, policy_loss):

@@ -93,6 +93,28 @@ def test_generate_given_weights_loads_them_first(worker, tiny_model_dir):
                                        hf_logprobs(model, r.prompt_ids, r.response_ids), atol=1e-4, rtol=0)
 
 
+def test_load_from_the_learners_shared_buffer_copies_it_into_the_engine(worker, tiny_model_dir):
+    """`sync.shared_memory`: the engine reads the learner's buffer, keeps its own copy, and refuses a stale handle."""
+    from learner.shared_weights import SharedWeights
+
+    first, second = perturbed_state(tiny_model_dir, seed=8), perturbed_state(tiny_model_dir, seed=9)
+    shared = SharedWeights(first.state_dict())
+    sampling = SamplingSettings(group_size=1, max_new_tokens=6)
+    try:
+        handle = shared.write(first.state_dict(), version=12)
+        assert worker.load_weights(12, handle) == 12
+        shared.write(second.state_dict(), version=13)  # the buffer changes; the engine must not see it
+        [[r]] = worker.generate(["37+45="], [11], sampling)
+        assert r.weights_version == 12
+        expected = hf_logprobs(first, r.prompt_ids, r.response_ids)
+        torch.testing.assert_close(torch.tensor(r.behavior_logprobs), expected, atol=1e-4, rtol=0)
+        assert (hf_logprobs(second, r.prompt_ids, r.response_ids) - expected).abs().max() > 1e-2
+        with pytest.raises(RuntimeError, match="holds version 13, not version 12"):
+            worker.load_weights(12, handle)
+    finally:
+        shared.close()
+
+
 def test_prefix_cache_is_reset_on_load(worker, tiny_model_dir, monkeypatch):
     """The probe prompt is cached after one call; a load that skipped the reset would score with stale KV."""
     first = perturbed_state(tiny_model_dir, seed=4)

@@ -45,12 +45,10 @@ def node_args(resources: dict[str, float], **extra) -> dict:
 
 
 @pytest.fixture
-def three_nodes(monkeypatch):
+def three_nodes():
     from ray.cluster_utils import Cluster
 
-    # Ray 2.60's token authentication: on for clusters started from a process where `ray.init` ran (it exports
-    # RAY_AUTH_MODE=token), else off. Pin it, so the nodes and the `relay` processes agree either way.
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    # RAY_AUTH_MODE=token is pinned in tests/conftest.py: the nodes and the `relay` processes agree on it.
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args=node_args({"learner_node": 1}, include_dashboard=False))
     rollout_nodes = [cluster.add_node(**node_args({"rollout_node": 4})) for _ in range(2)]
