@@ -144,7 +144,7 @@ def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) 
             for label, (name, extra) in TRANSPORTS.items():
                 pool = RolloutPool(load_config(None, [*common, f"sync.transport={name}", *extra]), fleet)
                 rows.append({**row, "transport": label, **measure(pool, name, repeats)})
-                print(f"  {size} x{n} {name}: {rows[-1]['load']:.3f} s", file=sys.stderr, flush=True)
+                print(f"  {size} x{n} {label}: {rows[-1]['load']:.3f} s", file=sys.stderr, flush=True)
         except (RunError, RuntimeError) as err:
             rows.append({**row, "transport": "-", "error": str(err).splitlines()[0][:160]})
         finally:

@@ -256,10 +256,8 @@ def get(refs: list, timeout: float, names: list[str], what: str) -> list:
     except RayActorError as err:
         raise RunError(f"an actor died during '{what}': {err.__class__.__name__}: "
                        f"{str(err).splitlines()[0]}") from err
-    except RayTaskError as err:  # the call raised inside the actor: its own message, not Ray's traceback wall
-        cause = err.cause if err.cause is not None else err
-        raise RunError(f"{', '.join(names)} failed during '{what}': {cause.__class__.__name__}: "
-                       f"{str(cause).splitlines()[0] if str(cause) else ''}") from err
+    except RayTaskError as err:
+        raise RunError(f"{', '.join(names)} failed during '{what}': {describe(err)}") from err
 
 
 def get_ready(refs: list) -> list[tuple[Any, str | None]]:
@@ -274,8 +272,15 @@ def get_ready(refs: list) -> list[tuple[Any, str | None]]:
         try:
             results.append((ray.get(ref), None))
         except RayError as err:
-            results.append((None, f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"))
+            results.append((None, describe(err)))
     return results
+
+
+def describe(err: Exception) -> str:
+    """One line: a call that raised inside its actor by that exception's class and message (not Ray's traceback
+    wall, whose first line names only the call), any other error by its own."""
+    cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
+    return f"{cause.__class__.__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
 
 
 def stop_fleet(fleet: Fleet) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from cluster.remote import RunError, get, get_ready
+from cluster.remote import RunError, describe, get, get_ready
 
 if TYPE_CHECKING:
     from cluster.rollout_pool import RolloutPool
@@ -208,7 +208,7 @@ class CollectiveTransport:
         learner_result, _, lost, retry = _settle(learner_ref, refs, self.timeout + self.GRACE_S, "sync")
         if lost or retry or isinstance(learner_result, Exception):
             # Forming is all or nothing: every member that did not fail tries again in a group without those that did.
-            why = _first_line(learner_result) if isinstance(learner_result, Exception) else "another member failed"
+            why = describe(learner_result) if isinstance(learner_result, Exception) else "another member failed"
             return lost, {i: retry.get(i, f"could not form its weight group ({why})") for i in indices if i not in lost}
         self.members, self.stale = list(workers.values()), False
         return {}, {}
@@ -263,18 +263,12 @@ def _settle(learner_ref: Any, refs: dict[int, Any], timeout: float,
         try:
             done[i] = ray.get(ref)
         except RayTaskError as err:
-            retry[i] = f"failed during '{what}' ({_first_line(err)})"
+            retry[i] = f"failed during '{what}' ({describe(err)})"
         except RayActorError as err:
             lost[i] = f"died during '{what}' ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})"
         except RayError as err:
             lost[i] = f"failed during '{what}' ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})"
     return learner_result, done, lost, retry
-
-
-def _first_line(err: Exception) -> str:
-    """The remote exception's class and first line (not Ray's traceback wall)."""
-    cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
-    return f"{cause.__class__.__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
 
 
 def _drain(refs: list[Any], timeout: float) -> None:

@@ -147,6 +147,12 @@ def test_learner_on_cuda_matches_the_cpu(tiny_model_dir, monkeypatch, dtype, adv
     exported = [value for bucket in gpu.export_weights(1 << 20) for _, value in bucket]
     assert all(not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and v.dtype == torch.bfloat16)
                for v in exported)
+    # The shared-memory buffer takes the weights straight from the GPU, in their dtype.
+    from learner.shared_weights import read_shared
+
+    with read_shared(gpu.share_weights(version=1)) as named:
+        state = gpu.model.state_dict()
+        assert all(t.dtype == state[n].dtype and torch.equal(t, state[n].cpu()) for n, t in named)
 
 
 def test_a_gpu_checkpoint_holds_host_tensors_and_resumes_on_either_device(tiny_model_dir, tmp_path, monkeypatch):
