@@ -90,7 +90,8 @@ class SharedWeights:
         return self.handle()
 
     def handle(self) -> SharedWeightsHandle:
-        """How readers find the version last written (None: nothing written yet, or a write failed)."""
+        """How readers find the version last written; raises if there is none (nothing written yet, or the last
+        write failed)."""
         if self.version is None:
             raise RuntimeError("the shared weight buffer holds no complete version")
         return SharedWeightsHandle(os.getpid(), self.fd, self.nbytes, self.token, self.version, self.writes,
@@ -150,7 +151,7 @@ def _check(flat: torch.Tensor, handle: SharedWeightsHandle) -> None:
         state = ("being rewritten" if version == WRITING else
                  f"holds version {version}" if version != handle.version else "rewritten")
         raise RuntimeError(f"the learner's shared weights are {state}, not version {handle.version}: the learner "
-                           "wrote new weights while this worker was loading them")
+                           "wrote new weights after this load was asked for")
 
 
 def _views(flat: torch.Tensor, layout: tuple[tuple[str, str, tuple[int, ...], int], ...]

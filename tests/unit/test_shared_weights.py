@@ -64,7 +64,7 @@ def test_a_read_fails_if_the_buffer_was_rewritten_during_it_or_holds_another_ver
     shared = SharedWeights(weights(0))
     try:
         first = shared.write(weights(0), version=1)
-        with pytest.raises(RuntimeError, match="wrote new weights while this worker was loading"):
+        with pytest.raises(RuntimeError, match="wrote new weights after this load was asked for"):
             with read_shared(first) as named:
                 assert len(named) == 4
                 shared.write(weights(1), version=2)
