@@ -81,7 +81,7 @@ class RolloutPool:
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             now = time.monotonic()
             failed: dict[int, str] = {}
-            died: list[int] = []
+            errored: list[int] = []
             for ref, (value, error) in zip(ready, get_ready(ready)):
                 worker, (a, b), started = running.pop(ref)
                 if error is None:
@@ -89,15 +89,15 @@ class RolloutPool:
                     self._record_speed(worker, b - a, now - started)
                     self.pending.pop(self.fleet.rollout[worker].id, None)  # it loaded them first
                 else:
-                    died.append(worker)
-                    failed[worker] = f"died during 'generate' ({error})"
+                    errored.append(worker)
+                    failed[worker] = f"failed during 'generate' ({error})"
                     todo.append((worker, (a, b)))
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
                     running.pop(ref)
                     failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
                     todo.append((worker, chunk))
-            if any(self.fleet.rollout[worker].id in self.pending for worker in died):
+            if any(self.fleet.rollout[worker].id in self.pending for worker in errored):
                 # Their requests carried the weights: a dead learner fails them all, and then stops the run.
                 self.transport.check_learner()
             for worker, cause in failed.items():
@@ -240,7 +240,7 @@ class RolloutPool:
 
     def _load(self, indices: list[int]) -> dict[int, str]:
         """Load the learner's current weights into the given workers through the configured transport; returns
-        {index: cause} of the workers that died or missed the deadline."""
+        {index: cause} of the workers that died, raised or missed the deadline."""
         done, failed = self.transport.load(indices)
         for i, version in done.items():
             if version != self.weights_version:

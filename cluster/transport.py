@@ -292,7 +292,7 @@ def collect(refs: dict[int, Any], timeout: float, what: str) -> tuple[dict[int, 
         if error is None:
             done[i] = value
         else:
-            failed[i] = f"died during '{what}' ({error})"
+            failed[i] = f"failed during '{what}' ({error})"
     return done, failed
 
 
