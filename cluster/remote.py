@@ -254,8 +254,7 @@ def get(refs: list, timeout: float, names: list[str], what: str) -> list:
         raise RunError(f"{', '.join(late)} missed the {timeout:g} s deadline of '{what}' "
                        f"(raise timeouts.{what} if the work is legitimately slow)") from None
     except RayActorError as err:
-        raise RunError(f"an actor died during '{what}': {err.__class__.__name__}: "
-                       f"{str(err).splitlines()[0]}") from err
+        raise RunError(f"an actor died during '{what}': {describe(err)}") from err
     except RayTaskError as err:
         raise RunError(f"{', '.join(names)} failed during '{what}': {describe(err)}") from err
 

@@ -265,9 +265,9 @@ def _settle(learner_ref: Any, refs: dict[int, Any], timeout: float,
         except RayTaskError as err:
             retry[i] = f"failed during '{what}' ({describe(err)})"
         except RayActorError as err:
-            lost[i] = f"died during '{what}' ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})"
+            lost[i] = f"died during '{what}' ({describe(err)})"
         except RayError as err:
-            lost[i] = f"failed during '{what}' ({err.__class__.__name__}: {str(err).splitlines()[0][:200]})"
+            lost[i] = f"failed during '{what}' ({describe(err)})"
     return learner_result, done, lost, retry
 
 
