@@ -49,7 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("--out", metavar="FILE.png", help="where to write the PNG (default: RUN_DIR/plots.png)")
     _add_job_commands(commands)
     _add_control_commands(commands)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Options may come anywhere among a run's overrides (`relay train a=1 --quiet b=2`): argparse stops the
+    # positional list at the first option, so the overrides after it come back here, in order.
+    if extra and getattr(args, "items", None) is not None and not any(e.startswith("-") for e in extra):
+        args.items += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)
@@ -74,20 +80,11 @@ def _train(items: list[str], quiet: bool) -> int:
     from cluster.driver import resolve_run_dir
 
     run_dir = resolve_run_dir(config)
-    if config.model.path is None:
-        from cluster.demo_model import ensure_demo_model
-
-        model_path = str(ensure_demo_model())
-    else:
-        model_path = config.model.path
-        if not (Path(model_path) / "config.json").is_file():
-            raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
-                              "pass model.path=DIR or leave it empty for the demo model")
     from cluster.driver import RunFinished, run_training
     from cluster.remote import RunError
 
     try:
-        run_training(config, run_dir, model_path, display=not quiet)
+        run_training(config, run_dir, display=not quiet)  # checks every input before it builds or starts anything
     except RunFinished as done:
         print(f"relay: {done}", file=sys.stderr)
         return 0
@@ -110,7 +107,8 @@ def _plot(run_dir: Path, out: Path | None) -> int:
 
 
 ADDRESS_HELP = ("the cluster's Jobs API (its dashboard), e.g. http://127.0.0.1:8265; default: $RAY_ADDRESS. Ray 2.60 "
-                "clusters need their token: $RAY_AUTH_TOKEN or ~/.ray/auth_token")
+                "clusters need their token: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, which is sent "
+                "only over https or to loopback (e.g. a tunnel: ssh -L 8265:127.0.0.1:8265 HEAD)")
 
 
 def _add_job_commands(commands) -> None:
@@ -126,6 +124,10 @@ def _add_job_commands(commands) -> None:
     stop = commands.add_parser("stop", help="stop a Ray job")
     stop.add_argument("job_id", metavar="JOB")
     stop.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help=ADDRESS_HELP)
+    for sub in (submit, jobs, stop):
+        sub.add_argument("--allow-insecure-token", action="store_true",
+                         help="send the Ray token over plain http to a non-loopback --address anyway (anyone on "
+                              "the network path can read it)")
 
 
 def _jobs_command(args) -> int:
@@ -134,6 +136,10 @@ def _jobs_command(args) -> int:
                           "--address http://127.0.0.1:8265 (or set RAY_ADDRESS)")
     from cluster import jobs
 
+    try:  # before the config is loaded or anything is sent: the token must not cross the network in clear text
+        jobs.check_token_transport(args.address, allow_insecure=args.allow_insecure_token)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         if args.command == "submit":
             path = args.items[0] if args.items and "=" not in args.items[0] else None
@@ -168,11 +174,13 @@ CONTROL_ADDRESS_HELP = ("the Ray cluster the run is on: `auto` (default: the clu
 
 def _add_control_commands(commands) -> None:
     scale = commands.add_parser(
-        "scale", help="grow or shrink a running run's rollout fleet (from its next step)",
-        description="Ask a running run for N rollout workers and/or to remove given workers. The run applies the "
-                    "request at the start of its next step: new workers get the current weights (probe-checked) "
-                    "before their first request; removed workers hold no prompts then. `relay status` shows the "
-                    "fleet (worker ids and nodes).")
+        "scale", help="grow or shrink a running run's rollout fleet",
+        description="Ask a running run for N rollout workers and/or to remove given workers. The run takes the "
+                    "request at the start of its next step: removed workers go then (they hold no prompts between "
+                    "steps); new workers are placed and started in the background while training goes on, and each "
+                    "joins at the first step after its engine is up, with the current weights (probe-checked) before "
+                    "its first request. `relay status` shows the fleet (worker ids and nodes) and the workers still "
+                    "on their way in (`workers_pending`).")
     scale.add_argument("--rollout-workers", type=int, metavar="N", help="the fleet size wanted")
     scale.add_argument("--remove-worker", type=int, action="append", default=[], metavar="ID",
                        help="remove this worker (an id from `relay status`, e.g. one on a node to drain); repeatable")
@@ -200,8 +208,8 @@ def _control_command(args) -> int:
         print(f"relay: {err}", file=sys.stderr)
         return 2
     removed = f", removing workers {reply['remove']}" if reply["remove"] else ""
-    print(f"relay: {reply['run_dir']}: {reply['workers_now']} -> {reply['num_workers']} rollout workers{removed}, "
-          "from the next step", file=sys.stderr)
+    print(f"relay: {reply['run_dir']}: {reply['workers_now']} -> {reply['num_workers']} rollout workers{removed}; "
+          "taken at the next step, new workers join once started (relay status)", file=sys.stderr)
     return 0
 
 

@@ -2,19 +2,22 @@
 
 Owns: validating a run's config on the submitting machine (bad input fails here, exit 2, before anything is sent),
 staging what the job needs (relay's packages and the resolved config) as the job's `working_dir`, the job's
-runtime environment, Ray 2.60's token authentication for the Jobs API, streaming a job's logs, and listing and
-stopping jobs. Does not own: the run itself (the job runs `python -m cluster.cli train` on the cluster).
+runtime environment, Ray 2.60's token authentication for the Jobs API (and refusing to send the token in clear
+text: plain http to a host other than this machine), streaming a job's logs, and listing and stopping jobs.
+Does not own: the run itself (the job runs `python -m cluster.cli train` on the cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cluster.config import RunConfig, dump_config
 
@@ -29,15 +32,58 @@ class JobsError(RuntimeError):
 
 
 def client(address: str) -> Any:
-    """A Jobs API client for `address` (http://head:8265). Ray 2.60 clusters require a token: it is read from
-    RAY_AUTH_TOKEN or ~/.ray/auth_token (what `ray start` writes) and sent as a bearer header."""
+    """A Jobs API client for `address` (http://head:8265). Ray 2.60 clusters require a token: it is read where Ray
+    reads it (`local_token`) and sent as a bearer header. Callers check the address first (`check_token_transport`)."""
     from ray.job_submission import JobSubmissionClient
 
     headers = {}
-    token = os.environ.get("RAY_AUTH_TOKEN") or _token_file()
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    found = local_token()
+    if found:
+        headers["Authorization"] = f"Bearer {found[0]}"
     return JobSubmissionClient(address, headers=headers)
+
+
+def local_token() -> tuple[str, str] | None:
+    """(token, where it came from) for this machine's Ray token, or None: $RAY_AUTH_TOKEN, else the file named by
+    $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (what `ray start` writes), in the order Ray itself reads them."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"], "$RAY_AUTH_TOKEN"
+    for where, path in (("$RAY_AUTH_TOKEN_PATH", os.environ.get("RAY_AUTH_TOKEN_PATH")),
+                        ("~/.ray/auth_token", Path.home() / ".ray" / "auth_token")):
+        token = Path(path).read_text().strip() if path and Path(path).is_file() else ""
+        if token:
+            return token, where
+    return None
+
+
+def check_token_transport(address: str, allow_insecure: bool = False) -> None:
+    """Raise ValueError (one line) if sending the local Ray token to `address` would put it on the network in clear
+    text: plain http to a host that is not loopback. https, loopback (a tunnel's end) and no token at all pass."""
+    try:
+        parts = urlsplit(address)
+    except ValueError as err:  # e.g. an unclosed [IPv6 bracket
+        raise ValueError(f"--address {address!r} is not a valid URL ({err}); pass e.g. --address "
+                         "http://127.0.0.1:8265") from None
+    if allow_insecure or parts.scheme.lower() == "https" or _is_loopback(parts.hostname):
+        return
+    found = local_token()
+    if found is None:
+        return
+    raise ValueError(f"--address {address} is plain http to another machine: it would carry your Ray token (from "
+                     f"{found[1]}) in clear text; use an https:// address, or tunnel the dashboard to this machine "
+                     "(ssh -L 8265:127.0.0.1:8265 HEAD, or kubectl port-forward svc/HEAD-svc 8265:8265) and pass "
+                     "--address http://127.0.0.1:8265, or pass --allow-insecure-token to send it anyway")
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+    return (mapped or ip).is_loopback
 
 
 def submit(config: RunConfig, address: str, run_dir: str | None = None) -> str:
@@ -92,8 +138,3 @@ def list_jobs(address: str) -> list[dict[str, str]]:
 def stop(address: str, job_id: str) -> bool:
     """Ask the cluster to stop a job; False if it had already ended."""
     return client(address).stop_job(job_id)
-
-
-def _token_file() -> str | None:
-    path = Path.home() / ".ray" / "auth_token"
-    return path.read_text().strip() if path.is_file() else None

@@ -19,6 +19,8 @@ Decisions:
 - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
   so a dead service fails fast; the exception carries the metrics gathered so far.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message.
+  Text from the service is scrubbed whole before it is cut to length (`_excerpt`): cut first, a prefix of an
+  echoed token would no longer match and would survive.
 """
 
 from __future__ import annotations
@@ -256,13 +258,13 @@ class RemoteVerifier:
                              "metadata": s.metadata} for s in batch.samples]}
         response = await self._client.post(f"{batch.url}/verify", json=body)
         if response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}{_snippet(response)}")
+            raise _Retryable(f"HTTP {response.status_code}{self._snippet(response)}")
         if response.status_code >= 400:
             hint = ""
             if response.status_code in (401, 403):
                 hint = (f" (check the token in ${self.config.token_env})" if self.config.token_env
                         else " (the service wants a bearer token: set token_env)")
-            raise _Permanent(f"HTTP {response.status_code}, not retried{hint}{_snippet(response)}")
+            raise _Permanent(f"HTTP {response.status_code}, not retried{hint}{self._snippet(response)}")
         if response.status_code != 200:
             raise _Retryable(f"unexpected HTTP {response.status_code}")
         try:
@@ -272,16 +274,17 @@ class RemoteVerifier:
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
             raise _Retryable('malformed reply: expected {"results": [{"id": ..., "reward": ...}, ...]}')
-        _check_ids(batch, results)
+        self._check_ids(batch, results)
         return results
 
     def _read_results(self, batch: _Batch, results: list[dict]) -> None:
         for result in results:
             sid, error, reward = result["id"], result.get("error"), result.get("reward")
             if error is not None:
-                batch.errors[sid] = f"sample {sid!r}: service error: {str(error)[:200]}"
+                batch.errors[sid] = f"sample {sid!r}: service error: {self._excerpt(str(error), 200)}"
             elif isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-                batch.errors[sid] = f"sample {sid!r}: reward {json.dumps(reward)[:50]} is not a finite number"
+                shown = self._excerpt(json.dumps(reward), 50)
+                batch.errors[sid] = f"sample {sid!r}: reward {shown} is not a finite number"
             else:
                 batch.rewards[sid] = float(reward)
 
@@ -316,24 +319,31 @@ class RemoteVerifier:
     def _scrub(self, text: str) -> str:
         return text.replace(self._secret, "***") if self._secret else text
 
+    def _excerpt(self, text: str, limit: int) -> str:
+        """At most `limit` characters of `text` from the service, whitespace collapsed; scrubbed before the cut."""
+        return " ".join(self._scrub(text).split())[:limit]
 
-def _check_ids(batch: _Batch, results: list[dict]) -> None:
-    """Raise `_Retryable` unless the results hold exactly the batch's ids, once each."""
-    expected = {s.id for s in batch.samples}
-    seen: set[str] = set()
-    for result in results:
-        sid = result.get("id")
-        if not isinstance(sid, str):
-            raise _Retryable("malformed reply: a result has no string id")
-        if sid not in expected:
-            raise _Retryable(f"malformed reply: result for unknown id {sid[:50]!r}")
-        if sid in seen:
-            raise _Retryable(f"malformed reply: duplicate result for id {sid[:50]!r}")
-        seen.add(sid)
-    if len(results) != len(expected):
-        missing = next(iter(expected - seen))
-        raise _Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
-                         f"(no result for id {missing[:50]!r})")
+    def _snippet(self, response: httpx.Response) -> str:
+        text = self._excerpt(response.text, 200)
+        return f": {text}" if text else ""
+
+    def _check_ids(self, batch: _Batch, results: list[dict]) -> None:
+        """Raise `_Retryable` unless the results hold exactly the batch's ids, once each."""
+        expected = {s.id for s in batch.samples}
+        seen: set[str] = set()
+        for result in results:
+            sid = result.get("id")
+            if not isinstance(sid, str):
+                raise _Retryable("malformed reply: a result has no string id")
+            if sid not in expected:
+                raise _Retryable(f"malformed reply: result for unknown id {self._excerpt(sid, 50)!r}")
+            if sid in seen:
+                raise _Retryable(f"malformed reply: duplicate result for id {sid[:50]!r}")  # one of ours
+            seen.add(sid)
+        if len(results) != len(expected):
+            missing = next(iter(expected - seen))
+            raise _Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
+                             f"(no result for id {missing[:50]!r})")
 
 
 def _os_error(err: BaseException) -> OSError | None:
@@ -345,8 +355,3 @@ def _os_error(err: BaseException) -> OSError | None:
             return err
         err = err.__cause__ or err.__context__
     return None
-
-
-def _snippet(response: httpx.Response) -> str:
-    text = " ".join(response.text[:200].split())
-    return f": {text}" if text else ""

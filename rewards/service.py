@@ -1,16 +1,19 @@
 """The reference verifier service (docs/verifiers.md): any `(completion, label) -> reward` function over HTTP.
 
 Owns: `create_app` (a FastAPI app speaking the remote verifier protocol: `GET /health`, `POST /verify`, optional
-bearer token, request limits, per-sample errors and deadlines), `app_from_spec` / `serve` (load a verifier by name
-or `package.module:function` and run it with uvicorn; what `relay verifier serve` calls), and `run_in_thread`
-(the service on a background thread, for tests and benchmarks).
+bearer token, request limits, per-sample errors and deadlines), `app_from_spec` (load a verifier by name or
+`package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what `relay verifier
+serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks); both warn when
+an app without a token is served beyond loopback.
 Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py).
 
 This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
 in any language. Decisions:
 - Samples are scored in a thread pool of `workers`, one task per sample, so a slow sample does not hold up the
   others. A sample whose call raises, returns a non-finite number, or runs longer than `sample_timeout` (counted
-  from the moment it starts) gets `{"id", "error"}`; the request still succeeds.
+  from the moment it starts) gets `{"id", "error"}`; the request still succeeds. When the verifier raises, the
+  client gets only a generic error: the exception's text may hold data the client should not see (file paths,
+  other samples, secrets), so it goes to the service's log, with the sample's id.
 - Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
   503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
 - `/health` needs no token (load balancers probe it); `/verify` does when a token is set. Unknown sample fields are
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 
 Verifier = Callable[[str, Any], float]
 """A reward function: (completion, label) -> reward."""
+
+VERIFIER_RAISED = "verifier raised an exception; see the service's log"
+"""The `error` a client gets for a sample whose verifier call raised."""
 
 
 class Sample(BaseModel):
@@ -122,8 +128,9 @@ class _Scoring:
         sample = self.samples[i]
         try:
             result = _result(sample.id, self.verifier(sample.completion, sample.label))
-        except Exception as err:  # the verifier's own error becomes this sample's error reply
-            result = Result(id=sample.id, error=f"{type(err).__name__}: {err}"[:500])
+        except Exception:  # the detail stays in this service's log; the client learns only that it failed
+            log.exception("sample %r: the verifier raised", sample.id)
+            result = Result(id=sample.id, error=VERIFIER_RAISED)
         if not self._resolve(i, result):  # it had timed out: this worker is free again
             self.stuck.change(-1)
 
@@ -174,6 +181,7 @@ def create_app(verifier: Verifier, *, max_batch: int = 1024, max_body_bytes: int
 
     app = FastAPI(title="relay verifier service", lifespan=lifespan,
                   description="The remote verifier protocol of relay (docs/verifiers.md).")
+    app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
 
     @app.get("/health")
     async def health():
@@ -269,28 +277,26 @@ def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_e
 
 
 def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted."""
+    """Serve `app` on host:port (loopback by default) with uvicorn until interrupted; what `relay verifier serve`
+    runs. Warns when an app from `create_app` without a token is served beyond loopback."""
     import uvicorn
 
+    _warn_if_open(app, host)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
-def serve(spec: str, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
-    """Load the verifier `spec` and serve it on host:port (loopback by default) until interrupted.
-
-    options: `params`, `token_env` and `create_app`'s keyword arguments (`workers`, `max_batch`, ...).
-    """
-    app = app_from_spec(spec, **options)
-    if not options.get("token_env") and not _is_loopback(host):
-        log.warning("serving on %s without a token: anyone who can reach it can use it (see --token-env)", host)
-    run_app(app, host, port)
+def _warn_if_open(app: Any, host: str) -> None:
+    if getattr(getattr(app, "state", None), "requires_token", True) or _is_loopback(host):
+        return  # apps not made by create_app (no `requires_token`) manage their own access
+    log.warning("serving on %s without a token: anyone who can reach it can use it; set a token (relay verifier "
+                "serve --token-env VAR) or bind 127.0.0.1", host)
 
 
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        return host.lower() == "localhost"
 
 
 @contextmanager
@@ -298,6 +304,7 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout:
     """Serve `app` on a background thread; yield its base URL (port 0 picks a free port); stop it on exit."""
     import uvicorn
 
+    _warn_if_open(app, host)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=timeout))
     thread = threading.Thread(target=server.run, name="relay-verifier-service", daemon=True)

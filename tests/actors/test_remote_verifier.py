@@ -9,6 +9,7 @@ subprocess. Client configs use small timeouts and backoffs so the whole file run
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from cluster.config import RemoteSource
 from rewards.arithmetic import exact_match
@@ -261,23 +262,28 @@ def test_4xx_is_not_retried():
                              "latency_max_s": 0.0}
 
 
-def test_per_sample_errors_fail_only_those_samples_without_retry():
+def test_per_sample_errors_fail_only_those_samples_without_retry(caplog):
     def picky(completion, label):
         if label == "4":
-            raise ZeroDivisionError("cannot judge 3+1")
+            raise ZeroDivisionError("cannot judge 3+1 with /secret/path")
         return exact_match(completion, label)
 
     samples = make_samples(8)
-    with run_in_thread(create_app(picky)) as url:
-        with RemoteVerifier("judge", source([url], on_failure="drop")) as verifier:
-            scores, _ = score_timed(verifier, samples)
-        with RemoteVerifier("judge", source([url])) as verifier:
-            error, _ = score_timed(verifier, samples)
+    with caplog.at_level(logging.WARNING, logger="rewards.service"):
+        with run_in_thread(create_app(picky)) as url:
+            with RemoteVerifier("judge", source([url], on_failure="drop")) as verifier:
+                scores, _ = score_timed(verifier, samples)
+            with RemoteVerifier("judge", source([url])) as verifier:
+                error, _ = score_timed(verifier, samples)
     assert scores.rewards == [None if s.label == "4" else r for s, r in zip(samples, expected(samples))]
     assert scores.metrics["failures"] == 1 and scores.metrics["retries"] == 0
     assert isinstance(error, RemoteVerifierError)
-    assert str(error) == (f"verifier 'judge' at {url} failed: sample 's3': service error: ZeroDivisionError: "
-                          "cannot judge 3+1")
+    # The client gets a generic error; the exception's text, which may hold anything, stays in the service's log.
+    assert str(error) == (f"verifier 'judge' at {url} failed: sample 's3': service error: verifier raised an "
+                          "exception; see the service's log")
+    raised = [r for r in caplog.records if r.name == "rewards.service" and r.exc_info]
+    assert len(raised) == 2 and all("'s3'" in r.getMessage() for r in raised)  # once per score call above
+    assert all(r.exc_info[0] is ZeroDivisionError and "/secret/path" in str(r.exc_info[1]) for r in raised)
 
 
 def test_bearer_token_is_required_and_never_shown(monkeypatch):
@@ -307,6 +313,38 @@ def test_a_service_echoing_the_token_does_not_leak_it(monkeypatch):
     with run_in_thread(echo) as url, RemoteVerifier("judge", source([url], token_env="JUDGE_TOKEN")) as verifier:
         error, _ = score_timed(verifier, make_samples(8))
     assert "Bearer ***" in str(error) and TOKEN not in str(error)
+
+
+def _echo_at(pad: int):
+    """Reply text: `pad` characters, then the request's `Authorization` header ("Bearer <token>")."""
+    return lambda request: "x" * pad + request.headers["authorization"]
+
+
+# Replies that put the echoed token across the cut the client makes when it quotes the service: 200 characters of a
+# body or a per-sample error, 50 of an id or a reward. Each pad leaves "Bearer " and 8 of the token's characters
+# before the cut. (case, reply(samples, request))
+STRADDLING_ECHOES = [
+    ("4xx body", lambda s, r: PlainTextResponse(_echo_at(200 - 15)(r), status_code=400)),
+    ("5xx body", lambda s, r: PlainTextResponse(_echo_at(200 - 15)(r), status_code=503)),
+    ("per-sample error", lambda s, r: {"results": [{"id": x["id"], "error": _echo_at(200 - 15)(r)} for x in s]}),
+    ("unknown id", lambda s, r: {"results": [{"id": _echo_at(50 - 15)(r), "reward": 1.0} for x in s]}),
+    ("reward not a number", lambda s, r: {"results": [{"id": x["id"], "reward": _echo_at(50 - 16)(r)} for x in s]}),
+]
+
+
+@pytest.mark.parametrize("case, reply", STRADDLING_ECHOES, ids=[c[0] for c in STRADDLING_ECHOES])
+def test_a_token_echoed_across_the_cut_leaves_no_prefix(monkeypatch, caplog, case, reply):
+    monkeypatch.setenv("JUDGE_TOKEN", TOKEN)
+    caplog.set_level(logging.DEBUG, logger="rewards.remote")  # the retry lines too
+    with run_in_thread(fake_service(reply)) as url:
+        with RemoteVerifier("judge", source([url], token_env="JUDGE_TOKEN", max_retries=1)) as verifier:
+            error, _ = score_timed(verifier, make_samples(2))
+        with RemoteVerifier("judge", source([url], token_env="JUDGE_TOKEN", on_failure="drop")) as verifier:
+            dropped, _ = score_timed(verifier, make_samples(2))
+    assert isinstance(error, RemoteVerifierError) and dropped.rewards == [None, None]
+    shown = str(error) + "\n" + "\n".join(r.getMessage() for r in caplog.records)
+    assert "Bearer ***" in str(error)  # the echo was quoted, scrubbed ...
+    assert [TOKEN[:n] for n in range(4, len(TOKEN) + 1) if TOKEN[:n] in shown] == []  # ... and no prefix survived
 
 
 @pytest.mark.parametrize("value", [None, ""])
