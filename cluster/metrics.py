@@ -38,16 +38,27 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_records(self.path) if r["step"] <= resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+            tmp.write_text("".join(_json_line(r) for r in kept))
             os.replace(tmp, self.path)  # atomic: a crash here leaves the old file or the new one
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.write(_json_line(record))
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    """One line of strict JSON: a value that does not apply (NaN) or overflowed (inf) is written as null, which
+    every JSON reader accepts (bare NaN is not JSON)."""
+    return json.dumps(applicable(record), allow_nan=False) + "\n"
+
+
+def applicable(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with every non-finite number replaced by None (what `metrics.jsonl` holds)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -91,6 +102,7 @@ class TensorBoardWriter:
             self._writer.flush()
 
     def write(self, step: int, record: dict[str, Any]) -> None:
+        """Every finite number of `record` (values that do not apply, NaN or None, are left out)."""
         values = [self._summary_pb2.Summary.Value(tag=key, simple_value=float(value))
                   for key, value in record.items() if key != "step" and _is_number(value)]
         summary = self._summary_pb2.Summary(value=values)
@@ -141,7 +153,7 @@ class MetricsRecorder:
         if self.tensorboard is not None:
             self.tensorboard.write(step, record)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and _is_number(v)}, step=step)
 
     def close(self, failed: bool = False) -> None:
         """Close every sink; `failed` marks the W&B run as failed (exit code 1)."""
@@ -191,7 +203,9 @@ def _import_wandb() -> Any:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float))  # bools too (0/1); strings and lists are not scalars
+    """A finite int or float (bools too: 0/1); NaN and inf (values that do not apply), None, strings and lists are
+    not charted."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def dashboard_line(context: Any) -> str | None:

@@ -76,7 +76,7 @@ def plot_figure(records: list[dict[str, Any]], title: str = "relay run") -> Any:
 
 def _series(records: list[dict[str, Any]], key: str) -> list[float]:
     """One value per record; NaN where the record lacks the key (matplotlib leaves a gap)."""
-    return [float(r.get(key, math.nan)) for r in records]
+    return [math.nan if r.get(key) is None else float(r[key]) for r in records]  # null: not applicable
 
 
 def _has(records: list[dict[str, Any]], key: str) -> bool:

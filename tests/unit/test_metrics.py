@@ -42,6 +42,14 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
+def scalar_tags(log_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
 def next_second() -> None:
     """Event files are named by the second they were opened and read in name order: keep two writers' files apart."""
     time.sleep(1.01 - time.time() % 1)
@@ -56,9 +64,22 @@ def test_recorder_writes_jsonl_and_tensorboard_every_step(tmp_path):
     assert tensorboard_scalars(tmp_path / "tensorboard", "reward/mean") == [(1, 0.25), (2, 0.5), (3, 0.75)]
     recorder.close()
     assert tensorboard_scalars(tmp_path / "tensorboard", "time/train") == [(1, 2.0), (2, 2.0), (3, 2.0)]
-    assert math.isnan(tensorboard_scalars(tmp_path / "tensorboard", "sync/probe_max_diff")[0][1])
+    # A value that does not apply (NaN: the probe was off) is null in metrics.jsonl, which strict JSON readers take
+    # (bare NaN is not JSON), and no point in TensorBoard.
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(lines[0]) == json.loads(json.dumps(record(1, 0.25)))  # the record as given, NaN included
+    strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl")) for line in lines]
+    assert strict[0] == {**record(1, 0.25), "sync/probe_max_diff": None}
+    assert "sync/probe_max_diff" not in scalar_tags(tmp_path / "tensorboard")
+    assert [r["sync/probe_max_diff"] for r in read_records(tmp_path / "metrics.jsonl")] == [None] * 3
+
+
+def test_non_finite_values_are_null_in_the_file_and_left_out_of_tensorboard(tmp_path):
+    recorder = MetricsRecorder(tmp_path, LoggingConfig(), config={})
+    recorder.write({"step": 1, "a": float("inf"), "b": float("-inf"), "c": float("nan"), "d": 1.5, "e": 2})
+    recorder.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert line == '{"step": 1, "a": null, "b": null, "c": null, "d": 1.5, "e": 2}\n'
+    assert scalar_tags(tmp_path / "tensorboard") == {"d", "e"}
 
 
 def test_a_killed_run_keeps_every_finished_step(tmp_path):
