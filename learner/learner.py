@@ -173,13 +173,15 @@ class Learner:
                               old_values, estimate.returns)
 
         sums: dict[str, float] = {}
+        updates = 0
         for _ in range(cfg.ppo_epochs):
             # Drawn on the host from the checkpointed generator (the same order on any device), used on the model's.
             order = torch.randperm(len(batch), generator=self.shuffle, device="cpu").to(self.device)
+            # Fewer than num_minibatches chunks when groups were dropped (on_failure=drop) and the batch shrank.
             for b_idx in order.chunk(cfg.num_minibatches):
+                updates += 1
                 for key, value in self._minibatch_update(tensors, b_idx).items():
                     sums[key] = sums.get(key, 0.0) + value
-        updates = cfg.ppo_epochs * cfg.num_minibatches
         metrics.update({key: value / updates for key, value in sums.items()})  # means over the step's updates
         metrics["train/skipped_updates"] = sums["train/skipped_updates"]  # a count, not a mean
         behavior = pad_per_token(data.behavior_logprobs, batch)
@@ -230,8 +232,8 @@ class Learner:
             (loss * weight).backward()
             add("loss/policy", policy_loss.detach(), weight)
             add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
-            for name in ("clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"):
-                add(name, pg[name], token_share)
+            for name, value in pg.items():  # the policy loss's own metrics (gspo adds sequence-level ones)
+                add(name, value, token_share)
             if self.critic:
                 for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
                                                           step.returns[mb_idx, :width], token_share).items():

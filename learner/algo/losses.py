@@ -212,11 +212,14 @@ def gspo_policy_loss(
 
     Returns:
         loss: [] scalar to minimise (0 if no row has a response token).
-        metrics: detached [] tensors, the same keys as clipped_policy_loss:
-            clip_fraction: share of sequences with >= 1 token where the clipped term was the larger one,
+        metrics: detached [] tensors: clipped_policy_loss's keys, meaning the same (means over response tokens),
+        and two of the sequences (those with >= 1 token), which only GSPO has:
+            clip_fraction: share of tokens whose sequence's clipped term was the larger one,
             dual_clip_fraction: 0 (no dual clip),
-            ratio_mean: mean of s_i over those sequences,
-            approx_kl: mean over response tokens of k3 = (r_t - 1) - log r_t, r_t = pi(y_t) / pi_old(y_t).
+            ratio_mean: mean of the per-token ratios r_t = pi(y_t) / pi_old(y_t),
+            approx_kl: mean of k3 = (r_t - 1) - log r_t,
+            seq_clip_fraction: share of sequences whose clipped term was the larger one,
+            seq_ratio_mean: mean of s_i.
 
     Notation: B: sequences, T: tokens.
     """
@@ -239,12 +242,16 @@ def gspo_policy_loss(
     loss = aggregate(token_losses, mask, mode, norm_length)
     has_tokens = lengths > 0  # [B, 1] sequences the sequence-level metrics average over
     with torch.no_grad():
+        clipped = (loss_clipped > loss_unclipped).to(ratio.dtype)  # [B, 1]
+        token_ratio = torch.exp(token_log_ratio)  # [B, T] r_t
         metrics = {
-            "clip_fraction": aggregate((loss_clipped > loss_unclipped).to(ratio.dtype), has_tokens, "token-mean"),
+            "clip_fraction": aggregate(clipped.expand_as(token_log_ratio), mask, "token-mean"),
             "dual_clip_fraction": torch.zeros((), dtype=ratio.dtype, device=ratio.device),
-            "ratio_mean": aggregate(ratio, has_tokens, "token-mean"),
+            "ratio_mean": aggregate(token_ratio, mask, "token-mean"),
             # k3 = (r_t - 1) - log r_t per token, x ~ pi_old, as in clipped_policy_loss
-            "approx_kl": aggregate(torch.exp(token_log_ratio) - 1 - token_log_ratio, mask, "token-mean"),
+            "approx_kl": aggregate(token_ratio - 1 - token_log_ratio, mask, "token-mean"),
+            "seq_clip_fraction": aggregate(clipped, has_tokens, "token-mean"),
+            "seq_ratio_mean": aggregate(ratio, has_tokens, "token-mean"),
         }
     return loss, {name: value.detach() for name, value in metrics.items()}
 

@@ -51,6 +51,15 @@ def test_mismatch_metric_measures_behaviour_vs_old_logprobs(tiny_model_dir):
     assert learner.train_step(batch)["logprob/mismatch"] == pytest.approx(0.5, abs=1e-5)
 
 
+def test_metrics_are_means_over_the_updates_made_when_the_batch_is_smaller_than_the_minibatch_count(tiny_model_dir):
+    # Groups dropped under on_failure=drop can leave fewer completions than learner.num_minibatches: 4 completions in 8
+    # minibatches make 4 updates, and a metric's mean is over those 4 (dividing by 8 would halve every mean).
+    learner = make_learner(tiny_model_dir, num_minibatches=8, lr=1e-4)
+    metrics = learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=0.01)  # ~1 in each update: small steps
+    assert metrics["train/skipped_updates"] == 0 and metrics["grad_norm"] > 0
+
+
 def test_micro_batching_does_not_change_the_update(tiny_model_dir):
     whole = make_learner(tiny_model_dir, micro_batch_size=4, kl_coef=0.1)
     split = make_learner(tiny_model_dir, micro_batch_size=1, kl_coef=0.1)

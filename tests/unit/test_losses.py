@@ -281,6 +281,8 @@ def test_gspo_with_identical_logprobs_is_minus_the_mean_sequence_advantage():
     assert_close(loss, t(-0.5))
     assert_close(metrics["clip_fraction"], t(0.0))
     assert_close(metrics["ratio_mean"], t(1.0))
+    assert_close(metrics["seq_clip_fraction"], t(0.0))
+    assert_close(metrics["seq_ratio_mean"], t(1.0))
 
 
 def _gspo_hand_inputs():
@@ -299,13 +301,18 @@ def test_gspo_matches_hand_computed_values():
     logprobs, old_logprobs, advantages, mask = _gspo_hand_inputs()
     loss, metrics = gspo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)
     assert_close(loss, t(-2.48 / 3))
-    assert_close(metrics["clip_fraction"], t(2 / 3))
-    assert_close(metrics["ratio_mean"], t((math.exp(0.4) + math.exp(-1.0) + 1.0) / 3))
+    # Per sequence: rows 0 and 1 of 3 clipped; s = [e^0.4, e^-1, 1].
+    assert_close(metrics["seq_clip_fraction"], t(2 / 3))
+    assert_close(metrics["seq_ratio_mean"], t((math.exp(0.4) + math.exp(-1.0) + 1.0) / 3))
+    # Per token, as clipped_policy_loss's keys mean: the 2 + 1 tokens of rows 0 and 1 of 6 tokens are clipped;
+    # log-ratios x = [0.2, 0.6 | -1.0 | 0.1, -0.1, 0.0], r_t = e^x, k3 = (r_t - 1) - log r_t = e^x - 1 - x.
+    token_log_ratios = (0.2, 0.6, -1.0, 0.1, -0.1, 0.0)
+    assert_close(metrics["clip_fraction"], t(3 / 6))
+    assert_close(metrics["ratio_mean"], t(sum(math.exp(x) for x in token_log_ratios) / 6))
     assert_close(metrics["dual_clip_fraction"], t(0.0))
-    # k3 = (r_t - 1) - log r_t = e^x - 1 - x per token, log-ratios x = [0.2, 0.6 | -1.0 | 0.1, -0.1, 0.0], 6 tokens
-    k3 = [math.exp(x) - 1 - x for x in (0.2, 0.6, -1.0, 0.1, -0.1, 0.0)]
-    assert_close(metrics["approx_kl"], t(sum(k3) / 6))
-    assert set(metrics) == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    assert_close(metrics["approx_kl"], t(sum(math.exp(x) - 1 - x for x in token_log_ratios) / 6))
+    assert set(metrics) == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "seq_clip_fraction",
+                            "seq_ratio_mean"}
     assert all(value.dim() == 0 and not value.requires_grad for value in metrics.values())
     # Clipped rows get no gradient; row 2: d(-A s)/d logp_t / 3 sequences = -2 * 1 * (1/3 tokens) / 3 = -2/9.
     (grad,) = torch.autograd.grad(loss, logprobs)
@@ -346,8 +353,9 @@ def test_policy_loss_registry_keys_are_the_config_names_and_share_metric_keys():
     assert set(POLICY_LOSSES) == {"ppo", "gspo"}
     assert POLICY_LOSSES["ppo"] is clipped_policy_loss and POLICY_LOSSES["gspo"] is gspo_policy_loss
     inputs = _gspo_hand_inputs()
-    keys = [set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1]) for name in POLICY_LOSSES]
-    assert keys[0] == keys[1] == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    ppo, gspo = (set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1]) for name in ("ppo", "gspo"))
+    assert ppo == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    assert gspo == ppo | {"seq_clip_fraction", "seq_ratio_mean"}  # the sequence-level ratio shows in its own keys
 
 
 def test_gspo_padding_changes_neither_loss_nor_metrics_nor_gradient():
