@@ -2,7 +2,7 @@
 
 Owns: starting an engine with settings that work on both device kinds, sampling G completions per prompt with the
 sampled tokens' logprobs, loading new weights into the running engine (through `RelayWorkerExtension`, vLLM's
-reload path, the tied-head fix and a prefix-cache reset) whether they are handed over or broadcast to the engine's
+reload path and a prefix-cache reset) whether they are handed over or broadcast to the engine's
 workers by a weight group, and shutting it down without leaving files behind.
 Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
 lives here so that a new vLLM release, or another engine, changes one file.
@@ -44,6 +44,7 @@ class SampledCompletion:
     logprobs: list[float]  # [T_resp], log pi_behavior(token | prefix) of each sampled token
     text: str  # detokenized response, special tokens (EOS) dropped
     finish_reason: str  # "stop" (EOS or stop token) or "length"
+    cached_prompt_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: not said)
 
 
 class VllmEngine:
@@ -51,7 +52,7 @@ class VllmEngine:
 
     def __init__(self, settings: EngineSettings):
         # The engine must live in this process: then weights are handed over as tensors (no pickling, no files),
-        # and start-up is 3 s instead of 15-28 s on CPU (see shared/notes/vllm-cpu.md).
+        # and start-up is 3 s instead of 15-28 s on CPU (docs/vllm-cpu.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -91,7 +92,7 @@ class VllmEngine:
                                  seed=seed, skip_special_tokens=True) for seed in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+        return [[_completion(c, out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive."""
@@ -117,8 +118,8 @@ class VllmEngine:
         self.llm.collective_rpc("relay_join_weight_group", args=(spec.to_dict(), first_rank))
 
     def receive_weights(self) -> dict[str, float]:
-        """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path (tied-head
-        fix included); then the prefix cache is reset, as for `load_weights`. Returns the first worker's timings."""
+        """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path; then the
+        prefix cache is reset, as for `load_weights`. Returns the first worker's timings."""
         timings = self.llm.collective_rpc("relay_receive_weights")[0]
         self.reset_prefix_cache()
         return timings
@@ -148,10 +149,11 @@ class VllmEngine:
             del self.llm
 
 
-def _completion(output) -> SampledCompletion:
+def _completion(output, cached_prompt_tokens: int | None) -> SampledCompletion:
     token_ids = list(output.token_ids)
     # With logprobs=0 each position holds the sampled token's Logprob (and nothing else).
     logprobs = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs or [])]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-    return SampledCompletion(token_ids, logprobs, output.text, "stop" if output.finish_reason == "stop" else "length")
+    return SampledCompletion(token_ids, logprobs, output.text, "stop" if output.finish_reason == "stop" else "length",
+                             cached_prompt_tokens)

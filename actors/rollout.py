@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +22,16 @@ from learner.weight_group import GroupSpec
 # What a weight load carries: buckets of (name, array) from the object store, or one handle of the learner's
 # shared-memory buffer.
 Weights = list[tuple[str, np.ndarray | torch.Tensor]] | SharedWeightsHandle
+
+
+class ProbeSample(NamedTuple):
+    """One seeded completion of the sync probe's prompt, as the engine served it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # the engine's, per response token
+    weights_version: int  # the version the worker says it serves
+    cached_prompt_tokens: int | None  # prompt tokens taken from the prefix cache: 0 right after a load (reset)
 
 
 class RolloutWorker:
@@ -77,12 +87,12 @@ class RolloutWorker:
     def leave_weight_group(self) -> None:
         self.engine.leave_weight_group()
 
-    def probe(self, prompt: str, max_tokens: int, temperature: float,
-              seed: int) -> tuple[list[int], list[int], list[float], int]:
-        """Sample one seeded completion of a fixed prompt: (prompt ids, response ids, their logprobs, version)."""
+    def probe(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> ProbeSample:
+        """Sample one seeded completion of a fixed prompt, with how much of the prompt came from the prefix cache
+        (which a load empties: a cache hit on the first probe after a load means stale KV entries survived it)."""
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         [[c]] = self.engine.generate([prompt_ids], 1, temperature, 1.0, max_tokens, [seed])
-        return prompt_ids, c.response_ids, c.logprobs, self.weights_version
+        return ProbeSample(prompt_ids, c.response_ids, c.logprobs, self.weights_version, c.cached_prompt_tokens)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -25,14 +25,15 @@ class RelayWorkerExtension:
                              path: str | None = None) -> int:
         """Load new weights in place through vLLM's reload path (restore, load, re-pack); return tensors loaded.
 
-        A direct `model.load_weights` fails on the CPU backend, which pre-packs linear weights after loading.
+        A direct `model.load_weights` fails on the CPU backend, which pre-packs linear weights after loading. The
+        reload re-packs every layer that shares a loaded tensor, so a tied head follows the new embedding
+        (docs/vllm-cpu.md; tests/actors/test_rollout_worker.py checks the engine's head after every load).
         """
         tensors = list(named_tensors) if named_tensors is not None else None
         if tensors is not None:
             self.model_runner.reload_weights(weights_iterator=iter(tensors))
         else:
             self.model_runner.reload_weights(weights_path=path)
-        self._relay_refresh_tied_head()
         return len(tensors) if tensors is not None else -1
 
     def relay_join_weight_group(self, spec: dict, first_rank: int) -> None:
@@ -63,15 +64,3 @@ class RelayWorkerExtension:
         self._relay_weight_group = None
         if group is not None:
             group.close()
-
-    def _relay_refresh_tied_head(self) -> None:
-        # With tied embeddings the checkpoint has no lm_head weight, so the reload skips the head and the CPU
-        # backend keeps its OLD pre-packed copy: re-pack it from the (new) shared embedding weight.
-        model = self.model_runner.get_model()
-        config = getattr(model, "config", None)
-        lm_head = getattr(model, "lm_head", None)
-        if not getattr(config, "tie_word_embeddings", False) or lm_head is None:
-            return
-        method = getattr(lm_head, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(lm_head)

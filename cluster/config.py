@@ -100,7 +100,9 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, le=10)
     """Sampling temperature; the learner scores with the same temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1 keeps the full distribution, which the learner's logprobs assume)."""
+    """Nucleus sampling mass. 1 keeps the full distribution, which the learner's logprobs assume; below 1 the
+    engines' logprobs are renormalised over the nucleus and the learner's are not, so `logprob/mismatch` also holds
+    that renormalisation (the run warns at start)."""
     max_model_len: int = Field(64, ge=8, le=1_048_576)
     """Longest prompt+response the engine accepts."""
     kv_cache_bytes: int = Field(64 * 2**20, ge=2**20)
@@ -242,7 +244,8 @@ class SyncConfig(_Section):
     (one call per worker per step instead of two: for large fleets); rollouts' weights versions are checked either
     way."""
     probe_tolerance: float = Field(1e-4, gt=0)
-    """Largest allowed max |engine - learner| logprob on the probe (1e-4 is safe in float32; ~5e-2 for bfloat16)."""
+    """Largest allowed max |engine - learner| logprob on the probe (1e-4 is safe in float32; ~5e-2 for bfloat16,
+    where one step's change at small learning rates is below it, so a stale engine can pass: docs/benchmarks.md)."""
     probe_tokens: int = Field(8, ge=1, le=1024)
     """Tokens the probe samples from its fixed prompt."""
     probe_prompt: str = Field("1+1=2 2+2=4 3+3=6 4+4=8 5+5=10 6+6=12 7+7=14 ", min_length=1)

@@ -1,8 +1,8 @@
 """Reaching a running run from outside: a named Ray actor per run, and the `relay scale` / `relay status` client.
 
-Owns: `RunControl`, the run's mailbox (the driver publishes the fleet after every step; `relay scale` leaves a
-request that the driver takes at the start of the next step), its name (`relay/<run_dir name>` in Ray namespace
-`relay`), and the client functions that find a run on a cluster and talk to it. Requests are checked here, against
+Owns: `RunControl`, the run's mailbox (the driver publishes the fleet after every step: the workers serving and those
+on their way in; `relay scale` leaves a request that the driver takes at the start of the next step), its name
+(`relay/<run_dir name>` in Ray namespace `relay`), and the client functions that find a run on a cluster and talk to it. Requests are checked here, against
 the fleet the driver last published, so a bad request fails in the user's terminal, not in the run.
 Does not own: applying a request (cluster/rollout_pool.py `resize`, called by the driver between steps).
 """
@@ -30,13 +30,15 @@ class RunControl:
         self.requests = 0
 
     def publish(self, fleet: dict[str, Any]) -> None:
-        """The driver's view after a step: step, weights version, workers [{id, node_id}], learner node, ..."""
+        """The driver's view after a step: step, weights version, workers [{id, node_id}], workers_pending [{id,
+        state, seconds}] (placing or starting), learner node, ..."""
         self.fleet = fleet
 
     def request_scale(self, num_workers: int | None = None, remove: list[int] | None = None) -> dict[str, Any]:
-        """Ask for `num_workers` rollout workers (and/or the removal of the workers with ids `remove`) from the next
-        step on; returns what the fleet will be. A later request replaces an earlier one not yet applied."""
-        current = [w["id"] for w in self.fleet.get("workers", [])]
+        """Ask for `num_workers` rollout workers, serving or on their way in (and/or the removal of the workers with
+        ids `remove`, serving or pending); the run applies it at its next step. Returns what the fleet will be. A
+        later request replaces an earlier one not yet applied."""
+        current = [w["id"] for w in [*self.fleet.get("workers", []), *self.fleet.get("workers_pending", [])]]
         remove = sorted(set(remove or []))
         unknown = [i for i in remove if i not in current]
         if unknown:

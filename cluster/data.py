@@ -115,9 +115,9 @@ class PromptDataset:
         return self._order
 
     def state(self) -> dict[str, int]:
-        """The cursor, JSON-able; `load_state` of it on a fresh dataset continues with the same batches.
-
-        Counted in prompts rather than batches, so a resumed run may change `prompts_per_step`."""
+        """The cursor (prompts drawn so far, over all epochs), JSON-able; `load_state` of it on a fresh dataset
+        continues with the same batches. A resumed run keeps `data.prompts_per_step` (cluster/resume.py refuses a
+        change): the batches, and so the run, depend on it."""
         return {"consumed": self.consumed, "num_prompts": self.num_prompts}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -133,14 +133,20 @@ class PromptDataset:
         return {"data/epoch": self.consumed / self.num_prompts, "data/filtered_prompts": float(self.filtered)}
 
 
-def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str,
+def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
                        max_prompt_tokens: int) -> ArithmeticPrompts | PromptDataset:
-    """The prompt source `config.task` names; a dataset's templates and lengths use the model's tokenizer."""
+    """The prompt source `config.task` names; a dataset's templates and lengths use the model's tokenizer (`model_path`
+    None: the demo model's, made in memory, the same as the one its directory will hold)."""
     if config.task == "arithmetic":
         return ArithmeticPrompts(config, seed, batch_size)
-    from transformers import AutoTokenizer
+    if model_path is None:
+        from cluster.demo_model import build_char_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = build_char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens)
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,8 @@ from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
 from cluster.data import sampling_seeds
 from cluster.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.control import start_control
-from cluster.remote import RAY_SYSTEM_CONFIG, Fleet, RunError, get, node_of, start_fleet, stop_fleet
+from cluster.remote import (RAY_SYSTEM_CONFIG, Fleet, RunError, check_reachable, get, node_of, start_fleet,
+                            stop_fleet)
 from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
 from cluster.scoring import Scorer
 from rewards.arithmetic import Problem
@@ -55,6 +56,7 @@ class Trainer:
         """One on-policy step; the weights are synced to every rollout worker before it returns."""
         self.timings = {"time/generate": 0.0, "time/score": 0.0}
         started = time.perf_counter()
+        recovering = self.rollouts.recovery_seconds
         with self.timed("scale"):
             self.apply_scale_request()
         groups, rewards, sampling = self.sample(step)
@@ -65,6 +67,7 @@ class Trainer:
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
         with self.timed("sync"):
             probe_diff = self.sync_weights()
+        self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering  # inside generate and sync
         return self.record(step, rollouts, learner_metrics, probe_diff, time.perf_counter() - started, sampling)
 
     @contextmanager
@@ -174,12 +177,14 @@ class Trainer:
         return point.step
 
     def apply_scale_request(self) -> None:
-        """Grow or shrink the rollout fleet as `relay scale` asked since the last step (nothing is in flight now)."""
+        """Between steps (nothing is in flight): apply what `relay scale` asked since the last step (removals at once,
+        new workers placed in the background), and let in the new workers whose engines are up."""
         if self.control is None:
             return
         request = get([self.control.take_request.remote()], self.config.timeouts.sync, ["run control"], "sync")[0]
         if request is not None:
             self.rollouts.resize(request["num_workers"], request["remove"])
+        self.rollouts.admit()
 
     def publish(self, record: dict[str, Any]) -> None:
         """Tell the control actor what the fleet is after this step (`relay status` shows it)."""
@@ -189,6 +194,8 @@ class Trainer:
             "step": record["step"], "weights_version": self.weights_version,
             "learner_node": self.learner_node,
             "workers": [{"id": s.id, "node_id": s.node_id} for s in self.fleet.rollout],
+            "workers_pending": [{"id": p.id, "state": p.state, "seconds": round(time.monotonic() - p.since, 1)}
+                                for p in self.fleet.pending],
             "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
             "scale_failures": self.rollouts.scale_failures, "last_scale_error": self.rollouts.last_scale_error})
 
@@ -212,10 +219,10 @@ class Trainer:
             "weights/version": self.weights_version,
             "sync/probe_max_diff": probe_diff,
             "rollout/workers": len(self.fleet.rollout_workers),
+            "rollout/workers_pending": len(self.fleet.pending),
             "rollout/scale_events": self.rollouts.scale_events,
             "rollout/scale_failures": self.rollouts.scale_failures,
             "rollout/restarts": self.rollouts.restarts,
-            "time/recovery": self.rollouts.recovery_seconds,
             **self.timings,
             "time/step": step_seconds,
             "throughput/tokens_per_s": sum(lengths) / step_seconds,
@@ -243,12 +250,16 @@ def resolve_run_dir(config: RunConfig) -> Path:
     return run_dir
 
 
-def prepare(config: RunConfig, model_path: str) -> tuple[Any, Scorer]:
-    """Check every user input that can be checked before any actor starts, and load what the driver itself needs:
-    the prompt source (dataset files are read and validated here) and the reward sources (verifiers imported, remote
-    clients configured). Raises ConfigError (one line, nothing written) on bad input."""
+def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
+    """Check every user input that can be checked before anything starts or is built, and load what the driver
+    itself needs: the prompt source (dataset files are read and validated here) and the reward sources (verifiers
+    imported, remote clients configured). `model_path` None is the demo model, not built yet: datasets are checked with
+    its tokenizer, made in memory. Raises ConfigError (one line, nothing written) on bad input."""
     from cluster.data import DataError, make_prompt_source
 
+    if model_path is not None and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
+                          "pass model.path=DIR or leave it empty for the demo model")
     for name, source in config.reward.sources.items():
         if isinstance(source, ModelSource) and not (Path(source.path) / "config.json").is_file():
             raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
@@ -268,88 +279,98 @@ def prepare(config: RunConfig, model_path: str) -> tuple[Any, Scorer]:
         scorer = Scorer(config.reward, config.timeouts.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if ro.top_p < 1:
+        print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
+              "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
+              "(docs/operations.md)", file=sys.stderr, flush=True)
     return data, scorer
 
 
-def run_training(config: RunConfig, run_dir: Path, model_path: str, display: bool = True,
+def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,
                  rollout_cls: type | None = None) -> list[dict[str, Any]]:
-    """Check the inputs, start Ray (unless connected already) and the fleet, run the steps up to `max_steps` (from
-    the checkpoint `resume` names, if any), write checkpoints, and clean up; returns this attempt's records.
+    """Check the inputs, start Ray (unless connected already), build the demo model if `model_path` and
+    `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
+    any), write checkpoints, and clean up; returns this attempt's records.
 
-    Raises ConfigError (nothing written) on bad input, RunFinished when resuming a finished run, RunError when the
-    run cannot go on (with the checkpoint to resume from)."""
+    Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
+    when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
     point = resume.find(config, run_dir)
     if point is not None and point.step >= config.max_steps:
         raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
                           f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
+    model_path = model_path or config.model.path
     data, scorer = prepare(config, model_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
-    resolved = dump_config(resolved_config)
-    (run_dir / "config.yaml").write_text(resolved)
-    try:
+    records: list[dict[str, Any]] = []
+    finished = False
+    with ExitStack() as cleanup:  # undoes whatever was started, in reverse order, however the run ends
+        cleanup.callback(scorer.close)
+        if _init_ray(config):
+            cleanup.callback(ray.shutdown)
+        if model_path is None:
+            from cluster.demo_model import ensure_demo_model
+
+            model_path = str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
+        resolved = dump_config(resolved_config)
+        (run_dir / "config.yaml").write_text(resolved)
         recorder = MetricsRecorder(run_dir, config.logging, resolved_config.model_dump(mode="json"),
                                    resume_step=point.step if point else None)
-    except BaseException:
-        scorer.close()
-        raise
-    started_ray = _init_ray(config)
-    records: list[dict[str, Any]] = []
-    fleet = control = trainer = None
-    finished = False
-    try:
-        control = start_control(str(run_dir))
-        fleet = start_fleet(config, model_path, rollout_cls)
-        trainer = Trainer(config, fleet, data, scorer, control)
-        first = trainer.restore(point) + 1 if point else 1
-        trainer.publish({"step": first - 1})
-        if point is None and config.sync.probe:
-            trainer.rollouts.verify()  # engines and learner agree before any update
-        progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
-        with progress or nullcontext():
-            for step in range(first, config.max_steps + 1):
-                record = trainer.step(step)
-                recorder.write(record)
-                records.append(record)
-                trainer.publish(record)
-                if progress:
-                    progress.update(record)
-                every = config.checkpoint.every
-                if step == config.max_steps or (every and step % every == 0):
-                    trainer.save_checkpoint(run_dir, step, resolved)
-        if progress:
-            progress.summary()
-        finished = True
-    except RunError as err:
-        latest = checkpoint.latest(run_dir)
-        hint = (f"; resume from {latest.name} with: relay train run_dir={run_dir} resume=auto" if latest
-                else "; no checkpoint was written yet")
-        raise type(err)(f"{err}{hint}") from err
-    finally:
-        recorder.close(failed=not finished)
-        scorer.close()
-        if trainer is not None:
-            trainer.rollouts.transport.close()  # the collective transport leaves its group
-        if fleet is not None:
-            stop_fleet(fleet)
-        if control is not None:
-            ray.kill(control)
-        if started_ray:
-            ray.shutdown()
+        cleanup.callback(lambda: recorder.close(failed=not finished))
+        try:
+            control = start_control(str(run_dir))
+            cleanup.callback(ray.kill, control)
+            fleet = start_fleet(config, model_path, rollout_cls)
+            cleanup.callback(stop_fleet, fleet)
+            trainer = Trainer(config, fleet, data, scorer, control)
+            cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
+            first = trainer.restore(point) + 1 if point else 1
+            trainer.publish({"step": first - 1})
+            if point is None and config.sync.probe:
+                trainer.rollouts.verify()  # engines and learner agree before any update
+            progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
+            with progress or nullcontext():
+                for step in range(first, config.max_steps + 1):
+                    record = trainer.step(step)
+                    recorder.write(record)
+                    records.append(record)
+                    trainer.publish(record)
+                    if progress:
+                        progress.update(record)
+                    every = config.checkpoint.every
+                    if step == config.max_steps or (every and step % every == 0):
+                        trainer.save_checkpoint(run_dir, step, resolved)
+            if progress:
+                progress.summary()
+            finished = True
+        except RunError as err:
+            latest = checkpoint.latest(run_dir)
+            hint = (f"; resume from {latest.name} with: relay train run_dir={run_dir} resume=auto" if latest
+                    else "; no checkpoint was written yet")
+            raise type(err)(f"{err}{hint}") from err
     return records
 
 
 def _init_ray(config: RunConfig) -> bool:
+    """Start a local Ray instance or join the cluster at `ray.address` (or $RAY_ADDRESS, as in a Ray job); returns
+    whether this call did (so the run shuts it down). A malformed address is a ConfigError; a cluster that cannot be
+    reached a RunError, found within seconds (Ray itself would retry a closed GCS port for minutes)."""
     if ray.is_initialized():
         return False
     rc = config.ray
     starts = rc.address is None and not os.environ.get("RAY_ADDRESS")  # else it joins a cluster (relay submit)
-    context = ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
-                       include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
-                       configure_logging=True, logging_level="WARNING",
-                       **({"_system_config": RAY_SYSTEM_CONFIG} if starts else {}))
+    address = rc.address or os.environ.get("RAY_ADDRESS")
+    try:
+        check_reachable(address)
+        context = ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
+                           include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
+                           configure_logging=True, logging_level="WARNING",
+                           **({"_system_config": RAY_SYSTEM_CONFIG} if starts else {}))
+    except ValueError as err:  # Ray's own check of the address's form
+        raise ConfigError(f"ray.address={address!r}: {str(err).splitlines()[0]}") from None
+    except ConnectionError as err:
+        raise RunError(f"cannot reach a Ray cluster at ray.address={address}: {str(err).splitlines()[0]}") from None
     line = dashboard_line(context)
     if line:
         print(line, file=sys.stderr, flush=True)
     return True
-

@@ -10,6 +10,7 @@ Does not own: what a step does (cluster/driver.py).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,27 @@ class RolloutSlot:
         return f"rollout worker {self.id}"
 
 
+@dataclass(eq=False)
+class PendingWorker:
+    """A rollout worker on its way into the fleet: its placement group waits for room (Ray's autoscaler may be adding
+    a node), then its engine starts; it joins at a step boundary once it is up (cluster/rollout_pool.py `admit`)."""
+
+    id: int
+    placement: PlacementGroup
+    placed: Any  # the placement group's `ready()` ref
+    since: float  # time.monotonic() of the request, then of the engine's start
+    actor: Any = None  # started once placed
+    started: Any = None  # the actor's `__ray_ready__` ref
+
+    @property
+    def name(self) -> str:
+        return f"rollout worker {self.id}"
+
+    @property
+    def state(self) -> str:
+        return "placing" if self.actor is None else "starting"
+
+
 @dataclass
 class Fleet:
     """Handles to every actor of a run. The learner, reference and reward models share one placement group; each
@@ -58,6 +80,7 @@ class Fleet:
     launcher: RolloutLauncher
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
     learner_group: Any = None  # cluster.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
+    pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -120,8 +143,23 @@ class RolloutLauncher:
         self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
 
     def reserve(self, busy_nodes: list[str]) -> PlacementGroup:
-        """A placement group for one more worker; with `placement=spread`, preferably on the fitting node that
-        runs the fewest of `busy_nodes` (the nodes of the workers already running, with repeats)."""
+        """A placement group for one more worker, waited for up to `timeouts.start`; with `placement=spread`,
+        preferably on the fitting node that runs the fewest of `busy_nodes` (the nodes of the workers already running,
+        with repeats)."""
+        bundles, strategy, kwargs = self._request(busy_nodes)
+        return _reserve(bundles, strategy, self.config.timeouts.start, "a rollout worker",
+                        "add nodes with these resources, or lower rollout.num_workers, rollout.num_cpus/num_gpus "
+                        "or rollout.resources", **kwargs)
+
+    def place(self, busy_nodes: list[str]) -> PlacementGroup:
+        """Like `reserve`, without waiting: Ray places the group when there is room. The node it hints (`spread`) is
+        added to `busy_nodes`, so the next of several placed at once goes elsewhere."""
+        bundles, strategy, kwargs = self._request(busy_nodes)
+        if kwargs.get("_soft_target_node_id"):
+            busy_nodes.append(kwargs["_soft_target_node_id"])
+        return placement_group(bundles, strategy=strategy, **kwargs)
+
+    def _request(self, busy_nodes: list[str]) -> tuple[list[dict[str, float]], str, dict[str, Any]]:
         ro = self.config.rollout
         kwargs: dict[str, Any] = {}
         if ro.node_labels:
@@ -129,10 +167,7 @@ class RolloutLauncher:
         if ro.placement == "spread":
             # A soft hint (what Ray Serve uses to spread replicas): a full or dead node falls back to any other.
             kwargs["_soft_target_node_id"] = self._least_busy_node(busy_nodes)
-        return _reserve([dict(self.bundle) for _ in range(ro.tensor_parallel_size)], "STRICT_PACK",
-                        self.config.timeouts.start, "a rollout worker",
-                        "add nodes with these resources, or lower rollout.num_workers, rollout.num_cpus/num_gpus "
-                        "or rollout.resources", **kwargs)
+        return [dict(self.bundle) for _ in range(ro.tensor_parallel_size)], "STRICT_PACK", kwargs
 
     def start(self, pg: PlacementGroup) -> Any:
         """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`).
@@ -149,15 +184,17 @@ class RolloutLauncher:
                                                                  placement_group_capture_child_tasks=sharded),
         ).remote(self.settings, ro.num_threads)
 
-    def stop(self, slots: list[RolloutSlot], timeout: float = 10) -> None:
-        """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources."""
-        if not slots:
-            return
+    def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = 10) -> None:
+        """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources.
+        Pending workers too: an engine still starting shuts down once it is up, or is killed at the timeout."""
+        started = [s for s in slots if s.actor is not None]
         try:
-            ray.wait([s.actor.shutdown.remote() for s in slots], num_returns=len(slots), timeout=timeout)
+            if started:
+                ray.wait([s.actor.shutdown.remote() for s in started], num_returns=len(started), timeout=timeout)
         finally:
             for slot in slots:
-                ray.kill(slot.actor)
+                if slot.actor is not None:
+                    ray.kill(slot.actor)
                 remove_placement_group(slot.placement)
 
     def _least_busy_node(self, busy_nodes: list[str]) -> str | None:
@@ -244,6 +281,20 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     return fleet
 
 
+def check_reachable(address: str | None, timeout: float = 10.0) -> None:
+    """Raise ConnectionError (within `timeout` s) when `address` is a cluster's GCS (`host:port`) that accepts no
+    connection: `ray.init` would retry it for minutes. `auto`, `ray://` and malformed addresses are Ray's to judge."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"nothing accepts connections at {address} ({err.strerror or err})") from None
+
+
 def get(refs: list, timeout: float, names: list[str], what: str) -> list:
     """`ray.get` with a deadline; a missed deadline or a dead actor becomes a RunError naming the actor."""
     try:
@@ -279,13 +330,17 @@ def describe(err: Exception) -> str:
     """One line: a call that raised inside its actor by that exception's class and message (not Ray's traceback
     wall, whose first line names only the call), any other error by its own."""
     cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
-    return f"{cause.__class__.__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
+    lines = str(cause).strip().splitlines()
+    if isinstance(cause, RayActorError) and cause.actor_init_failed and lines:
+        # Ray's header line names the actor; the constructor's own exception ("Class: message") comes last.
+        return f"{cause.__class__.__name__}: its constructor raised {lines[-1][:300]}"
+    return f"{cause.__class__.__name__}: {lines[0][:300] if lines else ''}"
 
 
 def stop_fleet(fleet: Fleet) -> None:
     """Stop the rollout workers (engines first), then the other actors, and release every placement group."""
     try:
-        fleet.launcher.stop(fleet.rollout)
+        fleet.launcher.stop([*fleet.rollout, *fleet.pending])
     finally:
         if fleet.learner_group is not None:
             fleet.learner_group.kill()

@@ -6,8 +6,9 @@ worker call, loading the learner's weights into the engines through the configur
 and checking that each engine serves exactly them (the probe), recovery (a worker that dies or misses its deadline is
 killed, started again in its placement group, given the current weights, checked by the probe, and handed its
 request again, so no prompt is lost; past `rollout.max_restarts` replacements the run stops naming the worker and
-the cause), and resizing (`resize`: removed workers are stopped between steps, when they hold no prompts; added ones
-get the current weights, probe-checked, before their first request).
+the cause), and resizing (`resize`: removed workers are stopped between steps, when they hold no prompts; new ones are
+placed and started in the background, and `admit` adds each at the first step boundary after its engine is up, with
+the current weights, probe-checked, before its first request: the step loop never waits for Ray to find room).
 Does not own: what a step does with the rollouts (cluster/driver.py) or placement (cluster/remote.py).
 """
 
@@ -17,13 +18,16 @@ import statistics
 import sys
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from cluster.config import RunConfig
-from cluster.remote import Fleet, RunError, get, get_ready, start_rollout_slots
+from cluster.remote import Fleet, PendingWorker, RolloutSlot, RunError, get, get_ready, node_of
 from cluster.transport import make_transport
+
+if TYPE_CHECKING:
+    from actors.rollout import ProbeSample
 
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
@@ -41,16 +45,16 @@ class RolloutPool:
         self.fleet = fleet
         self.weights_version = 0  # what every worker serves
         self.restarts = 0
-        self.recovery_seconds = 0.0
-        self.scale_events = 0  # workers added or removed by `resize`
-        self.scale_failures = 0  # `resize` calls that could not place the new workers
+        self.recovery_seconds = 0.0  # spent replacing workers, over the run
+        self.scale_events = 0  # workers added or removed by `relay scale`
+        self.scale_failures = 0  # new workers that failed to start or to load the weights, and were dropped
         self.speeds: dict[int, float] = {}  # worker id -> prompts per second in recent steps (`rollout.balance`)
         self.last_scale_error = ""
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(self)
         # Without the probe, a sync only exports the weights: each worker loads them at the start of its next
         # `generate` (one call per worker per step instead of two). slot id -> the `version, *buckets` to send.
-        self.pending: dict[int, list] = {}
+        self.deferred: dict[int, list] = {}
 
     @property
     def workers(self) -> list[Any]:
@@ -73,7 +77,7 @@ class RolloutPool:
         while todo or running:
             while todo:
                 worker, (a, b) = todo.popleft()
-                load = self.pending.get(self.fleet.rollout[worker].id, [])
+                load = self.deferred.get(self.fleet.rollout[worker].id, [])
                 ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load)
                 running[ref] = (worker, (a, b), time.monotonic())
             first_deadline = min(started for _, _, started in running.values()) + timeout
@@ -87,7 +91,7 @@ class RolloutPool:
                 if error is None:
                     results[a] = value
                     self._record_speed(worker, b - a, now - started)
-                    self.pending.pop(self.fleet.rollout[worker].id, None)  # it loaded them first
+                    self.deferred.pop(self.fleet.rollout[worker].id, None)  # it loaded them first
                 else:
                     errored.append(worker)
                     failed[worker] = f"failed during 'generate' ({error})"
@@ -97,11 +101,11 @@ class RolloutPool:
                     running.pop(ref)
                     failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
                     todo.append((worker, chunk))
-            if any(self.fleet.rollout[worker].id in self.pending for worker in errored):
+            if any(self.fleet.rollout[worker].id in self.deferred for worker in errored):
                 # Their requests carried the weights: a dead learner fails them all, and then stops the run.
                 self.transport.check_learner()
             for worker, cause in failed.items():
-                self.replace(worker, cause)  # its request then goes to the replacement (pending dropped)
+                self.replace(worker, cause)  # its request then goes to the replacement (deferred load dropped)
         groups = [group for start in sorted(results) for group in results[start]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
@@ -139,43 +143,88 @@ class RolloutPool:
         self.speeds[slot_id] = rate if slot_id not in self.speeds else 0.5 * self.speeds[slot_id] + 0.5 * rate
 
     def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:
-        """Between steps: stop the workers `remove_ids`, then add or remove (newest first) workers until there are
-        `num_workers`. New workers get the current weights, checked by the probe, before their first request."""
-        removed = [slot for slot in self.fleet.rollout if slot.id in set(remove_ids)]
-        surplus = len(self.fleet.rollout) - len(removed) - num_workers
+        """Between steps: stop the workers `remove_ids` (serving or pending), then drop workers (pending ones first,
+        then serving ones, newest first) or ask Ray for new ones until the fleet and the workers on their way into it
+        number `num_workers`. New workers are only placed here; `admit` starts them and adds them once they are up."""
+        fleet = self.fleet
+        cancelled = [p for p in fleet.pending if p.id in set(remove_ids)]
+        removed = [slot for slot in fleet.rollout if slot.id in set(remove_ids)]
+        pending = [p for p in fleet.pending if p not in cancelled]
+        serving = [slot for slot in fleet.rollout if slot not in removed]
+        surplus = len(serving) + len(pending) - num_workers
         if surplus > 0:
-            kept = [slot for slot in self.fleet.rollout if slot not in removed]
-            removed += sorted(kept, key=lambda slot: slot.id)[-surplus:]
+            cancelled += pending[len(pending) - min(surplus, len(pending)):]  # newest first (ids grow)
+            surplus -= min(surplus, len(pending))
+        if surplus > 0:
+            removed += sorted(serving, key=lambda slot: slot.id)[-surplus:]
+        if cancelled:
+            fleet.pending = [p for p in fleet.pending if p not in cancelled]
+            fleet.launcher.stop(cancelled, timeout=2)  # an engine still starting is killed, not waited for
         if removed:
-            self.fleet.rollout = [slot for slot in self.fleet.rollout if slot not in removed]
+            fleet.rollout = [slot for slot in fleet.rollout if slot not in removed]
             for slot in removed:
-                self.pending.pop(slot.id, None)
-            self.fleet.launcher.stop(removed)
+                self.deferred.pop(slot.id, None)
+            fleet.launcher.stop(removed)
             self.transport.fleet_changed()
             self.scale_events += len(removed)
-        missing = num_workers - len(self.fleet.rollout)
-        if missing > 0:
-            ids = list(range(self.next_id, self.next_id + missing))
-            self.next_id += missing
-            first = len(self.fleet.rollout)
-            try:
-                self.fleet.rollout += start_rollout_slots(self.fleet.launcher, ids,
-                                                          [slot.node_id for slot in self.fleet.rollout])
-            except RunError as err:  # no room for them: the run goes on with the fleet it has
-                self.scale_failures += 1
-                self.last_scale_error = f"could not add {missing} rollout workers: {err}"
-                print(f"relay: {self.last_scale_error}; going on with {first}", file=sys.stderr, flush=True)
-                return
+        busy = [slot.node_id for slot in fleet.rollout]
+        for _ in range(num_workers - len(fleet.rollout) - len(fleet.pending)):
+            placement = fleet.launcher.place(busy)
+            fleet.pending.append(PendingWorker(self.next_id, placement, placement.ready(), time.monotonic()))
+            self.next_id += 1
+
+    def admit(self) -> int:
+        """At a step boundary (nothing in flight): start the engines of pending workers that Ray has placed, and add
+        every pending worker whose engine is up to the fleet, loaded with the current weights and probe-checked before
+        its first request; returns how many joined. A worker whose engine fails to start, is not up within
+        `timeouts.start` of its start, or fails its load is dropped, counted in `scale_failures` and named in
+        `last_scale_error`; the run goes on with the fleet it has. Waits for neither placement nor start-up."""
+        fleet = self.fleet
+        for p in fleet.pending:
+            if p.actor is None and ray.wait([p.placed], timeout=0)[0]:
+                p.actor = fleet.launcher.start(p.placement)
+                p.started, p.since = p.actor.__ray_ready__.remote(), time.monotonic()
+        starting = [p for p in fleet.pending if p.started is not None]
+        up = set(ray.wait([p.started for p in starting], num_returns=len(starting), timeout=0)[0]) if starting else ()
+        ready = [p for p in starting if p.started in up]
+        failed: dict[int, str] = {}
+        joining = []
+        for p, (_, error) in zip(ready, get_ready([p.started for p in ready])):
+            if error is None:
+                joining.append(p)
+            else:
+                failed[p.id] = f"failed to start ({error})"
+        limit = self.config.timeouts.start
+        failed.update((p.id, f"did not start within timeouts.start={limit:g} s") for p in starting
+                      if p not in ready and time.monotonic() - p.since > limit)
+        self._drop_new([p for p in fleet.pending if p.id in failed], failed)
+        fleet.pending = [p for p in fleet.pending if p.id not in failed and p not in joining]
+        if not joining:
+            return 0
+        first = len(fleet.rollout)
+        fleet.rollout += [RolloutSlot(p.id, p.actor, p.placement, node_of(p.placement)) for p in joining]
+        self.transport.fleet_changed()
+        lost = {fleet.rollout[i].id: cause for i, cause in self._load(list(range(first, len(fleet.rollout)))).items()}
+        if lost:
+            self._drop_new([slot for slot in fleet.rollout if slot.id in lost], lost, "while loading the weights")
+            fleet.rollout = [slot for slot in fleet.rollout if slot.id not in lost]
             self.transport.fleet_changed()
-            self.scale_events += missing
-            new = list(range(first, len(self.fleet.rollout)))
-            failed = self._load(new)
-            if failed:
-                index, cause = next(iter(failed.items()))
-                raise RunError(f"{self.fleet.rollout_names[index]} was just added but {cause} while loading the "
-                               "weights")
-            if self.config.sync.probe:
-                self.verify(new)
+        if self.config.sync.probe and len(fleet.rollout) > first:
+            self.verify(list(range(first, len(fleet.rollout))))
+        self.scale_events += len(fleet.rollout) - first
+        return len(fleet.rollout) - first
+
+    def _drop_new(self, workers: list[PendingWorker] | list[RolloutSlot], causes: dict[int, str],
+                  when: str = "") -> None:
+        """Stop new workers that failed on their way into the fleet, counting and reporting each."""
+        if not workers:
+            return
+        self.fleet.launcher.stop(workers, timeout=0)
+        for worker in workers:
+            self.scale_failures += 1
+            self.last_scale_error = f"new {worker.name} {causes[worker.id]}{' ' + when if when else ''}"
+            print(f"relay: {self.last_scale_error}; it was dropped, the run goes on with the workers it has",
+                  file=sys.stderr, flush=True)
 
     def sync(self, version: int) -> float:
         """Load the learner's weights (version `version`) into every worker and verify them; returns the probe's
@@ -187,33 +236,47 @@ class RolloutPool:
         self.weights_version = version
         loads = None if self.config.sync.probe else self.transport.defer()
         if loads is not None:
-            self.pending = loads
+            self.deferred = loads
             return float("nan")
-        self.pending = {}
+        self.deferred = {}
         failed = self._load(list(range(len(self.workers))))
         for i, cause in failed.items():
             self.replace(i, cause)  # the replacement is loaded and probed on its own
         return self.verify() if self.config.sync.probe else float("nan")
 
     def verify(self, indices: list[int] | None = None) -> float:
-        """Compare engines' logprobs of a seeded probe sample with the learner's; return the largest gap."""
-        cfg = self.config
+        """Right after a load: compare engines' logprobs of a seeded probe sample with the learner's; return the
+        largest gap, or raise SyncError naming the first worker whose gap exceeds `sync.probe_tolerance` or that
+        answered from prompt KV entries cached before the load (its prefix cache was not reset: a stale cache
+        changes logprobs by as little as the last step changed the weights, which can be less than the tolerance)."""
+        tolerance = self.config.sync.probe_tolerance
         indices = list(range(len(self.workers))) if indices is None else indices
+        gaps = self.probe_gaps(indices)
+        for i, (gap, sample) in zip(indices, gaps):
+            name, version = self.fleet.rollout_names[i], sample.weights_version
+            if not gap <= tolerance:
+                raise SyncError(
+                    f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
+                    f"learner's by {gap:.3g} > sync.probe_tolerance={tolerance:g}; the engine is not serving the "
+                    "learner's weights")
+            if sample.cached_prompt_tokens:
+                raise SyncError(
+                    f"weight sync check failed: {name} (version {version}) took {sample.cached_prompt_tokens} probe "
+                    "prompt tokens from its prefix cache right after a load, so KV entries computed with the previous "
+                    "weights survived it (the engine's prefix cache was not reset)")
+        return max((gap for gap, _ in gaps), default=0.0)
+
+    def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
+        """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample)."""
+        cfg = self.config
         names = [self.fleet.rollout_names[i] for i in indices]
         probes = get([self.workers[i].probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens,
                                                    cfg.rollout.temperature, self.weights_version) for i in indices],
                      cfg.timeouts.sync, names, "sync")
-        learner_lps = self.fleet.learner_group.compute_logprobs([p[0] for p in probes], [p[1] for p in probes])
-        worst = 0.0
-        for name, (_, _, engine_lps, version), ours in zip(names, probes, learner_lps):
-            gap = max((abs(a - b) for a, b in zip(engine_lps, ours)), default=0.0)
-            if not gap <= cfg.sync.probe_tolerance:
-                raise SyncError(
-                    f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
-                    f"learner's by {gap:.3g} > sync.probe_tolerance={cfg.sync.probe_tolerance:g}; the engine is not "
-                    "serving the learner's weights")
-            worst = max(worst, gap)
-        return worst
+        learner_lps = self.fleet.learner_group.compute_logprobs([p.prompt_ids for p in probes],
+                                                                [p.response_ids for p in probes])
+        return [(max((abs(a - b) for a, b in zip(sample.logprobs, ours)), default=0.0), sample)
+                for sample, ours in zip(probes, learner_lps)]
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""
@@ -225,7 +288,7 @@ class RolloutPool:
         started = time.perf_counter()
         self.restarts += 1
         slot = self.fleet.rollout[index]
-        self.pending.pop(slot.id, None)  # the replacement is loaded here
+        self.deferred.pop(slot.id, None)  # the replacement is loaded here
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed()

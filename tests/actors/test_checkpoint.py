@@ -131,7 +131,7 @@ def test_saved_policy_serves_from_a_fresh_vllm_engine(trained):
     learner, directory = trained
     worker = RolloutWorker(EngineSettings(model_path=str(directory / "policy")))
     try:
-        prompt_ids, response_ids, engine_lps, _ = worker.probe("37+45=", 6, 1.0, seed=1)
+        prompt_ids, response_ids, engine_lps, *_ = worker.probe("37+45=", 6, 1.0, seed=1)
     finally:
         worker.shutdown()
     assert prompt_ids == FIXED[0] and len(response_ids) >= 1

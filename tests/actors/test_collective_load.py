@@ -27,7 +27,7 @@ def perturb(model, seed: int, scale: float = 0.5) -> None:
 
 
 def probe_gap(worker: RolloutWorker, learner: Learner) -> float:
-    prompt_ids, response_ids, logprobs, _ = worker.probe(PROBE, 6, 1.0, seed=1)
+    prompt_ids, response_ids, logprobs, *_ = worker.probe(PROBE, 6, 1.0, seed=1)
     [ours] = learner.compute_logprobs([prompt_ids], [response_ids])
     return max(abs(a - b) for a, b in zip(logprobs, ours))
 

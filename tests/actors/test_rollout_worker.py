@@ -116,39 +116,66 @@ def test_load_from_the_learners_shared_buffer_copies_it_into_the_engine(worker, 
 
 
 def test_prefix_cache_is_reset_on_load(worker, tiny_model_dir, monkeypatch):
-    """The probe prompt is cached after one call; a load that skipped the reset would score with stale KV."""
+    """The probe prompt is cached after one call; a load that skipped the reset would score with stale KV, and the
+    first probe after it says so by the prompt tokens it took from the cache (what the sync check looks at)."""
     first = perturbed_state(tiny_model_dir, seed=4)
     second = perturbed_state(tiny_model_dir, seed=5)
     worker.load_weights(6, *buckets_of(first))
-    worker.probe(PROBE, 4, 1.0, seed=1)  # caches the prompt's first block under `first`
+    assert worker.probe(PROBE, 4, 1.0, seed=1).cached_prompt_tokens == 0  # caches the prompt's first block
+    assert worker.probe(PROBE, 4, 1.0, seed=1).cached_prompt_tokens == 32  # ... and reads it
     worker.load_weights(7, *buckets_of(second))
-    prompt_ids, response_ids, logprobs, version = worker.probe(PROBE, 4, 1.0, seed=1)
-    assert version == 7
-    torch.testing.assert_close(torch.tensor(logprobs), hf_logprobs(second, prompt_ids, response_ids),
-                               atol=1e-4, rtol=0)
+    sample = worker.probe(PROBE, 4, 1.0, seed=1)
+    assert sample.weights_version == 7 and sample.cached_prompt_tokens == 0
+    torch.testing.assert_close(torch.tensor(sample.logprobs),
+                               hf_logprobs(second, sample.prompt_ids, sample.response_ids), atol=1e-4, rtol=0)
 
     # The same sequence of events with the reset skipped gives stale logprobs: the reset is what we rely on.
     worker.load_weights(8, *buckets_of(first))
     worker.probe(PROBE, 4, 1.0, seed=1)
     monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda: None)
     worker.load_weights(9, *buckets_of(second))
-    prompt_ids, response_ids, logprobs, _ = worker.probe(PROBE, 4, 1.0, seed=1)
-    assert (torch.tensor(logprobs) - hf_logprobs(second, prompt_ids, response_ids)).abs().max() > 1e-3
+    sample = worker.probe(PROBE, 4, 1.0, seed=1)
+    assert sample.cached_prompt_tokens == 32
+    stale = torch.tensor(sample.logprobs) - hf_logprobs(second, sample.prompt_ids, sample.response_ids)
+    assert stale.abs().max() > 1e-3
 
 
-def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worker):
-    """Tied input/output embeddings: the checkpoint has no lm_head, so the engine's head must be re-packed from the
-    new embedding after every reload (on CPUs whose kernels copy the weight when packing it, the old head would
-    otherwise stay; on this machine's oneDNN path it is read in place, so only the positive half is checked)."""
+def _mark_head_kernel(vllm_worker) -> None:
+    vllm_worker.model_runner.get_model().lm_head.cpu_linear.relay_mark = True
+
+
+def _head_kernel(vllm_worker):
+    """The CPU head's GEMM kernel (built from the head's weight when it was last processed), whether it is still the
+    one `_mark_head_kernel` marked, and the padded vocabulary size."""
+    model = vllm_worker.model_runner.get_model()
+    kernel = model.lm_head.cpu_linear
+    return kernel, getattr(kernel, "relay_mark", False), model.lm_head.weight
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worker, dtype):
+    """Tied input/output embeddings: the checkpoint has no lm_head, so the CPU backend's packed head kernel must be
+    rebuilt from the new embedding on every load. On CPUs whose packing copies the weight, a kernel left from the old
+    load serves the old head; this machine's oneDNN kernel reads the weight in place, so besides the logprobs the test
+    checks the kernel itself: replaced at every load, and computing with the new embedding (docs/vllm-cpu.md)."""
     worker.shutdown()  # one engine at a time in this process
-    tied = RolloutWorker(EngineSettings(model_path=str(tiny_tied_model_dir)))
+    tied = RolloutWorker(EngineSettings(model_path=str(tiny_tied_model_dir), dtype=dtype))
     try:
+        llm = tied.engine.llm
         sampling = SamplingSettings(group_size=1, max_new_tokens=6)
         for version, seed in ((1, 6), (2, 7)):
+            llm.collective_rpc(_mark_head_kernel)
             new = perturbed_state(tiny_tied_model_dir, seed=seed, scale=0.5)
             tied.load_weights(version, *buckets_of(new))
+            [(kernel, still_marked, head)] = llm.collective_rpc(_head_kernel)
+            assert not still_marked, "the load left the head's kernel built from the previous weights"
+            embedding = new.get_input_embeddings().weight.detach()
+            x = torch.randn(5, embedding.shape[1], generator=torch.Generator().manual_seed(seed))
+            served = kernel(x.to(head.dtype), head, None)[:, :embedding.shape[0]].float()
+            expected = (x.to(head.dtype) @ embedding.to(head.dtype).T).float()
+            torch.testing.assert_close(served, expected, atol=1e-4 if dtype == "float32" else 0.1, rtol=1e-2)
             [[r]] = tied.generate(["37+45="], [3], sampling)
             gap = (torch.tensor(r.behavior_logprobs) - hf_logprobs(new, r.prompt_ids, r.response_ids)).abs().max()
-            assert gap < 1e-4  # a stale head gives 0.5-0.8 (shared/notes/vllm-cpu.md)
+            assert gap < (1e-4 if dtype == "float32" else 0.2)
     finally:
         tied.shutdown()

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from actors.rollout import RolloutWorker
-from cluster.config import load_config
+from bench import step_breakdown
+from cluster.config import LearnerConfig, load_config
 from cluster.driver import SyncError, run_training
 from cluster.remote import RunError
 
@@ -58,6 +59,9 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
     assert lines == records and [r["step"] for r in lines] == list(range(1, 26))
     for record in lines:
         assert CONTRACT_KEYS <= record.keys()
+        # bench/step_breakdown.py lists every phase: none lands in its "overhead" unnoticed.
+        assert {k for k in record if k.startswith("time/")} == {
+            f"time/{name}" for name in [*step_breakdown.PHASES, *step_breakdown.NESTED, "step"]}
         assert record["logprob/mismatch"] < 1e-4  # engines sampled with exactly the learner's weights
         assert record["sync/probe_max_diff"] < 1e-4
         assert record["rollout/workers"] == 2
@@ -68,10 +72,19 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
     assert load_config(tmp_path / "run" / "config.yaml") == config.model_copy(update={"run_dir": str(tmp_path / "run")})
 
 
-@pytest.mark.parametrize("worker_cls", [SkipLoadWorker, NoCacheResetWorker])
-def test_broken_sync_stops_the_run(ray_local, tmp_path, demo_model_dir, worker_cls):
-    config = config_for(tmp_path, demo_model_dir, "max_steps=3")
-    with pytest.raises(SyncError, match="weight sync check failed: rollout worker 0"):
+@pytest.mark.parametrize("lr", ["2e-3", "default"])
+@pytest.mark.parametrize("worker_cls, caught_by", [
+    (SkipLoadWorker, r"\(version 1\) gives probe logprobs that differ from the learner's"),
+    # at 2e-3 the stale KV entries already move the logprobs beyond the tolerance; at the default lr they do not
+    (NoCacheResetWorker, r"\(version 1\) (gives probe logprobs|took 32 probe prompt tokens from its prefix cache)")])
+def test_broken_sync_stops_the_run(ray_local, tmp_path, demo_model_dir, worker_cls, caught_by, lr):
+    """Caught at the first sync, at the default learning rate too (whose first, warm-up step is lr/10): a skipped load
+    by the logprobs (in float32 one step moves them far more than `sync.probe_tolerance`; bfloat16's limits are in
+    docs/operations.md), a skipped prefix-cache reset by the cache hit itself (its logprob error is as small as the
+    step's change of the weights)."""
+    default_lr = LearnerConfig.model_fields["lr"].default
+    config = config_for(tmp_path, demo_model_dir, "max_steps=3", f"learner.lr={default_lr if lr == 'default' else lr}")
+    with pytest.raises(SyncError, match="weight sync check failed: rollout worker 0 " + caught_by):
         run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=worker_cls)
 
 

@@ -53,6 +53,31 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, mess
     assert "Traceback" not in result.stderr and not run_dir.exists()
 
 
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # bound, never listening: connections to it are refused
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("address, code, message", [
+    ("not-an-address", 2, "relay: config error: ray.address='not-an-address': Invalid address format"),
+    ("127.0.0.1:{port}", 1, "relay: run stopped: cannot reach a Ray cluster at ray.address=127.0.0.1:{port}"),
+])
+def test_a_wrong_ray_address_is_one_line_and_leaves_nothing_behind(tmp_path, address, code, message):
+    # Checked before the run directory, the metrics writers or the demo model exist (nothing to leave open), and
+    # within seconds: Ray itself retries a closed GCS port for minutes.
+    port = closed_port()
+    run_dir = tmp_path / "run"
+    result = relay("train", f"ray.address={address.format(port=port)}", f"run_dir={run_dir}", "--quiet",
+                   timeout=120)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert result.stderr.startswith(message.format(port=port)), result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
 @pytest.mark.slow
 def test_demo_trains_and_writes_metrics(tmp_path, demo_model_dir):
     run_dir = tmp_path / "run"

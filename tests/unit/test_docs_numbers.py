@@ -1,0 +1,68 @@
+"""Numbers the docs quote come from the column of the benchmark table they name (docs/benchmarks.md, produced by the
+committed bench/ scripts), like for like."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RANGE = re.compile(r"(\d+(?:\.\d+)?)x-(\d+(?:\.\d+)?)x")
+
+
+def table_after(text: str, heading: str, first_column: str) -> list[dict[str, str]]:
+    """The rows of the first Markdown table under `heading` whose header starts with `first_column`."""
+    section = text.split(heading, 1)[1]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) != len(header):
+            break
+        rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def quoted_range(rows: list[dict[str, str]], transport: str, column: str) -> str:
+    values = [float(row[column].rstrip("x")) for row in rows if row["transport"] == transport]
+    assert values, f"no {transport!r} rows in the weight-sync table"
+    return f"{min(values):.1f}x-{max(values):.1f}x"
+
+
+def test_operations_quotes_the_weight_sync_tables_transfer_column_for_both_object_store_paths():
+    rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "## Weight sync", "model")
+    expected = {quoted_range(rows, "object_store", "transfer / memcpy"),
+                quoted_range(rows, "object_store, no shm", "transfer / memcpy")}
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    section = operations.split("## Weight sync", 1)[1].split("\n## ", 1)[0]
+    quoted = {f"{a}x-{b}x" for a, b in RANGE.findall(section)}
+    assert quoted == expected, f"docs/operations.md quotes {sorted(quoted)}, the table's transfer column {expected}"
+
+
+def one_digit(value: float) -> str:
+    """1.29e-04 -> '1e-4': the precision the prose quotes."""
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
+    rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "## The sync probe's limits", "dtype")
+    f32 = [r for r in rows if r["dtype"] == "float32"]
+    bf16_small = [r for r in rows if r["dtype"] == "bfloat16" and float(r["lr"]) <= 5e-5]
+    assert f32 and bf16_small
+    assert all(r["stale engine caught, no false alarm"] == "yes" for r in f32)  # "so it is caught"
+    assert all(r["stale engine caught, no false alarm"] == "NO" for r in bf16_small)  # "goes unnoticed there"
+    readme = (ROOT / "README.md").read_text()
+    claim = " ".join(readme.split("**Its limits**", 1)[1].split("\n\n", 1)[0].split())
+    stale_at_1e6 = next(float(r["stale gap (min)"]) for r in f32 if float(r["lr"]) == 1e-6)
+    quotes = {
+        "float32 noise": f"noise ~{one_digit(max(float(r['fresh gap (max)']) for r in f32))}",
+        "float32 step at lr 1e-6": f"moved them by {one_digit(stale_at_1e6)} at lr 1e-6",
+        "bfloat16 noise": f"differ by up to ~{one_digit(max(float(r['fresh gap (max)']) for r in bf16_small))}",
+        "bfloat16 steps": (f"moved the logprobs by {one_digit(min(float(r['stale gap (min)']) for r in bf16_small))} "
+                           f"to {one_digit(max(float(r['stale gap (min)']) for r in bf16_small))}"),
+    }
+    for what, quote in quotes.items():
+        assert quote in claim, f"README's probe limits should quote {what} as '{quote}'"
