@@ -5,7 +5,10 @@ For each model size (a random-init Qwen2 with the character tokenizer, built loc
 worker count, starts a learner and that many rollout workers (real vLLM engines in Ray actors) with the run's own
 placement code, then loads the learner's weights into every worker through each transport's `load` (what a run's sync
 calls) `--repeats` times after one warm-up load; for `collective` the warm-up load also forms the group (reported
-apart). The probe then checks that every engine serves the learner's weights. Transports: `object_store` as a run
+apart). Before every load the learner's weights get a new random delta (a step's worth of change, untimed), so a
+transport that delivered nothing cannot pass: the probe, run after every load, must find every engine serving the
+perturbed weights, and the same probe run just before the load must find them serving the previous ones (the "stale
+gap", proof that the check could fail). Transports: `object_store` as a run
 has it by default (here every worker is on the learner's node, so they read its shared-memory buffer), the same with
 `sync.shared_memory=false` (through Ray's object store, as workers on other nodes do), and `collective` (gloo).
 Columns, medians over the repeats:
@@ -16,7 +19,9 @@ Columns, medians over the repeats:
 - GB/s: model bytes / seconds (every worker gets the whole model in that time);
 - memcpy: one thread copying the model's bytes once (`Tensor.copy_`), the physical reference;
 - first load: the warm-up load (for `collective`, with the group's formation);
-- learner send: `collective` only, the learner's pack + broadcast of every bucket.
+- learner send: `collective` only, the learner's pack + broadcast of every bucket;
+- stale gap: the smallest probe gap before a load (engines on the previous weights), which must exceed
+  `sync.probe_tolerance`; probe max diff: the largest after a load, which must not.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ SIZES = {
     "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
     "100M": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16, "num_kv_heads": 8, "intermediate_size": 3072},
 }
+PERTURBATION = 1e-3  # std of the random delta added to every weight before each load
 # label -> (sync.transport, overrides): the default, the object store alone, the collective
 TRANSPORTS = {"object_store": ("object_store", []),
               "object_store, no shm": ("object_store", ["sync.shared_memory=false"]),
@@ -92,22 +98,39 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
+def perturb(learner, seed: int, scale: float = PERTURBATION) -> None:
+    """Add a seeded random delta of std `scale` to every weight of the learner (runs inside the learner's actor)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in learner.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale)
+    learner._gathered = learner.dp.gather_weights(learner.model)  # what the export reads (fsdp2: rank 0's copy)
+
+
 def measure(pool, name: str, repeats: int) -> dict[str, float]:
-    """Warm-up load, then `repeats` timed loads of every worker through transport `name`; then the probe."""
+    """Warm-up load, then `repeats` timed loads of every worker through transport `name`, each of newly perturbed
+    weights and checked by the probe: stale (before the load) and loaded (after it)."""
     from cluster.transport import make_transport
 
     transport = make_transport(pool)
     indices = list(range(len(pool.workers)))
-    loads, engine, broadcast = [], [], []
+    loads, engine, broadcast, stale, loaded = [], [], [], [], []
     first = 0.0
+    tolerance = pool.config.sync.probe_tolerance
     try:
         for attempt in range(repeats + 1):
+            ray.get(pool.fleet.learner.__ray_call__.remote(perturb, seed=pool.weights_version))
             pool.weights_version += 1
+            if attempt:
+                stale.append(probe_gap(pool))
             started = time.perf_counter()
             done, failed = transport.load(indices)
             elapsed = time.perf_counter() - started
             if failed or set(done.values()) != {pool.weights_version}:
                 raise RuntimeError(f"{name}: load failed: {failed or done}")
+            loaded.append(pool.verify())  # raises SyncError above sync.probe_tolerance
             if attempt == 0:
                 first = elapsed
                 continue
@@ -116,12 +139,20 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
             engine.append(max(t["reload_s"] for t in timings))
             if name == "collective":
                 broadcast.append(transport.last_broadcast["seconds"])
-        probe = pool.verify()
     finally:
         transport.close()
+    if min(stale) <= tolerance:
+        raise RuntimeError(f"{name}: the perturbation moved the probe by only {min(stale):.2g} <= "
+                           f"sync.probe_tolerance={tolerance:g}: this check could not catch a load that did nothing")
     load, engine_load = statistics.median(loads), statistics.median(engine)
     return {"load": load, "engine": engine_load, "transfer": max(load - engine_load, 0.0), "first": first,
-            "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": probe}
+            "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": max(loaded),
+            "stale": min(stale)}
+
+
+def probe_gap(pool) -> float:
+    """The probe's smallest engine-vs-learner gap over the workers (before a load: every one must be stale)."""
+    return min(gap for gap, _ in pool.probe_gaps(list(range(len(pool.workers)))))
 
 
 def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) -> list[dict]:
@@ -186,19 +217,21 @@ def main() -> None:
     print(f"machine: {header}; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"median of {args.repeats} loads after a warm-up; GB/s = model bytes / seconds; collective: gloo")
     print("| model | MB | workers | transport | load s | load GB/s | engine load s | transfer s | transfer GB/s | "
-          "load / memcpy | transfer / memcpy | memcpy s | first load s | learner send s | probe max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "load / memcpy | transfer / memcpy | memcpy s | first load s | learner send s | stale gap | "
+          "probe max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = r["bytes"] / 1e6
         if "error" in r:
-            print(f"| {r['size']} | {mb:.0f} | {r['workers']} | did not run: {r['error']} ||||||||||||")
+            print(f"| {r['size']} | {mb:.0f} | {r['workers']} | did not run: {r['error']} |||||||||||||")
             continue
         gbs = r["bytes"] / 1e9
         print(f"| {r['size']} | {mb:.0f} | {r['workers']} | {r['transport']} | {r['load']:.3f} | "
               f"{gbs / r['load']:.2f} | {r['engine']:.3f} | {r['transfer']:.3f} | "
               f"{gbs / r['transfer'] if r['transfer'] else float('inf'):.2f} | {r['load'] / r['memcpy']:.1f}x | "
               f"{r['transfer'] / r['memcpy']:.1f}x | {r['memcpy']:.3f} | {r['first']:.3f} | "
-              f"{'' if r['broadcast'] != r['broadcast'] else format(r['broadcast'], '.3f')} | {r['probe']:.1e} |")
+              f"{'' if r['broadcast'] != r['broadcast'] else format(r['broadcast'], '.3f')} | {r['stale']:.1e} | "
+              f"{r['probe']:.1e} |")
 
 
 if __name__ == "__main__":
