@@ -55,6 +55,9 @@ class RolloutPool:
         # Without the probe, a sync only exports the weights: each worker loads them at the start of its next
         # `generate` (one call per worker per step instead of two). slot id -> the `version, *buckets` to send.
         self.deferred: dict[int, list] = {}
+        # Slot ids of workers whose engine is new or loaded weights since it was last probed: its next probe must find
+        # nothing of the probe's prompt in the prefix cache. Tracked here, not by the workers being checked.
+        self.unprobed: set[int] = {slot.id for slot in fleet.rollout}
 
     @property
     def workers(self) -> list[Any]:
@@ -245,25 +248,26 @@ class RolloutPool:
         return self.verify() if self.config.sync.probe else float("nan")
 
     def verify(self, indices: list[int] | None = None) -> float:
-        """Right after a load: compare engines' logprobs of a seeded probe sample with the learner's; return the
-        largest gap, or raise SyncError naming the first worker whose gap exceeds `sync.probe_tolerance` or that
-        answered from prompt KV entries cached before the load (its prefix cache was not reset: a stale cache
-        changes logprobs by as little as the last step changed the weights, which can be less than the tolerance)."""
+        """Compare engines' logprobs of a seeded probe sample with the learner's; return the largest gap, or raise
+        SyncError naming the first worker whose gap exceeds `sync.probe_tolerance` or whose first probe since its
+        last load took prompt tokens from the prefix cache (KV entries of the previous weights survived the load: a
+        stale cache changes logprobs by as little as the last step changed the weights, less than the tolerance)."""
         tolerance = self.config.sync.probe_tolerance
         indices = list(range(len(self.workers))) if indices is None else indices
         gaps = self.probe_gaps(indices)
         for i, (gap, sample) in zip(indices, gaps):
-            name, version = self.fleet.rollout_names[i], sample.weights_version
+            name, version, slot_id = self.fleet.rollout_names[i], sample.weights_version, self.fleet.rollout[i].id
             if not gap <= tolerance:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
                     f"learner's by {gap:.3g} > sync.probe_tolerance={tolerance:g}; the engine is not serving the "
                     "learner's weights")
-            if sample.cached_prompt_tokens:
+            if slot_id in self.unprobed and sample.cached_prompt_tokens:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) took {sample.cached_prompt_tokens} probe "
                     "prompt tokens from its prefix cache right after a load, so KV entries computed with the previous "
                     "weights survived it (the engine's prefix cache was not reset)")
+            self.unprobed.discard(slot_id)
         return max((gap for gap, _ in gaps), default=0.0)
 
     def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
@@ -305,6 +309,7 @@ class RolloutPool:
         """Load the learner's current weights into the given workers through the configured transport; returns
         {index: cause} of the workers that died, raised or missed the deadline."""
         done, failed = self.transport.load(indices)
+        self.unprobed.update(self.fleet.rollout[i].id for i in done)
         for i, version in done.items():
             if version != self.weights_version:
                 raise SyncError(f"{self.fleet.rollout_names[i]} serves weights version {version}, expected "

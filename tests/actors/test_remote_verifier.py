@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -422,7 +421,7 @@ def test_a_sample_past_sample_timeout_gets_an_error_and_the_rest_are_scored():
     assert health.status_code == 503 and "all 1 workers are held" in health.json()["detail"]
 
 
-def test_relay_verifier_serve_cli(tmp_path, monkeypatch):
+def test_relay_verifier_serve_cli(serve_verifier, monkeypatch):
     bad = subprocess.run([*RELAY, "verifier", "serve", "--verifier", "no_such_verifier"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("relay: config error: ")
@@ -431,30 +430,12 @@ def test_relay_verifier_serve_cli(tmp_path, monkeypatch):
                                capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad_param.returncode == 2 and "does not accept parameter 'tol'" in bad_param.stderr
 
-    port = int(closed_port_url().rsplit(":", 1)[1])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SERVE_TOKEN": TOKEN}
-    process = subprocess.Popen([*RELAY, "verifier", "serve", "--verifier", "rewards.arithmetic:exact_match",
-                                "--port", str(port), "--workers", "2", "--token-env", "SERVE_TOKEN"],
-                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "relay verifier serve did not become healthy in 30 s"
-            time.sleep(0.1)
-        samples = make_samples(40)
-        monkeypatch.setenv("JUDGE_TOKEN", TOKEN)
-        with RemoteVerifier("judge", source([url], token_env="JUDGE_TOKEN")) as verifier:
-            scores, _ = score_timed(verifier, samples)
-        unauthorized = httpx.post(f"{url}/verify", json={"samples": []})
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    process, url = serve_verifier(["--verifier", "rewards.arithmetic:exact_match", "--workers", "2", "--token-env",
+                                   "SERVE_TOKEN"], {"SERVE_TOKEN": TOKEN})
+    samples = make_samples(40)
+    monkeypatch.setenv("JUDGE_TOKEN", TOKEN)
+    with RemoteVerifier("judge", source([url], token_env="JUDGE_TOKEN")) as verifier:
+        scores, _ = score_timed(verifier, samples)
+    unauthorized = httpx.post(f"{url}/verify", json={"samples": []})
     assert scores.rewards == expected(samples) and scores.metrics["requests"] == 5
     assert unauthorized.status_code == 401

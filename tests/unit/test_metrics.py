@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import subprocess
 import sys
 import time
