@@ -203,6 +203,16 @@ class LearnerConfig(_Section):
     this or `kl_coef`, not both."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator, wherever the KL goes (loss or reward)."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correct the policy gradient for the gap between the engine's logprobs of the sampled tokens (behaviour) and
+    the learner's (pi_old), rho = pi_old / pi_behavior: `tis` weighs each token's term by min(rho, cap) (truncated
+    importance sampling), `mis` drops tokens whose rho is outside [1/cap, cap] (masked); `none` uses neither. The gap
+    is numerics in a synchronous run (larger in bfloat16; `mismatch/kl` shows it); docs/algorithms.md."""
+    rollout_correction_cap: float = Field(2.0, gt=1, le=1000)
+    """The cap C of `rollout_correction`."""
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """`token`: one ratio per token; `sequence`: one per sequence, the product of its tokens' (each of its tokens
+    gets the sequence's weight)."""
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
 

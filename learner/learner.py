@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards
+from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
                                      sequence_logprobs_and_entropy, unpad_per_token)
@@ -61,6 +62,7 @@ class StepTensors:
     ref_logprobs: torch.Tensor | None  # [B, L-1] when the KL goes in the loss
     old_values: torch.Tensor | None = None  # [B, L-1] critic, before this step's update (gae)
     returns: torch.Tensor | None = None  # [B, L-1] value targets (gae)
+    correction: torch.Tensor | None = None  # [B, L-1] rollout-correction weights (learner.rollout_correction)
 
 
 def _peak_rss_mb() -> float:
@@ -169,8 +171,13 @@ class Learner:
         estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
             token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
             lam=cfg.lam, scale=cfg.group_scale))
+        behavior = pad_per_token(data.behavior_logprobs, batch)
+        correction, correction_metrics = rollout_correction(old_logprobs, behavior, mask, cfg.rollout_correction,
+                                                            cfg.rollout_correction_cap, cfg.rollout_correction_level)
+        metrics.update({name: float(value) for name, value in correction_metrics.items()})
         tensors = StepTensors(batch, old_logprobs, estimate.advantages, ref if cfg.kl_coef > 0 else None,
-                              old_values, estimate.returns)
+                              old_values, estimate.returns,
+                              correction if cfg.rollout_correction != "none" else None)
 
         sums: dict[str, float] = {}
         updates = 0
@@ -184,7 +191,6 @@ class Learner:
                     sums[key] = sums.get(key, 0.0) + value
         metrics.update({key: value / updates for key, value in sums.items()})  # means over the step's updates
         metrics["train/skipped_updates"] = sums["train/skipped_updates"]  # a count, not a mean
-        behavior = pad_per_token(data.behavior_logprobs, batch)
         metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
         metrics["advantage/mean_abs"] = float(aggregate(estimate.advantages.abs(), mask, "token-mean"))
         if estimate.returns is not None:
@@ -221,7 +227,8 @@ class Learner:
             logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0)
             policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
                 logprobs, step.old_logprobs[mb_idx, :width], step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
-                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length)
+                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length,
+                None if step.correction is None else step.correction[mb_idx, :width])
             loss = policy_loss
             if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
                 token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)

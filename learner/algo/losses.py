@@ -122,6 +122,7 @@ def clipped_policy_loss(
     clip_c: float | None = None,
     mode: str = "token-mean",
     norm_length: int | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss with an asymmetric clip range and optional dual clip.
 
@@ -139,6 +140,8 @@ def clipped_policy_loss(
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
         clip_c: dual-clip constant c > 1, or None for no dual clip.
         mode, norm_length: how l_t is reduced to a scalar, see aggregate().
+        weights: optional [B, T] per-token factors w_t (no gradient) on l_t before the reduction: the rollout
+            correction's importance weights (correction.rollout_correction); None: all 1.
 
     Returns:
         loss: [] scalar to minimise.
@@ -168,6 +171,8 @@ def clipped_policy_loss(
         loss_dual = -advantages * clip_c  # -A_t c
         dual_clipped = (advantages < 0) & (loss_dual < token_losses)
         token_losses = torch.where(dual_clipped, loss_dual, token_losses)  # A_t < 0: l_t = min(l_t, -A_t c)
+    if weights is not None:
+        token_losses = token_losses * weights.detach()  # w_t l_t
 
     loss = aggregate(token_losses, mask, mode, norm_length)
     with torch.no_grad():
@@ -190,6 +195,7 @@ def gspo_policy_loss(
     clip_c: float | None = None,
     mode: str = "seq-mean-token-mean",
     norm_length: int | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: the clipped surrogate with one length-normalised importance ratio per sequence.
 
@@ -209,6 +215,8 @@ def gspo_policy_loss(
         clip_low, clip_high: s_i is clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
         clip_c: must be None: the dual clip is a per-token bound of PPO, not defined for GSPO.
         mode, norm_length: how the token losses l_i are reduced to a scalar, see aggregate().
+        weights: optional [B, T] per-token factors (no gradient) on the token losses before the reduction, as in
+            clipped_policy_loss; None: all 1.
 
     Returns:
         loss: [] scalar to minimise (0 if no row has a response token).
@@ -239,6 +247,8 @@ def gspo_policy_loss(
     seq_losses = torch.maximum(loss_unclipped, loss_clipped)  # [B, 1] l_i = -min(A_i s_i, A_i clip(s_i))
 
     token_losses = seq_losses.expand_as(token_log_ratio)  # [B, T] l_i on every token of sequence i
+    if weights is not None:
+        token_losses = token_losses * weights.detach()
     loss = aggregate(token_losses, mask, mode, norm_length)
     has_tokens = lengths > 0  # [B, 1] sequences the sequence-level metrics average over
     with torch.no_grad():

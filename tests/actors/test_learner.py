@@ -216,3 +216,21 @@ def test_ppo_micro_batching_does_not_change_the_value_update(tiny_model_dir):
 def test_gae_without_a_critic_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="gae needs one"):
         make_learner(tiny_model_dir, advantage="gae")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tis_weighs_the_gradient_by_the_capped_ratio_and_reports_the_mismatch(tiny_model_dir, dtype):
+    """Behaviour logprobs ln 2 below the learner's: rho = 2 on every token, above the cap 1.5, so TIS weighs every
+    token's term by 1.5 and the gradient grows by exactly that factor."""
+    norms = {}
+    for mode in ("none", "tis"):
+        config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2, rollout_correction=mode,
+                               rollout_correction_cap=1.5)
+        learner = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0, norm_length=4)
+        behavior = [[lp - math.log(2) for lp in row] for row in learner.compute_logprobs(PROMPTS, RESPONSES)]
+        metrics = learner.train_step(TrainBatch(PROMPTS, RESPONSES, behavior, [1.0, 0.0, 0.0, 1.0], 2))
+        norms[mode] = metrics["grad_norm"]
+        assert metrics["mismatch/kl"] == pytest.approx(1 - math.log(2), abs=1e-3)  # k3 at rho = 2
+    assert metrics["rollout_correction/capped_fraction"] == 1.0
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(1.5)
+    assert norms["tis"] / norms["none"] == pytest.approx(1.5, rel=1e-2 if dtype == "bfloat16" else 1e-5)
