@@ -118,7 +118,6 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
     indices = list(range(len(pool.workers)))
     loads, engine, broadcast, stale, loaded = [], [], [], [], []
     first = 0.0
-    tolerance = pool.config.sync.probe_tolerance
     try:
         for attempt in range(repeats + 1):
             ray.get(pool.fleet.learner.__ray_call__.remote(perturb, seed=pool.weights_version))
@@ -130,7 +129,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
             elapsed = time.perf_counter() - started
             if failed or set(done.values()) != {pool.weights_version}:
                 raise RuntimeError(f"{name}: load failed: {failed or done}")
-            loaded.append(pool.verify())  # raises SyncError above sync.probe_tolerance
+            loaded.append(pool.verify())  # raises SyncError above the probe's tolerance (the first call sets it)
             if attempt == 0:
                 first = elapsed
                 continue
@@ -141,9 +140,9 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
                 broadcast.append(transport.last_broadcast["seconds"])
     finally:
         transport.close()
-    if min(stale) <= tolerance:
-        raise RuntimeError(f"{name}: the perturbation moved the probe by only {min(stale):.2g} <= "
-                           f"sync.probe_tolerance={tolerance:g}: this check could not catch a load that did nothing")
+    if min(stale) <= pool.tolerance:
+        raise RuntimeError(f"{name}: the perturbation moved the probe by only {min(stale):.2g} <= the probe "
+                           f"tolerance {pool.tolerance:g}: this check could not catch a load that did nothing")
     load, engine_load = statistics.median(loads), statistics.median(engine)
     return {"load": load, "engine": engine_load, "transfer": max(load - engine_load, 0.0), "first": first,
             "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": max(loaded),

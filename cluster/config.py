@@ -28,7 +28,8 @@ class ModelConfig(_Section):
     path: str | None = None
     """Hugging Face model directory of the initial policy; empty means the built-in demo model (built on first use)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for the learner, the reference and the engines (float32 on CPU keeps the sync check tight)."""
+    """Compute dtype: the engines' and the reference's weights, the learner's forward and backward (autocast when its
+    parameters are float32: `learner.master_dtype`), and the saved policy's."""
 
 
 class DataConfig(_Section):
@@ -148,6 +149,11 @@ class LearnerConfig(_Section):
     """Custom Ray resources each learner rank needs, e.g. `{learner_node: 1}`."""
     num_ranks: int = Field(1, ge=1, le=4096)
     """Data-parallel learner ranks (one actor each, joined by torch.distributed; rank 0 exports weights)."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the parameters AdamW updates, its state and the checkpoint's master weights. With
+    `model.dtype=bfloat16`, `float32` keeps every update (the forward and backward run in bfloat16 under autocast;
+    engines get the weights cast once per sync); `bfloat16` halves that memory but is lossy: an update below half a
+    bfloat16 ulp of its weight rounds away, most of them at learning rates near 1e-6 (docs/algorithms.md)."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and sums each rank's share of the gradient
     (the update equals one rank's), `fsdp2` shards parameters, gradients and optimizer state (`fully_shard`) for
@@ -253,9 +259,11 @@ class SyncConfig(_Section):
     `object_store` sync only exports the weights and each worker loads them at the start of its next generate request
     (one call per worker per step instead of two: for large fleets); rollouts' weights versions are checked either
     way."""
-    probe_tolerance: float = Field(1e-4, gt=0)
-    """Largest allowed max |engine - learner| logprob on the probe (1e-4 is safe in float32; ~5e-2 for bfloat16,
-    where one step's change at small learning rates is below it, so a stale engine can pass: docs/benchmarks.md)."""
+    probe_tolerance: float | None = Field(None, gt=0)
+    """Largest allowed max |engine - learner| logprob on the probe. Empty: derived from the noise floor the first
+    probe measures, before any update (engines and learner on the same weights): 5x it, at least 1e-4 (float32: 1e-4;
+    bfloat16: ~5e-2, where one step's change at small learning rates is below it: docs/benchmarks.md). A first gap
+    above 0.25 stops the run: that is not numerics."""
     probe_tokens: int = Field(8, ge=1, le=1024)
     """Tokens the probe samples from its fixed prompt."""
     probe_prompt: str = Field("1+1=2 2+2=4 3+3=6 4+4=8 5+5=10 6+6=12 7+7=14 ", min_length=1)
@@ -463,6 +471,9 @@ class RunConfig(_Section):
 def _inconsistencies(config: RunConfig):
     """Yield one message per invalid combination of keys, each saying how to fix it."""
     learner, rollout = config.learner, config.rollout
+    if learner.master_dtype == "bfloat16" and config.model.dtype != "bfloat16":
+        yield ("learner.master_dtype=bfloat16 needs model.dtype=bfloat16 (master weights are never coarser than the "
+               "compute dtype); set learner.master_dtype=float32")
     if learner.kl_coef > 0 and learner.kl_reward_coef > 0:
         yield ("KL is in the loss (learner.kl_coef) and in the reward (learner.kl_reward_coef) at once; "
                "set one of them to 0")

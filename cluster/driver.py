@@ -324,10 +324,12 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             cleanup.callback(stop_fleet, fleet)
             trainer = Trainer(config, fleet, data, scorer, control)
             cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
+            if config.sync.probe:
+                # Engines and learner agree on the weights they start from (the model's, also when resuming: before
+                # the checkpoint loads), which is where the probe's noise floor and tolerance come from.
+                trainer.rollouts.verify()
             first = trainer.restore(point) + 1 if point else 1
             trainer.publish({"step": first - 1})
-            if point is None and config.sync.probe:
-                trainer.rollouts.verify()  # engines and learner agree before any update
             progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
             with progress or nullcontext():
                 for step in range(first, config.max_steps + 1):

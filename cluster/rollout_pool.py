@@ -58,6 +58,8 @@ class RolloutPool:
         # Slot ids of workers whose engine is new or loaded weights since it was last probed: its next probe must find
         # nothing of the probe's prompt in the prefix cache. Tracked here, not by the workers being checked.
         self.unprobed: set[int] = {slot.id for slot in fleet.rollout}
+        # The probe's tolerance: `sync.probe_tolerance`, or derived from the first probe's gaps (`verify`).
+        self.tolerance: float | None = config.sync.probe_tolerance
 
     @property
     def workers(self) -> list[Any]:
@@ -251,17 +253,24 @@ class RolloutPool:
         """Compare engines' logprobs of a seeded probe sample with the learner's; return the largest gap, or raise
         SyncError naming the first worker whose gap exceeds `sync.probe_tolerance` or whose first probe since its
         last load took prompt tokens from the prefix cache (KV entries of the previous weights survived the load: a
-        stale cache changes logprobs by as little as the last step changed the weights, less than the tolerance)."""
-        tolerance = self.config.sync.probe_tolerance
+        stale cache changes logprobs by as little as the last step changed the weights, less than the tolerance).
+
+        Without `sync.probe_tolerance`, the first call (before any update, the engines on the weights the learner
+        started from) measures the noise floor and sets the tolerance from it (`probe_tolerance_from`)."""
         indices = list(range(len(self.workers))) if indices is None else indices
         gaps = self.probe_gaps(indices)
+        if self.tolerance is None:
+            self.tolerance = probe_tolerance_from(max((gap for gap, _ in gaps), default=0.0), self.fleet.rollout_names)
+            print(f"relay: sync probe tolerance {self.tolerance:.3g} (5x the engine-learner noise floor, at least "
+                  f"{PROBE_TOLERANCE_MIN:g})", file=sys.stderr, flush=True)
+        tolerance = self.tolerance
         for i, (gap, sample) in zip(indices, gaps):
             name, version, slot_id = self.fleet.rollout_names[i], sample.weights_version, self.fleet.rollout[i].id
             if not gap <= tolerance:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
-                    f"learner's by {gap:.3g} > sync.probe_tolerance={tolerance:g}; the engine is not serving the "
-                    "learner's weights")
+                    f"learner's by {gap:.3g} > the probe tolerance {tolerance:.3g} ({self._tolerance_source()}); the "
+                    "engine is not serving the learner's weights")
             if slot_id in self.unprobed and sample.cached_prompt_tokens:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) took {sample.cached_prompt_tokens} probe "
@@ -269,6 +278,11 @@ class RolloutPool:
                     "weights survived it (the engine's prefix cache was not reset)")
             self.unprobed.discard(slot_id)
         return max((gap for gap, _ in gaps), default=0.0)
+
+    def _tolerance_source(self) -> str:
+        if self.config.sync.probe_tolerance is not None:
+            return "sync.probe_tolerance"
+        return "derived from the noise floor before the first update; set sync.probe_tolerance to override"
 
     def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
         """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample)."""
@@ -316,3 +330,18 @@ class RolloutPool:
                                 f"{self.weights_version}")
         return failed
 
+
+
+PROBE_TOLERANCE_MIN = 1e-4  # float32 engines and learner agree to ~1e-6: a step at lr 1e-6 moves the probe ~1e-3
+PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps vary ~2x with the probe's tokens
+PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
+
+
+def probe_tolerance_from(noise: float, names: list[str]) -> float:
+    """The probe's tolerance from the largest gap of the first probe (engines and learner on the same weights):
+    `PROBE_NOISE_FACTOR` x it, at least `PROBE_TOLERANCE_MIN`; a gap above `PROBE_NOISE_CEILING` raises SyncError."""
+    if not noise <= PROBE_NOISE_CEILING:
+        raise SyncError(f"weight sync check failed before the first update: the engines' probe logprobs differ from "
+                        f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
+                        f"({', '.join(names)}); that is not numerics: check model.path and the engine's dtype")
+    return max(PROBE_TOLERANCE_MIN, PROBE_NOISE_FACTOR * noise)

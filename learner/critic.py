@@ -12,6 +12,7 @@ Face directory helpers the policy and the value model share (`save_model_dir`, `
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 from learner.algo.losses import value_loss
 from learner.algo.sequences import SequenceBatch
-from learner.device import pick_device
+from learner.device import compute_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
 
 if TYPE_CHECKING:
@@ -36,12 +37,18 @@ SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.jso
 
 
 def save_model_dir(model: torch.nn.Module, source: str, directory: str | os.PathLike,
-                   state_dict: dict[str, torch.Tensor] | None = None) -> None:
+                   state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> None:
     """`model` as a Hugging Face directory: safetensors weights and config.json (`save_pretrained`), plus the
     tokenizer and generation files of `source` (the directory or hub id it was loaded from), so that transformers
     and vLLM load `directory` exactly as they load `source`. `state_dict`: the whole weights to write instead of the
-    model's own (a sharded model's, gathered)."""
+    model's own (a sharded model's, gathered, or cast); `dtype`: theirs, recorded in config.json (save_pretrained
+    records the model's parameters' dtype)."""
     model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
+    if dtype is not None and dtype != model.dtype:
+        config_path = Path(directory) / "config.json"
+        config = json.loads(config_path.read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     source_dir = Path(source)
     if not source_dir.is_dir():  # a hub id: its files are in (or go to) the local hub cache
         from huggingface_hub import snapshot_download
@@ -72,13 +79,19 @@ def read_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(path))
+    return check_weights(model, state, directory)
+
+
+def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                  source: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """`state` (read from `source`), checked strictly against `model` as `read_model_weights` describes."""
     expected = model.state_dict().keys()
     tied = tied_names(model)  # by identity, not storage: also right for a sharded model
     unexpected = sorted(state.keys() - expected)
     loaded = {tied.get(name, name) for name in state.keys() & expected}
     missing = sorted(name for name in expected - state.keys() if tied.get(name, name) not in loaded)
     if unexpected or missing:
-        raise ValueError(f"{directory}: weights do not match the model: missing {missing[:5]}, "
+        raise ValueError(f"{source}: weights do not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; was it saved from another architecture?")
     return state
 
@@ -92,18 +105,20 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
 class Critic:
     """V(s_t) for every position of a batch; `accumulate` adds the value loss's gradient, `step` applies it."""
 
-    def __init__(self, model_path: str, config: CriticConfig, dtype: str = "float32"):
+    def __init__(self, model_path: str, config: CriticConfig, dtype: str = "float32", master_dtype: str = "float32"):
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
 
         self.config = config
         self.device = pick_device()
+        self.compute_dtype = getattr(torch, dtype)  # forward and backward (autocast when master_dtype is wider)
+        self.master_dtype = getattr(torch, master_dtype)  # parameters, gradients, AdamW state, the saved directory
         self.model_path = config.path or model_path  # where the tokenizer files of a saved value model come from
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report calls the new head "MISSING": expected, and handled below
         try:
             self.model, info = AutoModelForTokenClassification.from_pretrained(
-                config.path or model_path, num_labels=1, dtype=getattr(torch, dtype), output_loading_info=True)
+                config.path or model_path, num_labels=1, dtype=self.master_dtype, output_loading_info=True)
         finally:
             hf_logging.set_verbosity(verbosity)
         # A new head on a policy checkpoint (whatever the architecture calls it): start at V = 0 (rewards are O(1)),
@@ -133,7 +148,8 @@ class Critic:
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V of the state before each next token: [B, L-1], position j is V(tokens 0..j) (scores token j+1's state),
         the layout of `sequence_logprobs`. Gradients flow if enabled by the caller."""
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        with compute_in(self.device, self.compute_dtype, self.master_dtype):
+            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return out[:, :-1, 0].float()
 
     @torch.no_grad()

@@ -1,13 +1,15 @@
 """Which device the torch-side actors (learner, value model, reference, reward model) run their models on.
 
-Owns `pick_device` (the GPU this process sees, else the CPU) and `to_cpu` (a nested state moved to host memory for
-a checkpoint). Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets
-CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is `cuda:0` there. One device per process:
-nothing here spreads a model over several GPUs. Imports only torch.
+Owns `pick_device` (the GPU this process sees, else the CPU), `compute_in` (mixed precision: float32 parameters
+computed in bfloat16) and `to_cpu` (a nested state moved to host memory for a checkpoint). Does not own asking for
+GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in the actor's process, so the
+one GPU it was given is `cuda:0` there. One device per process: nothing here spreads a model over several GPUs.
+Imports only torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -16,6 +18,16 @@ import torch
 def pick_device() -> torch.device:
     """`cuda:0` when this process sees a GPU, else the CPU: the same code runs on both."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def compute_in(device: torch.device, compute: torch.dtype, params: torch.dtype) -> contextlib.AbstractContextManager:
+    """The context a forward pass runs in: torch's autocast to `compute` when the parameters are kept in a wider
+    dtype (float32 master weights, bfloat16 compute), else nothing. Matmuls then run in `compute` on weights cast per
+    use, the numerically sensitive ops (softmax, norms) stay float32, and gradients reach the parameters in their own
+    dtype. Run the backward outside it (torch's advice): it follows the dtypes the forward recorded."""
+    if compute == params:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute)
 
 
 def to_cpu(state: Any) -> Any:

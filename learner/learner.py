@@ -5,9 +5,11 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
 of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite updates;
 exporting weights in buckets for the engines, or into a shared-memory buffer for those on its node; saving and
-restoring its whole state for checkpoints. With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel
-group (`learner.distributed`): every rank gets the whole batch and computes its share of each pass, and together they
-make the one-rank update. Models, optimizer state and every tensor of a step live on the actor's GPU when it has one,
+restoring its whole state for checkpoints. Mixed precision: parameters, gradients and AdamW state are in
+`learner.master_dtype` (float32 by default), forward and backward in `model.dtype` (autocast when the two differ);
+whatever leaves for an engine or the Hugging Face policy directory is cast to `model.dtype`, once per sync.
+With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
+gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models, optimizer state and every tensor of a step live on the actor's GPU when it has one,
 else on the CPU (`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in
 host memory.
 Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain class:
@@ -31,8 +33,8 @@ from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
                                      sequence_logprobs_and_entropy, unpad_per_token)
-from learner.critic import Critic, read_model_weights, save_model_dir, warmup_schedule
-from learner.device import pick_device, to_cpu
+from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
+from learner.device import compute_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
 from learner.shared_weights import SharedWeights, SharedWeightsHandle
 
@@ -100,7 +102,12 @@ class Learner:
         self.temperature = temperature
         self.norm_length = config.loss_norm_length or norm_length  # seq-mean-token-sum-norm's fixed length
         self.device = pick_device()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.compute_dtype = getattr(torch, dtype)  # forward/backward, the engines' weights, the saved policy's
+        self.master_dtype = getattr(torch, config.master_dtype)  # parameters, gradients, AdamW state
+        if self.master_dtype.itemsize < self.compute_dtype.itemsize:
+            raise ValueError(f"learner.master_dtype={config.master_dtype} is coarser than model.dtype={dtype}; "
+                             "set learner.master_dtype=float32")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.master_dtype).to(self.device)
         # eval(): no dropout, ever. Old and new logprobs (and the engines') must come from one deterministic function,
         # or ratios and the sync check measure dropout noise. Gradients do not depend on the mode.
         self.model.eval()
@@ -108,7 +115,8 @@ class Learner:
         self.dp = DataParallel(rank, config.num_ranks, config.strategy)
         self._gathered: dict[str, torch.Tensor] | None = None  # fsdp2: rank 0's copy of the whole policy weights
         self._make_optimizer()
-        self.critic = Critic(model_path, critic, dtype) if critic is not None and critic.enabled else None
+        self.critic = (Critic(model_path, critic, dtype, config.master_dtype) if critic is not None and critic.enabled
+                       else None)
         if (self.critic is None) == (config.advantage == "gae"):
             raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
         self.shuffle = torch.Generator().manual_seed(seed)
@@ -144,8 +152,16 @@ class Learner:
     def _policy_rows(self, batch: SequenceBatch) -> torch.Tensor:
         """`batched_logprobs` of the whole batch, [B, L-1], each rank computing its share of the rows."""
         mbs = self.config.micro_batch_size
-        return self.dp.compute_rows(batch, lambda part: batched_logprobs(self.model, part, mbs, self.temperature),
-                                    mbs)
+
+        def compute(part: SequenceBatch) -> torch.Tensor:
+            with self._compute():
+                return batched_logprobs(self.model, part, mbs, self.temperature)
+
+        return self.dp.compute_rows(batch, compute, mbs)
+
+    def _compute(self):
+        """The context of every policy forward pass (`learner.device.compute_in`)."""
+        return compute_in(self.device, self.compute_dtype, self.master_dtype)
 
     def num_trained_parameters(self) -> dict[str, int]:
         """Trainable parameters of the policy and of the value model (0 without one)."""
@@ -224,7 +240,9 @@ class Learner:
             # every mode. A dead pass (ranks run equally many) weighs 0.
             weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
             token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
-            logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0)
+            with self._compute():
+                logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
+                                                                  cfg.entropy_coef > 0)
             policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
                 logprobs, step.old_logprobs[mb_idx, :width], step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
                 cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length,
@@ -274,20 +292,33 @@ class Learner:
         return self._gathered if self._gathered is not None else self.model.state_dict()
 
     def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, np.ndarray | torch.Tensor]]]:
-        """The policy's weights as buckets of (name, array) of about `bucket_bytes` each, in checkpoint names.
+        """The policy's weights in the engines' dtype (`model.dtype`) as buckets of (name, array) of about
+        `bucket_bytes` each, in checkpoint names.
 
         numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors; both
-        in host memory whatever the model's device. On the CPU the arrays are views of the live parameters: load or
-        copy them before the next `train_step`."""
-        buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = [[]]
+        in host memory whatever the model's device. On the CPU, when the master weights are in the engines' dtype,
+        the arrays are views of the live parameters: load or copy them before the next `train_step`."""
+        state = self.policy_state_dict()
+        buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = []
+        for names in self._bucket_names(bucket_bytes):
+            buckets.append([])
+            for name in names:
+                tensor = state[name].detach().to(self.compute_dtype).contiguous().cpu()  # no copy when already so
+                buckets[-1].append((name, tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor))
+        return buckets
+
+    def _bucket_names(self, bucket_bytes: int) -> list[list[str]]:
+        """The policy's checkpoint names grouped into consecutive buckets of about `bucket_bytes` in the engines'
+        dtype (a larger tensor goes alone)."""
+        buckets: list[list[str]] = [[]]
         size = 0
         for name, tensor in self.policy_state_dict().items():
-            tensor = tensor.detach().contiguous().cpu()
-            if size and size + tensor.nbytes > bucket_bytes:
+            nbytes = tensor.numel() * self.compute_dtype.itemsize
+            if size and size + nbytes > bucket_bytes:
                 buckets.append([])
                 size = 0
-            buckets[-1].append((name, tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor))
-            size += tensor.nbytes
+            buckets[-1].append(name)
+            size += nbytes
         return buckets
 
     def export_weight_buckets(self, bucket_bytes: int):
@@ -305,12 +336,12 @@ class Learner:
             return shared.handle()  # engines may be reading it now (a replacement's load during a step)
         state = self.policy_state_dict()
         if shared is None:
-            shared = self.shared_weights = SharedWeights(state)
+            shared = self.shared_weights = SharedWeights(state, self.compute_dtype)  # written cast to it
         self.shared_at = self.weights_version
         return shared.write(state, version)
 
     def count_buckets(self, bucket_bytes: int) -> int:
-        return len(self.export_weights(bucket_bytes))
+        return len(self._bucket_names(bucket_bytes))
 
     # The `collective` transport (cluster/transport.py): a weight-broadcast group of this learner (rank 0) and every
     # engine worker; the torch.distributed plumbing lives in learner/weight_group.py.
@@ -324,7 +355,8 @@ class Learner:
         if old is not None:
             old.close()
         state = self.policy_state_dict()
-        layout = plan_buckets(((name, t.shape, t.dtype) for name, t in state.items()), bucket_bytes)
+        # Laid out in the engines' dtype: packing a bucket casts the master weights into it (one cast per sync).
+        layout = plan_buckets(((name, t.shape, self.compute_dtype) for name, t in state.items()), bucket_bytes)
         self.weight_group = WeightGroup.host(host, world_size, layout, next(iter(state.values())).device, timeout,
                                              avoid_port=old.spec.port if old is not None else None)
         return self.weight_group.spec
@@ -351,9 +383,11 @@ class Learner:
 
     def save_checkpoint(self, directory: str) -> None:
         """Write the learner's whole state into `directory` (existing and empty; the caller makes it atomic):
-        `policy/` and, with a critic, `critic/` as Hugging Face directories (safetensors), and `learner_state.pt`
-        with the optimizers, schedulers, RNG states and counters as plain tensors and numbers, so that it loads
-        with `torch.load(weights_only=True)`. With `load_checkpoint` the next `train_step` is bitwise the same.
+        `policy/` (in `model.dtype`, for vLLM and transformers) and, with a critic, `critic/` (in
+        `learner.master_dtype`) as Hugging Face directories (safetensors), and `learner_state.pt` with the optimizers,
+        schedulers, RNG states and counters as plain tensors and numbers, so that it loads with
+        `torch.load(weights_only=True)`, and the policy's master weights when they are wider than `model.dtype`.
+        With `load_checkpoint` the next `train_step` is bitwise the same.
         With several ranks every rank calls it and rank 0 writes the same files, with whole tensors, that one rank
         would: a checkpoint resumes with any number of ranks and either strategy."""
         root = Path(directory)
@@ -361,7 +395,11 @@ class Learner:
             self.critic.save_model(root / CRITIC_DIR)
         state = self._training_state()  # under fsdp2 every rank joins the gathers, rank 0 keeps the result
         if self.dp.is_writer:
-            save_model_dir(self.model, self.model_path, root / POLICY_DIR, self._gathered)
+            weights = self.policy_state_dict()
+            if self.mixed_precision:
+                state["master_weights"] = to_cpu(weights)  # what the update continues from, exactly
+                weights = _cast(weights, self.compute_dtype)
+            save_model_dir(self.model, self.model_path, root / POLICY_DIR, weights, self.compute_dtype)
             torch.save(state, root / LEARNER_STATE_FILE)
 
     def load_checkpoint(self, directory: str) -> int:
@@ -378,7 +416,11 @@ class Learner:
             raise ValueError(f"{root}: the checkpoint {'has' if state['critic'] is not None else 'has no'} value "
                              f"model but this run {'has' if self.critic else 'has none'}; resume with the "
                              "checkpoint's learner.advantage and critic settings")
-        self.dp.load_weights(self.model, read_model_weights(self.model, root / POLICY_DIR))
+        master = state.get("master_weights")
+        if master is not None and self.mixed_precision:
+            self.dp.load_weights(self.model, check_weights(self.model, master, root / LEARNER_STATE_FILE))
+        else:  # the policy directory holds the master weights, or this run's are no wider than it (cast on load)
+            self.dp.load_weights(self.model, read_model_weights(self.model, root / POLICY_DIR))
         self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic:
@@ -390,6 +432,11 @@ class Learner:
         self.nonfinite_in_row = int(state["nonfinite_in_row"])
         self._gathered = self.dp.gather_weights(self.model)
         return self.weights_version
+
+    @property
+    def mixed_precision(self) -> bool:
+        """The master weights are wider than the compute dtype (float32 kept for bfloat16 compute)."""
+        return self.master_dtype != self.compute_dtype
 
     def _training_state(self) -> dict[str, Any]:
         """Everything but the weights that the next update depends on. The learner draws no numpy or Python
@@ -404,3 +451,12 @@ class Learner:
             "weights_version": self.weights_version,
             "nonfinite_in_row": self.nonfinite_in_row,
         })
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` with every floating tensor in `dtype`; names that share a tensor (a tied head) share the cast."""
+    cast: dict[int, torch.Tensor] = {}
+    for tensor in state.values():
+        if id(tensor) not in cast:
+            cast[id(tensor)] = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
+    return {name: cast[id(tensor)] for name, tensor in state.items()}

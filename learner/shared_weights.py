@@ -47,16 +47,18 @@ class SharedWeightsHandle:
 
 
 class SharedWeights:
-    """The learner's side: a buffer laid out for `tensors` (name -> tensor), written by `write`."""
+    """The learner's side: a buffer laid out for `tensors` (name -> tensor), each in `dtype` (default: its own),
+    written by `write`."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
         import torch
 
         layout, offset = [], HEADER.size
         for name, tensor in tensors.items():
             offset = -(-offset // ALIGN) * ALIGN
-            layout.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-            offset += tensor.numel() * tensor.element_size()
+            slot_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            layout.append((name, str(slot_dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+            offset += tensor.numel() * slot_dtype.itemsize
         self.layout = tuple(layout)
         self.nbytes = offset
         self.token = uuid.uuid4().bytes
@@ -73,15 +75,17 @@ class SharedWeights:
         self._stamp(WRITING)
 
     def write(self, tensors: Mapping[str, torch.Tensor], version: int) -> SharedWeightsHandle:
-        """Copy `tensors` (the same names, dtypes and shapes as the layout; any device) into the buffer as weights
-        `version`. A reader of the previous version fails its check from here on."""
+        """Copy `tensors` (the same names and shapes as the layout; any device; floating tensors are cast to the
+        layout's dtype as they are copied) into the buffer as weights `version`. A reader of the previous version
+        fails its check from here on."""
         if len(tensors) != len(self.layout):
             raise ValueError(f"{len(tensors)} tensors to share, but the buffer was laid out for {len(self.layout)}")
         self.version = None
         self.writes += 1
         self._stamp(WRITING)
         for (name, tensor), (slot, view) in zip(tensors.items(), _views(self.flat, self.layout)):
-            if name != slot or tensor.shape != view.shape or tensor.dtype != view.dtype:
+            if name != slot or tensor.shape != view.shape or (
+                    tensor.dtype != view.dtype and not (tensor.is_floating_point() and view.is_floating_point())):
                 raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the shared "
                                  f"buffer's {slot} {tuple(view.shape)} {view.dtype}")
             view.copy_(tensor.detach())

@@ -17,12 +17,18 @@ REWARDS = ([1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0])
 FIXED = ([5, 9, 12, 6, 7, 15], [12, 2, 1])  # "37+45=" -> "82<eos>"
 
 
-def make_learner(model_dir, gae: bool = False) -> Learner:
+# (model.dtype, learner.master_dtype): float32; bfloat16 compute on float32 master weights; pure bfloat16.
+PRECISIONS = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "float32"),
+              "bfloat16-master": ("bfloat16", "bfloat16")}
+
+
+def make_learner(model_dir, gae: bool = False, precision: str = "float32") -> Learner:
     # Adam as configured, with a warm-up so the scheduler's position matters, and 2 minibatches so the shuffle does.
+    dtype, master = PRECISIONS[precision]
     config = LearnerConfig(lr=1e-2, warmup_steps=3, num_minibatches=2, kl_coef=0.0, num_threads=2,
-                           advantage="gae" if gae else "grpo")
+                           advantage="gae" if gae else "grpo", master_dtype=master)
     critic = CriticConfig(enabled=True, lr=1e-2, warmup_steps=3) if gae else None
-    return Learner(str(model_dir), config, seed=0, critic=critic, norm_length=4)
+    return Learner(str(model_dir), config, dtype=dtype, seed=0, critic=critic, norm_length=4)
 
 
 def train(learner: Learner, rewards) -> dict[str, float]:
@@ -48,13 +54,14 @@ def trained(tiny_model_dir, tmp_path_factory):
     return learner, directory
 
 
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("gae", [False, True], ids=["grpo", "gae-with-critic"])
-def test_restored_learner_continues_bitwise_like_the_original(tiny_model_dir, tmp_path, gae):
-    original = make_learner(tiny_model_dir, gae)
+def test_restored_learner_continues_bitwise_like_the_original(tiny_model_dir, tmp_path, gae, precision):
+    original = make_learner(tiny_model_dir, gae, precision)
     for rewards in REWARDS[:2]:
         train(original, rewards)
     original.save_checkpoint(str(tmp_path))
-    restored = make_learner(tiny_model_dir, gae)
+    restored = make_learner(tiny_model_dir, gae, precision)
     torch.manual_seed(123)  # a different global RNG state, which the load must put back
     assert restored.load_checkpoint(str(tmp_path)) == 2
     assert torch.equal(restored.shuffle.get_state(), original.shuffle.get_state())
@@ -66,6 +73,32 @@ def test_restored_learner_continues_bitwise_like_the_original(tiny_model_dir, tm
             assert torch.equal(x, y), name
     assert restored.weights_version == original.weights_version == 3
     assert restored.scheduler.get_last_lr() == original.scheduler.get_last_lr()
+
+
+def test_mixed_precision_checkpoint_keeps_the_float32_master_weights_beside_a_bfloat16_policy(tiny_model_dir,
+                                                                                             tmp_path):
+    """The policy directory is what vLLM and transformers serve (model.dtype); the master weights the update continues
+    from are in the learner's state, and a resume that read the bfloat16 directory instead would not be exact."""
+    import json
+
+    from safetensors.torch import load_file
+
+    learner = make_learner(tiny_model_dir, gae=True, precision="bfloat16")
+    for rewards in REWARDS[:2]:
+        train(learner, rewards)
+    learner.save_checkpoint(str(tmp_path))
+    policy = load_file(next((tmp_path / "policy").glob("*.safetensors")))
+    assert {t.dtype for t in policy.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["dtype"] == "bfloat16"
+    state = torch.load(tmp_path / "learner_state.pt", weights_only=True)
+    for name, tensor in learner.model.state_dict().items():
+        master = state["master_weights"][name]
+        assert master.dtype == torch.float32 and torch.equal(master, tensor)
+        if name in policy:
+            assert torch.equal(policy[name], tensor.to(torch.bfloat16))
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in learner.model.state_dict().values())
+    critic = load_file(next((tmp_path / "critic").glob("*.safetensors")))
+    assert {t.dtype for t in critic.values()} == {torch.float32}  # the value model is never served: its master
 
 
 def test_a_fresh_learner_differs_without_the_restored_state(tiny_model_dir, trained):

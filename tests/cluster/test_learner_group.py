@@ -84,7 +84,8 @@ def batch(behavior, rewards) -> TrainBatch:
 
 
 def weights(buckets) -> dict[str, torch.Tensor]:
-    return {name: torch.as_tensor(np.array(array)) for bucket in buckets for name, array in bucket}
+    return {name: array if isinstance(array, torch.Tensor) else torch.as_tensor(np.array(array))
+            for bucket in buckets for name, array in bucket}
 
 
 def assert_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], **tolerance) -> None:
@@ -163,6 +164,45 @@ def test_two_ranks_make_the_one_rank_update(ray_local, tiny_model_dir, tmp_path,
                 assert torch.equal(per_rank[1][name], per_rank[0][name]), name
         if strategy == "ddp" and algo == "grpo":
             check_a_failing_rank_ends_the_call_at_once(group)
+    finally:
+        group.kill()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_keep_float32_master_weights_under_bfloat16_compute(ray_local, tiny_model_dir, tmp_path, strategy):
+    """model.dtype=bfloat16 with float32 master weights on two ranks: parameters (sharded or not) stay float32, the
+    update is one rank's up to bfloat16 compute noise (the ranks' micro-batches are padded differently), rank 0
+    exports bfloat16, and the group resumes bitwise from its own checkpoint."""
+    config = learner_config("grpo", num_ranks=2, strategy=strategy)
+    group = start_learner_group([{"num_cpus": 0.5}] * 2, str(tiny_model_dir), config, learner_cls=SgdLearner,
+                                dtype="bfloat16", temperature=1.0, seed=0, critic=None, norm_length=4,
+                                timeouts=TimeoutConfig(start=120, train=120, sync=60))
+    try:
+        one = SgdLearner(str(tiny_model_dir), learner_config("grpo"), dtype="bfloat16", norm_length=4)
+        initial = {name: tensor.clone() for name, tensor in one.policy_state_dict().items()}
+        behavior = one.compute_logprobs(PROMPTS, RESPONSES)
+        for rewards in REWARDS[:2]:
+            one.train_step(batch(behavior, rewards))
+            group.train_step(batch(behavior, rewards))
+        masters = ray.get([r.__ray_call__.remote(lambda self: {n: t.dtype for n, t in self.model.state_dict().items()})
+                           for r in group.ranks])
+        assert all(set(m.values()) == {torch.float32} for m in masters)
+        master = ray.get(group.rank0.__ray_call__.remote(lambda self: dict(self.policy_state_dict())))
+        moved = max(float((master[n] - initial[n]).abs().max()) for n in master)
+        assert_close(master, one.policy_state_dict(), rtol=0, atol=0.05 * moved)  # noise, not a wrong update
+        exported = weights(ray.get(group.rank0.export_weights.remote(2**30)))
+        assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+        assert all(torch.equal(exported[n], master[n].to(torch.bfloat16)) for n in exported)
+
+        group.save_checkpoint(str(tmp_path))
+        third = batch(behavior, REWARDS[2])
+        group.train_step(third)
+        after_third = ray.get(group.rank0.__ray_call__.remote(lambda self: dict(self.policy_state_dict())))
+        assert group.load_checkpoint(str(tmp_path)) == 2
+        group.train_step(third)
+        resumed = ray.get(group.rank0.__ray_call__.remote(lambda self: dict(self.policy_state_dict())))
+        for name in after_third:
+            assert torch.equal(resumed[name], after_third[name]), name
     finally:
         group.kill()
 

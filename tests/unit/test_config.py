@@ -138,3 +138,24 @@ def test_every_preset_is_valid_and_selects_its_algorithm(name):
 
 def test_every_algorithm_preset_exists():
     assert set(PRESETS) <= {p.stem for p in CONFIGS.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_keeps_float32_master_weights_unless_it_says_otherwise(path):
+    """AdamW on bfloat16 parameters rounds away most updates at the learning rates real runs use: no shipped config
+    may get there by default. The bfloat16 ones also correct for the engine/learner mismatch."""
+    import yaml
+
+    config = load_config(path)
+    asked = (yaml.safe_load(path.read_text()).get("learner") or {}).get("master_dtype")
+    assert config.learner.master_dtype == (asked or "float32")
+    assert asked != "bfloat16", f"{path.name}: bfloat16 master weights are lossy; keep float32"
+    if config.model.dtype == "bfloat16":
+        assert config.learner.rollout_correction != "none", f"{path.name}: bfloat16 without rollout correction"
+
+
+def test_bfloat16_master_weights_need_bfloat16_compute():
+    with pytest.raises(ConfigError, match="learner.master_dtype=bfloat16 needs model.dtype=bfloat16"):
+        load_config(None, ["learner.master_dtype=bfloat16"])
+    assert load_config(None, ["learner.master_dtype=bfloat16", "model.dtype=bfloat16"]).learner.master_dtype == (
+        "bfloat16")

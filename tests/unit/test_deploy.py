@@ -299,7 +299,8 @@ def test_every_deploy_yaml_parses_into_mappings(path):
 def test_gpu_configs_validate_and_are_set_up_for_gpus(path):
     config = load_config(path)
     assert config.model.dtype == "bfloat16"
-    assert config.sync.probe_tolerance >= 1e-2  # bf16 engines and learner differ by ~1e-2: 1e-4 would stop the run
+    # bf16 engines and learner differ by ~1e-2: a fixed 1e-4 would stop the run; derived from the noise floor instead
+    assert config.sync.probe_tolerance is None
     assert config.rollout.num_gpus >= 1 and config.learner.num_gpus >= 1
     assert 0 < config.rollout.gpu_memory_utilization <= 0.95
     # every rank sees whole minibatches (prompts x G split into num_minibatches, then over the ranks)
