@@ -8,6 +8,10 @@ before any model was loaded), the mean engine-learner mismatch (`logprob/mismatc
 correction, its mean weight and the share of tokens it capped. Variants (`model.dtype` / `learner.master_dtype`):
 float32; bfloat16 (float32 master, the default); bfloat16-pure (bfloat16 master: AdamW rounds most updates away);
 bfloat16-tis (float32 master, `learner.rollout_correction=tis`).
+At the demo's learning rate (5e-5) even pure bfloat16 learns; a second table shows where the master weights matter:
+each precision's learner takes `--progress-steps` (30) GRPO steps at lr 1e-6 on one fixed batch of the demo model's
+completions, and the table gives how far the rewarded completions' log-probability rose (and the others' fell),
+measured by the learner's own forward, as a multiple of float32's.
 """
 
 from __future__ import annotations
@@ -55,10 +59,43 @@ def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     }
 
 
+PROGRESS_PRECISIONS = {"float32": ("float32", "float32"), "bfloat16": ("bfloat16", "float32"),
+                       "bfloat16-pure": ("bfloat16", "bfloat16")}
+
+
+def progress(steps: int, lr: float) -> dict[str, float]:
+    """How far each precision's learner moves a fixed batch's rewarded completions in `steps` on-policy steps."""
+    from transformers import AutoTokenizer
+
+    from cluster.config import LearnerConfig
+    from cluster.demo_model import ensure_demo_model
+    from learner.learner import Learner, TrainBatch
+
+    model_path = str(ensure_demo_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pairs = [("37+45=", "82"), ("37+45=", "81"), ("1+2=", "3"), ("1+2=", "4"), ("60+39=", "99"), ("60+39=", "98")]
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p, _ in pairs]
+    responses = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for _, r in pairs]
+    rewards = [1.0, 0.0] * 3
+    moved = {}
+    for name, (dtype, master) in PROGRESS_PRECISIONS.items():
+        config = LearnerConfig(lr=lr, warmup_steps=0, kl_coef=0.0, num_threads=2, master_dtype=master)
+        learner = Learner(model_path, config, dtype=dtype, seed=0)
+        before = [sum(lp) for lp in learner.compute_logprobs(prompts, responses)]
+        for _ in range(steps):
+            behavior = learner.compute_logprobs(prompts, responses)
+            learner.train_step(TrainBatch(prompts, responses, behavior, rewards, 2))
+        after = [sum(lp) for lp in learner.compute_logprobs(prompts, responses)]
+        moved[name] = sum((a - b) * (1 if r else -1) for a, b, r in zip(after, before, rewards))
+    return moved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--progress-steps", type=int, default=30)
+    parser.add_argument("--progress-lr", type=float, default=1e-6)
     parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every variant")
     args = parser.parse_args()
 
@@ -76,6 +113,13 @@ def main() -> None:
               f"{r['peak_mb']:.0f} ({r['peak_mb'] - r['base_mb']:+.0f}) | {r['mismatch']:.2e} | {r['kl']:.2e} | "
               + ("-" if r["weight"] != r["weight"] else f"{r['weight']:.4f}") + " | "
               + ("-" if r["capped"] != r["capped"] else f"{r['capped']:.2e}") + " |")
+    moved = progress(args.progress_steps, args.progress_lr)
+    print(f"\nlr {args.progress_lr:g}, {args.progress_steps} steps on one fixed batch of 3 demo groups (demo model)\n")
+    print("| precision (model.dtype, master) | log-probability moved | x float32 |")
+    print("|---|---|---|")
+    for name, value in moved.items():
+        dtype, master = PROGRESS_PRECISIONS[name]
+        print(f"| {name} ({dtype}, {master}) | {value:.3e} | {value / moved['float32']:.2f} |")
 
 
 if __name__ == "__main__":
