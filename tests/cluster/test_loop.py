@@ -89,6 +89,15 @@ def test_broken_sync_stops_the_run(ray_local, tmp_path, demo_model_dir, worker_c
         run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=worker_cls)
 
 
+def test_a_skipped_prefix_cache_reset_stops_a_bfloat16_run(ray_local, tmp_path, demo_model_dir):
+    """bfloat16 at the default learning rate: the logprob gap cannot see one step's change (docs/benchmarks.md, the
+    probe's limits), but the first probe after the load must still find nothing of its prompt in the prefix cache."""
+    config = config_for(tmp_path, demo_model_dir, "max_steps=3", "model.dtype=bfloat16",
+                        f"learner.lr={LearnerConfig.model_fields['lr'].default}")
+    with pytest.raises(SyncError, match=r"rollout worker 0 \(version 1\) took 32 probe prompt tokens from its prefix"):
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=NoCacheResetWorker)
+
+
 def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_run(ray_local, tmp_path, tiny_model_dir):
     config = config_for(tmp_path, tiny_model_dir, "max_steps=1", "timeouts.generate=5", "rollout.num_workers=1",
                         "rollout.max_restarts=1")
