@@ -331,7 +331,6 @@ class RolloutPool:
         return failed
 
 
-
 PROBE_TOLERANCE_MIN = 1e-4  # float32 engines and learner agree to ~1e-6: a step at lr 1e-6 moves the probe ~1e-3
 PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps vary ~2x with the probe's tokens
 PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics

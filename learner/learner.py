@@ -9,9 +9,9 @@ restoring its whole state for checkpoints. Mixed precision: parameters, gradient
 `learner.master_dtype` (float32 by default), forward and backward in `model.dtype` (autocast when the two differ);
 whatever leaves for an engine or the Hugging Face policy directory is cast to `model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
-gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models, optimizer state and every tensor of a step live on the actor's GPU when it has one,
-else on the CPU (`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in
-host memory.
+gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
+optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
+(`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
 Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain class:
 Ray wraps it in `cluster/`.
 """
@@ -298,12 +298,12 @@ class Learner:
         numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors; both
         in host memory whatever the model's device. On the CPU, when the master weights are in the engines' dtype,
         the arrays are views of the live parameters: load or copy them before the next `train_step`."""
-        state = self.policy_state_dict()
+        state = _cast(self.policy_state_dict(), self.compute_dtype)  # no copy when already in it
         buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = []
         for names in self._bucket_names(bucket_bytes):
             buckets.append([])
             for name in names:
-                tensor = state[name].detach().to(self.compute_dtype).contiguous().cpu()  # no copy when already so
+                tensor = state[name].contiguous().cpu()
                 buckets[-1].append((name, tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor))
         return buckets
 
@@ -313,7 +313,7 @@ class Learner:
         buckets: list[list[str]] = [[]]
         size = 0
         for name, tensor in self.policy_state_dict().items():
-            nbytes = tensor.numel() * self.compute_dtype.itemsize
+            nbytes = tensor.numel() * engine_dtype(tensor, self.compute_dtype).itemsize
             if size and size + nbytes > bucket_bytes:
                 buckets.append([])
                 size = 0
@@ -356,7 +356,8 @@ class Learner:
             old.close()
         state = self.policy_state_dict()
         # Laid out in the engines' dtype: packing a bucket casts the master weights into it (one cast per sync).
-        layout = plan_buckets(((name, t.shape, self.compute_dtype) for name, t in state.items()), bucket_bytes)
+        layout = plan_buckets(((name, t.shape, engine_dtype(t, self.compute_dtype)) for name, t in state.items()),
+                              bucket_bytes)
         self.weight_group = WeightGroup.host(host, world_size, layout, next(iter(state.values())).device, timeout,
                                              avoid_port=old.spec.port if old is not None else None)
         return self.weight_group.spec
@@ -416,10 +417,10 @@ class Learner:
             raise ValueError(f"{root}: the checkpoint {'has' if state['critic'] is not None else 'has no'} value "
                              f"model but this run {'has' if self.critic else 'has none'}; resume with the "
                              "checkpoint's learner.advantage and critic settings")
-        master = state.get("master_weights")
-        if master is not None and self.mixed_precision:
+        master = state.get("master_weights")  # absent when the policy directory holds the master weights
+        if master is not None:  # cast on load when this run's master weights are narrower
             self.dp.load_weights(self.model, check_weights(self.model, master, root / LEARNER_STATE_FILE))
-        else:  # the policy directory holds the master weights, or this run's are no wider than it (cast on load)
+        else:
             self.dp.load_weights(self.model, read_model_weights(self.model, root / POLICY_DIR))
         self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -453,10 +454,16 @@ class Learner:
         })
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` with every floating tensor in `dtype`; names that share a tensor (a tied head) share the cast."""
+def engine_dtype(tensor: torch.Tensor, compute: torch.dtype) -> torch.dtype:
+    """The dtype `tensor` has where the engines and the saved policy get it: `compute` (`model.dtype`) for weights,
+    its own for anything else (integer buffers)."""
+    return compute if tensor.is_floating_point() else tensor.dtype
+
+
+def _cast(state: dict[str, torch.Tensor], compute: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` in the engines' dtypes (`engine_dtype`); names that share a tensor (a tied head) share the cast."""
     cast: dict[int, torch.Tensor] = {}
     for tensor in state.values():
         if id(tensor) not in cast:
-            cast[id(tensor)] = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
+            cast[id(tensor)] = tensor.detach().to(engine_dtype(tensor, compute))
     return {name: cast[id(tensor)] for name, tensor in state.items()}
