@@ -117,12 +117,14 @@ class VllmEngine:
         """Every worker of the engine joins the learner's weight group, as ranks `first_rank` onwards."""
         self.llm.collective_rpc("relay_join_weight_group", args=(spec.to_dict(), first_rank))
 
-    def receive_weights(self) -> dict[str, float]:
+    def receive_weights(self, fingerprint: bool = True) -> tuple[dict[str, float], tuple[dict[str, str], ...]]:
         """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path; then the
-        prefix cache is reset, as for `load_weights`. Returns the first worker's timings."""
-        timings = self.llm.collective_rpc("relay_receive_weights")[0]
+        prefix cache is reset, as for `load_weights`. Returns the first worker's timings and, with `fingerprint`,
+        every worker's fingerprints of the tensors it received (learner/fingerprint.py)."""
+        reports = self.llm.collective_rpc("relay_receive_weights", args=(fingerprint,))
         self.reset_prefix_cache()
-        return timings
+        fingerprints = tuple(report.pop("fingerprint") for report in reports)
+        return reports[0], fingerprints if fingerprint else ()
 
     def leave_weight_group(self) -> None:
         self.llm.collective_rpc("relay_leave_weight_group")

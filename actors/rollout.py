@@ -1,7 +1,8 @@
 """RolloutWorker: one vLLM engine that samples G completions per prompt and takes new weights in place.
 
-Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, and the
-sync probe (a seeded sample from a fixed prompt whose logprobs the driver compares with the learner's).
+Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, the
+fingerprints of the weights it hands its engine (learner/fingerprint.py), and the sync probe (a seeded sample from a
+fixed prompt whose logprobs the driver compares with the learner's).
 Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
 """
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from actors.engine import EngineSettings, SampledCompletion, VllmEngine
-from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (part of this module's API)
+from actors.rollout_types import Loaded, Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (this module's API)
+from learner.fingerprint import fingerprint
 from learner.shared_weights import SharedWeightsHandle, read_shared
 from learner.weight_group import GroupSpec
 
@@ -32,13 +34,16 @@ class ProbeSample(NamedTuple):
     logprobs: list[float]  # the engine's, per response token
     weights_version: int  # the version the worker says it serves
     cached_prompt_tokens: int | None  # prompt tokens taken from the prefix cache: 0 right after a load (reset)
+    learner_logprobs: Sequence[float] = ()  # the learner's of the same tokens, filled in by RolloutPool.probe_gaps
 
 
 class RolloutWorker:
-    """Owns one vLLM engine; `generate` samples, `load_weights` updates it in place."""
+    """Owns one vLLM engine; `generate` samples, `load_weights` updates it in place. With `fingerprint`, every load
+    reports the fingerprints of the tensors handed to the engine (`sync.fingerprint`)."""
 
-    def __init__(self, settings: EngineSettings, num_threads: int = 1):
+    def __init__(self, settings: EngineSettings, num_threads: int = 1, fingerprint: bool = True):
         torch.set_num_threads(num_threads)
+        self.fingerprint = fingerprint
         self.engine = VllmEngine(settings)
         self.tokenizer = self.engine.tokenizer
         self.weights_version = 0
@@ -48,26 +53,32 @@ class RolloutWorker:
                  version: int | None = None, *buckets: Weights) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
-        and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call."""
+        and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
+        report comes back as the result's `loaded`."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        if version is not None:
-            self.load_weights(version, *buckets)
+        loaded = self.load_weights(version, *buckets) if version is not None else None
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
-        return RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+        result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+        result.loaded = loaded
+        return result
 
-    def load_weights(self, version: int, *buckets: Weights) -> int:
+    def load_weights(self, version: int, *buckets: Weights) -> Loaded:
         """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the
-        learner's node), into the engine in place; return the version now served."""
+        learner's node), into the engine in place; return the version now served and the fingerprints of what the
+        engine was handed."""
         if len(buckets) == 1 and isinstance(buckets[0], SharedWeightsHandle):
             with read_shared(buckets[0]) as named:  # fails if the learner rewrote it meanwhile
+                fingerprints = self._fingerprints(named)
                 self.engine.load_weights(named)
         else:
-            self.engine.load_weights([(name, _as_tensor(array)) for bucket in buckets for name, array in bucket])
+            named = [(name, _as_tensor(array)) for bucket in buckets for name, array in bucket]
+            fingerprints = self._fingerprints(named)
+            self.engine.load_weights(named)
         self.weights_version = version
-        return version
+        return Loaded(version, fingerprints)
 
     # The `collective` transport: this worker's engine is a member of the learner's weight group.
     def weight_group_ranks(self) -> int:
@@ -77,12 +88,13 @@ class RolloutWorker:
     def join_weight_group(self, spec: GroupSpec, first_rank: int) -> None:
         self.engine.join_weight_group(spec, first_rank)
 
-    def receive_weights(self, version: int) -> int:
+    def receive_weights(self, version: int) -> Loaded:
         """Receive weights `version` from the learner's broadcast and load them in place; return the version now
-        served. `last_load` keeps the engine's timings (receive, reload)."""
-        self.last_load = self.engine.receive_weights()
+        served and, per engine process, the fingerprints of what it received. `last_load` keeps the engine's timings
+        (receive, reload)."""
+        self.last_load, fingerprints = self.engine.receive_weights(self.fingerprint)
         self.weights_version = version
-        return version
+        return Loaded(version, fingerprints)
 
     def leave_weight_group(self) -> None:
         self.engine.leave_weight_group()
@@ -96,6 +108,9 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def _fingerprints(self, named: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, str], ...]:
+        return (fingerprint(named),) if self.fingerprint else ()
 
     def _rollout(self, prompt_ids: list[int], c: SampledCompletion) -> Rollout:
         return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)

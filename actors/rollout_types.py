@@ -1,8 +1,8 @@
 """What a rollout worker hands back: sampling settings in, `Rollout`s out, and how they travel between processes.
 
-Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a Python
-object per token), and `SamplingSettings`. Imports only numpy, so the driver (and benchmarks that simulate engines)
-can use these types without torch or vLLM.
+Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a
+Python object per token), `SamplingSettings`, and `Loaded` (what a worker reports after a weight load). Imports only
+numpy, so the driver (and benchmarks that simulate engines) can use these types without torch or vLLM.
 Does not own: sampling itself (actors/rollout.py).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,12 +37,24 @@ class Rollout:
     weights_version: int
 
 
+class Loaded(NamedTuple):
+    """What a worker reports after loading weights: the version it now serves and, for each engine process that
+    received them (one per tensor-parallel shard with the `collective` transport, else one), the fingerprint of every
+    tensor it handed to the engine ({name: fingerprint}, learner/fingerprint.py; empty when `sync.fingerprint` is
+    off). The pool compares them with the learner's."""
+
+    version: int
+    fingerprints: tuple[dict[str, str], ...] = ()
+
+
 class RolloutGroups(list):
     """[prompts][G] Rollouts, as `RolloutWorker.generate` returns them. Between processes (Ray) they travel packed:
     every completion's token ids and logprobs in two flat arrays, so the driver decodes one buffer per request rather
     than a Python object per token (3-10x less of its time per worker at 256-token responses). On the receiving side
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
-    float32: nothing is lost)."""
+    float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one."""
+
+    loaded: Loaded | None = None
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -51,10 +64,12 @@ class RolloutGroups(list):
             np.concatenate([np.asarray(r.response_ids, np.int32) for r in rollouts] or [np.zeros(0, np.int32)]),
             np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
                            or [np.zeros(0, np.float32)]),
-            [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts]))
+            [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
+            self.loaded))
 
 
-def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions) -> RolloutGroups:
+def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
+                   loaded=None) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
     ends = np.cumsum(lengths).tolist()
@@ -64,4 +79,5 @@ def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reas
         groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
                                finish_reasons[j], versions[j]) for j in range(k, k + size)])
         k += size
+    groups.loaded = loaded
     return groups

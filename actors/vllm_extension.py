@@ -5,7 +5,7 @@ Owns: `RelayWorkerExtension`, mixed into vLLM's worker through `LLM(worker_exten
 Each vLLM worker is also one member of the `collective` transport's weight group (`relay_join_weight_group`,
 `relay_receive_weights`), so the broadcast reaches every worker of a tensor-parallel engine in its own process.
 Does not own: where the weights come from (see `actors.engine`) or the group's plumbing (`learner.weight_group`).
-Must stay importable in the engine's processes, so it imports only torch and torch-only relay modules.
+Must stay importable in the engine's processes: it imports only torch and relay modules that need only torch and numpy.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from learner.fingerprint import fingerprint as relay_fingerprint
 from learner.weight_group import GroupSpec, WeightGroup
 
 
@@ -47,17 +48,22 @@ class RelayWorkerExtension:
         group.join(first_rank + self.rank)
         self._relay_weight_group = group
 
-    def relay_receive_weights(self) -> dict[str, float]:
+    def relay_receive_weights(self, fingerprint: bool = True) -> dict:
         """Receive the learner's broadcast and load it through `relay_reload_weights`: {"tensors", "receive_s",
-        "reload_s"}. A failed broadcast leaves the engine's weights as they were."""
+        "fingerprint_s", "reload_s", "fingerprint"} (the received tensors' fingerprints, learner/fingerprint.py,
+        computed on the device they arrived on; empty without `fingerprint`). A failed broadcast leaves the engine's
+        weights as they were."""
         group = getattr(self, "_relay_weight_group", None)
         if group is None:
             raise RuntimeError("this engine worker is in no weight group: call relay_join_weight_group first")
         started = time.perf_counter()
         named = group.receive()
         received = time.perf_counter()
+        fingerprints = relay_fingerprint(named) if fingerprint else {}
+        fingerprinted = time.perf_counter()
         count = self.relay_reload_weights(named_tensors=named)
-        return {"tensors": float(count), "receive_s": received - started, "reload_s": time.perf_counter() - received}
+        return {"tensors": float(count), "receive_s": received - started, "fingerprint_s": fingerprinted - received,
+                "reload_s": time.perf_counter() - fingerprinted, "fingerprint": fingerprints}
 
     def relay_leave_weight_group(self) -> None:
         group = getattr(self, "_relay_weight_group", None)

@@ -1,19 +1,24 @@
 """The sync probe's limits: how far one training step moves the probe's logprobs, against the probe's tolerance.
 
 Usage: python bench/probe_limits.py [--precisions float32 bfloat16 bfloat16/bfloat16] [--lrs 1e-6 5e-6 5e-5 1e-3]
-       [--steps 3]
-The probe (`sync.probe`) passes when every engine's logprobs of a seeded sample from `sync.probe_prompt` are within
-the probe's tolerance of the learner's. It catches an engine that kept the previous weights only if one step moves
-those logprobs by more than the tolerance, and it never fails a correct load only if engine and learner agree to
-within it. For each precision (`model.dtype`, the engine's and the learner's compute dtype, and
+       [--steps 5]
+The probe (`sync.probe`) checks every engine two ways after a load. The gap: its logprobs of a seeded sample from
+`sync.probe_prompt` must be within the probe's tolerance of the learner's; that catches an engine that kept the
+previous weights only if one step moves those logprobs by more than the tolerance, and refuses no correct load only if
+engine and learner agree to within it. The repeat rule (`cluster.rollout_pool.stale_probe`): an engine that gives bit
+for bit the probe it gave at an earlier version, while the learner's logprobs of it moved by more than the noise
+floor, did not apply the load. For each precision (`model.dtype`, the engine's and the learner's compute dtype, and
 `learner.master_dtype`, the learner's parameters) and learning rate, on the demo model: a learner (`warmup_steps=0`, so
 each step uses the full lr; the default 10-step warm-up makes a run's first step lr/10) and a real vLLM engine in this
 process take `--steps` GRPO steps on groups the engine samples from the demo's prompts (rewards drawn at random: any
-batch with non-zero advantages moves the policy). Before each load, the probe compares the engine, still on the
-previous weights, with the updated learner ("stale gap"); after it, the engine on the new weights ("fresh gap").
+batch with non-zero advantages moves the policy). Before each load the probe compares the engine, still on the
+previous weights, with the updated learner ("stale"); after it, the engine on the new weights ("fresh"). Every probe
+uses the run's seed, and the learner scores each probe alone, as a run does.
 Columns: the noise floor (the gap before any update), the largest fresh gap, the smallest stale gap, the tolerance
 derived from the noise floor as a run derives it (`cluster.rollout_pool.probe_tolerance_from`: 5x, at least 1e-4),
-and whether every stale engine was caught with no correct load refused.
+whether the gap caught every stale engine with no correct load refused, how many one-step-stale engines the repeat
+rule caught, the step at which it caught an engine that never loaded (its probe is the one of step 0, as a stale
+engine repeats its probe exactly), and the repeat rule's false alarms on fresh engines.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
                         help="model.dtype, or model.dtype/learner.master_dtype")
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-6, 5e-6, 5e-5, 1e-3])
-    parser.add_argument("--steps", type=int, default=3, help="training steps (so loads) per learning rate")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (so loads) per learning rate")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout, where the table goes
@@ -47,7 +52,8 @@ def main() -> int:
     from actors.rollout import RolloutWorker, SamplingSettings
     from cluster.config import LearnerConfig, SyncConfig
     from cluster.demo_model import ensure_demo_model
-    from cluster.rollout_pool import probe_tolerance_from
+    from cluster.rollout_pool import PROBE_SEED, ProbeRecord, next_probe_record, probe_tolerance_from, stale_probe
+    from learner.fingerprint import digest
     from learner.learner import Learner, TrainBatch
 
     model_path = str(ensure_demo_model())
@@ -55,21 +61,33 @@ def main() -> int:
     sampling = SamplingSettings(group_size=4, max_new_tokens=8)
     prompts = [f"{a}+{b}=" for a, b in [(37, 45), (1, 2), (60, 39), (8, 8), (12, 71), (99, 1), (5, 40), (23, 23)]]
 
-    def probe_gap(worker, learner, seed: int) -> float:
-        prompt_ids, response_ids, engine_lps, *_ = worker.probe(sync.probe_prompt, sync.probe_tokens, 1.0, seed)
+    def probe(worker, learner, version: int) -> tuple[float, ProbeRecord]:
+        """(the gap, the probe as RolloutPool records it)."""
+        prompt_ids, response_ids, engine_lps, *_ = worker.probe(sync.probe_prompt, sync.probe_tokens, 1.0,
+                                                                PROBE_SEED)
         [ours] = learner.compute_logprobs([prompt_ids], [response_ids])
-        return max(abs(a - b) for a, b in zip(engine_lps, ours))
+        gap = max(abs(a - b) for a, b in zip(engine_lps, ours))
+        weights = digest(learner.weights_fingerprint())
+        return gap, ProbeRecord(version, weights, tuple(response_ids), tuple(engine_lps), tuple(ours))
+
+    def rescored(record: ProbeRecord, learner, version: int) -> ProbeRecord:
+        """`record`'s probe as an engine that never loaded repeats it, with the learner's logprobs now."""
+        [ours] = learner.compute_logprobs([list(learner_prompt)], [list(record.response_ids)])
+        return record._replace(version=version, weights=digest(learner.weights_fingerprint()), learner=tuple(ours))
 
     rows = []
     for precision in args.precisions:
         dtype, master = PRECISIONS[precision]
         worker = RolloutWorker(EngineSettings(model_path=model_path, dtype=dtype))
+        learner_prompt = worker.tokenizer.encode(sync.probe_prompt, add_special_tokens=False)
         try:
             for lr in args.lrs:
                 config = LearnerConfig(lr=lr, warmup_steps=0, kl_coef=0.0, num_threads=1, master_dtype=master)
                 learner = Learner(model_path, config, dtype=dtype)
                 worker.load_weights(0, *learner.export_weights(int(sync.bucket_mb * 2**20)))
-                fresh, stale = [probe_gap(worker, learner, seed=0)], []
+                noise, first = probe(worker, learner, 0)
+                fresh, stale, repeats_caught, false_alarms, never_caught = [noise], [], 0, 0, None
+                last = first  # the record a run keeps for this engine
                 rng = random.Random(0)  # the same rewards for every row
                 for step in range(1, args.steps + 1):
                     groups = worker.generate(prompts, list(range(step * 100, step * 100 + len(prompts))), sampling)
@@ -77,25 +95,34 @@ def main() -> int:
                     rewards = [rng.choice([0.0, 1.0]) for _ in flat]
                     learner.train_step(TrainBatch([r.prompt_ids for r in flat], [r.response_ids for r in flat],
                                                   [r.behavior_logprobs for r in flat], rewards, sampling.group_size))
-                    stale.append(probe_gap(worker, learner, seed=step))
+                    gap, record = probe(worker, learner, step)
+                    stale.append(gap)
+                    repeats_caught += stale_probe(last, record, noise) is not None
+                    if never_caught is None and stale_probe(first, rescored(first, learner, step), noise) is not None:
+                        never_caught = step
                     worker.load_weights(step, *learner.export_weights(int(sync.bucket_mb * 2**20)))
-                    fresh.append(probe_gap(worker, learner, seed=step))
-                tolerance = probe_tolerance_from(fresh[0], ["the engine"])
+                    gap, record = probe(worker, learner, step)
+                    fresh.append(gap)
+                    false_alarms += stale_probe(last, record, noise) is not None
+                    last = next_probe_record(last, record)
+                tolerance = probe_tolerance_from(noise, ["the engine"])
                 caught = min(stale) > tolerance >= max(fresh)
-                rows.append((dtype, master, lr, fresh[0], max(fresh), min(stale), tolerance,
-                             "yes" if caught else "NO"))
-                print(f"  {precision} lr={lr:g}: fresh {max(fresh):.2e}, stale {min(stale):.2e}", file=sys.stderr)
+                rows.append((dtype, master, lr, noise, max(fresh), min(stale), tolerance, "yes" if caught else "NO",
+                             f"{repeats_caught}/{args.steps}", never_caught, false_alarms))
+                print(f"  {precision} lr={lr:g}: fresh {max(fresh):.2e}, stale {min(stale):.2e}, repeat rule "
+                      f"{repeats_caught}/{args.steps}", file=sys.stderr)
         finally:
             worker.shutdown()
 
     print(f"\n{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}; demo model, probe of {sync.probe_tokens} tokens, {args.steps} steps per lr\n")
-    print("| dtype | master | lr | noise floor | fresh gap (max) | stale gap (min) | tolerance | "
-          "stale engine caught, no false alarm |")
-    print("|---|---|---|---|---|---|---|---|")
-    for dtype, master, lr, noise, fresh_gap, stale_gap, tolerance, caught in rows:
+    print("| dtype | master | lr | noise floor | fresh gap (max) | stale gap (min) | tolerance | gap caught every "
+          "stale engine, no false alarm | repeat rule: one-step-stale engines caught | repeat rule: never-loading "
+          "engine caught at step | repeat rule: false alarms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for dtype, master, lr, noise, fresh_gap, stale_gap, tolerance, caught, repeats, never, alarms in rows:
         print(f"| {dtype} | {master} | {lr:g} | {noise:.2e} | {fresh_gap:.2e} | {stale_gap:.2e} | {tolerance:.2g} | "
-              f"{caught} |")
+              f"{caught} | {repeats} | {never if never is not None else 'not within ' + str(args.steps)} | {alarms} |")
     return 0
 
 

@@ -34,7 +34,7 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: E402  (numpy only: no torch)
+from actors.rollout_types import Loaded, Rollout, RolloutGroups, SamplingSettings  # noqa: E402  (numpy only)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below travel by value
 
@@ -52,12 +52,11 @@ class SimulatedEngine:
     slowdown = 1.0
     tokens = 256
 
-    def __init__(self, settings, num_threads=1):
+    def __init__(self, settings, num_threads=1, fingerprint=False):
         self.weights_version = 0
 
     def generate(self, prompts, seeds, sampling, version=None, *buckets):
-        if version is not None:
-            self.load_weights(version, *buckets)
+        loaded = self.load_weights(version, *buckets) if version is not None else None
         a, d, e = self.latency
         time.sleep((a + self.tokens * (d + e * len(prompts) * sampling.group_size)) * self.slowdown)
         # Real-sized payloads for the driver: distinct arrays per completion (pickle would send a shared one once),
@@ -66,13 +65,15 @@ class SimulatedEngine:
             self.ids = [np.arange(self.tokens, dtype=np.int32) for _ in range(1024)]
             self.logprobs = [np.full(self.tokens, -1.0 - i * 1e-3, np.float32) for i in range(1024)]
         g = sampling.group_size
-        return RolloutGroups([Rollout([1, 2, 3], self.ids[p * g + j], self.logprobs[p * g + j], "x" * self.tokens,
-                                      "length", self.weights_version) for j in range(g)] for p in range(len(prompts)))
+        groups = RolloutGroups([Rollout([1, 2, 3], self.ids[p * g + j], self.logprobs[p * g + j], "x" * self.tokens,
+                                        "length", self.weights_version) for j in range(g)] for p in range(len(prompts)))
+        groups.loaded = loaded
+        return groups
 
     def load_weights(self, version, *buckets):
         time.sleep(LOAD_SECONDS)
         self.weights_version = version
-        return version
+        return Loaded(version)  # no fingerprints: the runs here set sync.fingerprint=false
 
     def shutdown(self):
         pass
@@ -110,7 +111,7 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     from cluster.rollout_pool import RolloutPool
 
     config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
-                                f"rollout.balance={balance}", "rollout.group_size=8"])
+                                "sync.fingerprint=false", f"rollout.balance={balance}", "rollout.group_size=8"])
     launcher = RolloutLauncher(config, "unused", SimulatedEngine)
     launcher.settings = None  # the engine settings would make every worker import torch; stand-ins ignore them
     pools = []

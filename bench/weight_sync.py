@@ -13,15 +13,19 @@ has it by default (here every worker is on the learner's node, so they read its 
 `sync.shared_memory=false` (through Ray's object store, as workers on other nodes do), and `collective` (gloo).
 Columns, medians over the repeats:
 - load: end to end (export or pack, transfer, the engines' load);
-- engine load: inside each engine, vLLM's reload path (which copies out of the shared buffer or the object store)
-  + the prefix-cache reset; the slowest worker's (the engines load at once, and the load ends with the last);
+- engine load: inside each engine, the fingerprint of what it received, vLLM's reload path (which copies out of the
+  shared buffer or the object store) + the prefix-cache reset; the slowest worker's (the engines load at once, and
+  the load ends with the last);
 - transfer: load - engine load, what the transport itself costs (the part of the load outside the engines);
 - GB/s: model bytes / seconds (every worker gets the whole model in that time);
 - memcpy: one thread copying the model's bytes once (`Tensor.copy_`), the physical reference;
 - first load: the warm-up load (for `collective`, with the group's formation);
 - learner send: `collective` only, the learner's pack + broadcast of every bucket;
 - stale gap: the smallest probe gap before a load (engines on the previous weights), which must exceed
-  `sync.probe_tolerance`; probe max diff: the largest after a load, which must not.
+  `sync.probe_tolerance`; probe max diff: the largest after a load, which must not;
+- fingerprint: inside each engine's load (part of engine load), the fingerprints of every tensor it received
+  (`sync.fingerprint`; the slowest worker's), which the run compares with the learner's after every load: checked
+  here too, so a load that lost or changed a tensor stops the bench.
 """
 
 from __future__ import annotations
@@ -58,13 +62,21 @@ TRANSPORTS = {"object_store": ("object_store", []),
 
 
 class TimedWorker(RolloutWorker):
-    """Records the engine's own load time for the object store path too (the collective one reports it itself)."""
+    """Records the engine's own load time and the fingerprint's for the object store path too (the collective one
+    reports them itself)."""
 
     def load_weights(self, version, *buckets):
         started = time.perf_counter()
-        version = super().load_weights(version, *buckets)
-        self.last_load = {"reload_s": time.perf_counter() - started}
-        return version
+        loaded = super().load_weights(version, *buckets)
+        self.last_load = {"reload_s": time.perf_counter() - started - self.fingerprint_s,
+                          "fingerprint_s": self.fingerprint_s}
+        return loaded
+
+    def _fingerprints(self, named):
+        started = time.perf_counter()
+        fingerprints = super()._fingerprints(named)
+        self.fingerprint_s = time.perf_counter() - started
+        return fingerprints
 
     def load_timings(self) -> dict[str, float]:
         return self.last_load
@@ -116,7 +128,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
 
     transport = make_transport(pool)
     indices = list(range(len(pool.workers)))
-    loads, engine, broadcast, stale, loaded = [], [], [], [], []
+    loads, engine, broadcast, stale, loaded, fingerprint = [], [], [], [], [], []
     first = 0.0
     try:
         for attempt in range(repeats + 1):
@@ -127,15 +139,18 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
             started = time.perf_counter()
             done, failed = transport.load(indices)
             elapsed = time.perf_counter() - started
-            if failed or set(done.values()) != {pool.weights_version}:
-                raise RuntimeError(f"{name}: load failed: {failed or done}")
+            if failed:
+                raise RuntimeError(f"{name}: load failed: {failed}")
+            for i, report in done.items():
+                pool.check_loaded(i, report)  # raises SyncError unless version and fingerprints are the learner's
             loaded.append(pool.verify())  # raises SyncError above the probe's tolerance (the first call sets it)
             if attempt == 0:
                 first = elapsed
                 continue
             loads.append(elapsed)
             timings = ray.get([w.load_timings.remote() for w in pool.workers])
-            engine.append(max(t["reload_s"] for t in timings))
+            engine.append(max(t["reload_s"] + t["fingerprint_s"] for t in timings))
+            fingerprint.append(max(t["fingerprint_s"] for t in timings))
             if name == "collective":
                 broadcast.append(transport.last_broadcast["seconds"])
     finally:
@@ -146,7 +161,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
     load, engine_load = statistics.median(loads), statistics.median(engine)
     return {"load": load, "engine": engine_load, "transfer": max(load - engine_load, 0.0), "first": first,
             "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": max(loaded),
-            "stale": min(stale)}
+            "stale": min(stale), "fingerprint": statistics.median(fingerprint)}
 
 
 def probe_gap(pool) -> float:
@@ -217,12 +232,12 @@ def main() -> None:
     print(f"median of {args.repeats} loads after a warm-up; GB/s = model bytes / seconds; collective: gloo")
     print("| model | MB | workers | transport | load s | load GB/s | engine load s | transfer s | transfer GB/s | "
           "load / memcpy | transfer / memcpy | memcpy s | first load s | learner send s | stale gap | "
-          "probe max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "probe max diff | fingerprint s | fingerprint GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = r["bytes"] / 1e6
         if "error" in r:
-            print(f"| {r['size']} | {mb:.0f} | {r['workers']} | did not run: {r['error']} |||||||||||||")
+            print(f"| {r['size']} | {mb:.0f} | {r['workers']} | did not run: {r['error']} |||||||||||||||")
             continue
         gbs = r["bytes"] / 1e9
         print(f"| {r['size']} | {mb:.0f} | {r['workers']} | {r['transport']} | {r['load']:.3f} | "
@@ -230,7 +245,7 @@ def main() -> None:
               f"{gbs / r['transfer'] if r['transfer'] else float('inf'):.2f} | {r['load'] / r['memcpy']:.1f}x | "
               f"{r['transfer'] / r['memcpy']:.1f}x | {r['memcpy']:.3f} | {r['first']:.3f} | "
               f"{'' if r['broadcast'] != r['broadcast'] else format(r['broadcast'], '.3f')} | {r['stale']:.1e} | "
-              f"{r['probe']:.1e} |")
+              f"{r['probe']:.1e} | {r['fingerprint']:.3f} | {gbs / r['fingerprint']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -254,6 +254,10 @@ class SyncConfig(_Section):
     workers on other nodes get them through the object store either way. The buffer costs one host copy of the
     model in the learner's memory. Off: every worker reads through the object store (e.g. when workers cannot open
     the learner's `/proc/<pid>/fd`, as in another PID namespace)."""
+    fingerprint: bool = True
+    """After every load, each worker reports a fingerprint of every tensor it handed its engine (exact integer sums
+    over the bits: learner/fingerprint.py) and the run stops if one differs from the learner's or is missing: exact in
+    every dtype. Costs one pass over the weights per worker and load (docs/benchmarks.md, weight sync)."""
     probe: bool = True
     """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's. Off, an
     `object_store` sync only exports the weights and each worker loads them at the start of its next generate request
@@ -262,8 +266,8 @@ class SyncConfig(_Section):
     probe_tolerance: float | None = Field(None, gt=0)
     """Largest allowed max |engine - learner| logprob on the probe. Empty: derived from the noise floor the first
     probe measures, before any update (engines and learner on the same weights): 5x it, at least 1e-4 (float32: 1e-4;
-    bfloat16: ~5e-2, where one step's change at small learning rates is below it: docs/benchmarks.md). A first gap
-    above 0.25 stops the run: that is not numerics."""
+    bfloat16: ~5e-2, where one step's change at small learning rates is below it and the probe's repeat rule and the
+    fingerprints carry the check: docs/operations.md). A first gap above 0.25 stops the run: that is not numerics."""
     probe_tokens: int = Field(8, ge=1, le=1024)
     """Tokens the probe samples from its fixed prompt."""
     probe_prompt: str = Field("1+1=2 2+2=4 3+3=6 4+4=8 5+5=10 6+6=12 7+7=14 ", min_length=1)

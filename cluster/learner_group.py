@@ -8,7 +8,7 @@ collectives. The first rank that fails ends the call (the others would wait in a
 With one rank it makes exactly the calls the single learner actor got before (no process group, no `ray.put`).
 Does not own: placement groups or bundles (cluster/remote.py), what a step does (cluster/driver.py), or the
 data-parallel arithmetic (learner/distributed.py). Weight transports talk to `rank0` directly: rank 0 alone serves
-`export_weight_buckets` and `count_buckets`.
+`export_weight_buckets`, `count_buckets` and `weights_fingerprint`.
 """
 
 from __future__ import annotations

@@ -3,12 +3,13 @@ workers that die or hang, and growing or shrinking the fleet between steps.
 
 Owns: splitting prompts over the workers in proportion to their measured speed (load balancing), the deadline on every
 worker call, loading the learner's weights into the engines through the configured transport (cluster/transport.py)
-and checking that each engine serves exactly them (the probe), recovery (a worker that dies or misses its deadline is
-killed, started again in its placement group, given the current weights, checked by the probe, and handed its
-request again, so no prompt is lost; past `rollout.max_restarts` replacements the run stops naming the worker and
-the cause), and resizing (`resize`: removed workers are stopped between steps, when they hold no prompts; new ones are
-placed and started in the background, and `admit` adds each at the first step boundary after its engine is up, with
-the current weights, probe-checked, before its first request: the step loop never waits for Ray to find room).
+and checking that each engine received exactly them (the fingerprints) and serves them (the probe), recovery (a
+worker that dies or misses its deadline is killed, started again in its placement group, given the current weights,
+checked by the probe, and handed its request again, so no prompt is lost; past `rollout.max_restarts` replacements
+the run stops naming the worker and the cause), and resizing (`resize`: removed workers are stopped between steps,
+when they hold no prompts; new ones are placed and started in the background, and `admit` adds each at the first step
+boundary after its engine is up, with the current weights, probe-checked, before its first request: the step loop
+never waits for Ray to find room).
 Does not own: what a step does with the rollouts (cluster/driver.py) or placement (cluster/remote.py).
 """
 
@@ -18,19 +19,22 @@ import statistics
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 
 from cluster.config import RunConfig
 from cluster.remote import Fleet, PendingWorker, RolloutSlot, RunError, get, get_ready, node_of
 from cluster.transport import make_transport
+from learner.fingerprint import differences, digest
 
 if TYPE_CHECKING:
     from actors.rollout import ProbeSample
+    from actors.rollout_types import Loaded
 
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
+PROBE_SEED = 0  # one seed for every probe: an engine still on the weights of its last probe repeats it bit for bit
 
 
 class SyncError(RunError):
@@ -60,6 +64,9 @@ class RolloutPool:
         self.unprobed: set[int] = {slot.id for slot in fleet.rollout}
         # The probe's tolerance: `sync.probe_tolerance`, or derived from the first probe's gaps (`verify`).
         self.tolerance: float | None = config.sync.probe_tolerance
+        self.noise: float | None = None  # the first probe's largest gap: engines and learner on the same weights
+        self.probes: dict[int, ProbeRecord] = {}  # slot id -> its engine's probe when its output last changed
+        self.expected: tuple[int, dict[str, str]] | None = None  # (version, the learner's fingerprints of it)
 
     @property
     def workers(self) -> list[Any]:
@@ -96,7 +103,8 @@ class RolloutPool:
                 if error is None:
                     results[a] = value
                     self._record_speed(worker, b - a, now - started)
-                    self.deferred.pop(self.fleet.rollout[worker].id, None)  # it loaded them first
+                    if self.deferred.pop(self.fleet.rollout[worker].id, None) is not None:  # it loaded them first
+                        self.check_loaded(worker, value.loaded)
                 else:
                     errored.append(worker)
                     failed[worker] = f"failed during 'generate' ({error})"
@@ -251,19 +259,25 @@ class RolloutPool:
 
     def verify(self, indices: list[int] | None = None) -> float:
         """Compare engines' logprobs of a seeded probe sample with the learner's; return the largest gap, or raise
-        SyncError naming the first worker whose gap exceeds `sync.probe_tolerance` or whose first probe since its
-        last load took prompt tokens from the prefix cache (KV entries of the previous weights survived the load: a
-        stale cache changes logprobs by as little as the last step changed the weights, less than the tolerance).
+        SyncError naming the first worker whose gap exceeds `sync.probe_tolerance`, whose first probe since its last
+        load took prompt tokens from the prefix cache (KV entries of the previous weights survived the load: a stale
+        cache changes logprobs by as little as the last step changed the weights, less than the tolerance), or whose
+        probe is bit for bit the one it gave at an earlier version while the learner's logprobs of it moved by more
+        than the noise floor (`stale_probe`: the engine did not apply the load; in bfloat16, where the noise floor
+        hides a step's change from the gap, this still sees it).
 
-        Without `sync.probe_tolerance`, the first call (before any update, the engines on the weights the learner
-        started from) measures the noise floor and sets the tolerance from it (`probe_tolerance_from`)."""
+        The first call (before any update, the engines on the weights the learner started from) measures the noise
+        floor; without `sync.probe_tolerance` it sets the tolerance from it (`probe_tolerance_from`)."""
         indices = list(range(len(self.workers))) if indices is None else indices
         gaps = self.probe_gaps(indices)
+        if self.noise is None:
+            self.noise = max((gap for gap, _ in gaps), default=0.0)
         if self.tolerance is None:
-            self.tolerance = probe_tolerance_from(max((gap for gap, _ in gaps), default=0.0), self.fleet.rollout_names)
+            self.tolerance = probe_tolerance_from(self.noise, self.fleet.rollout_names)
             print(f"relay: sync probe tolerance {self.tolerance:.3g} (5x the engine-learner noise floor, at least "
                   f"{PROBE_TOLERANCE_MIN:g})", file=sys.stderr, flush=True)
         tolerance = self.tolerance
+        weights = self._weights_digest()
         for i, (gap, sample) in zip(indices, gaps):
             name, version, slot_id = self.fleet.rollout_names[i], sample.weights_version, self.fleet.rollout[i].id
             if not gap <= tolerance:
@@ -277,7 +291,55 @@ class RolloutPool:
                     "prompt tokens from its prefix cache right after a load, so KV entries computed with the previous "
                     "weights survived it (the engine's prefix cache was not reset)")
             self.unprobed.discard(slot_id)
+            record = ProbeRecord(version, weights, tuple(sample.response_ids), tuple(sample.logprobs),
+                                 tuple(sample.learner_logprobs))
+            moved = stale_probe(self.probes.get(slot_id), record, self.noise)
+            if moved is not None:
+                earlier = self.probes[slot_id].version
+                raise SyncError(
+                    f"weight sync check failed: {name} (version {version}) gives bit for bit the probe logprobs it "
+                    f"gave at version {earlier}, while the learner's logprobs of the same tokens moved by {moved:.3g} "
+                    f"(more than the noise floor {self.noise:.3g}) since: the engine did not apply the loads after "
+                    f"version {earlier}")
+            self.probes[slot_id] = next_probe_record(self.probes.get(slot_id), record)
         return max((gap for gap, _ in gaps), default=0.0)
+
+    def _weights_digest(self) -> str:
+        """What identifies the learner's current weights: the digest of its fingerprints, or without them the
+        version."""
+        if not self.config.sync.fingerprint:
+            return f"version {self.weights_version}"
+        return digest(self.learner_fingerprint())
+
+    def learner_fingerprint(self) -> dict[str, str]:
+        """The learner's fingerprints of its current weights (version `weights_version`), asked once per version."""
+        if self.expected is None or self.expected[0] != self.weights_version:
+            learner = self.fleet.learner
+            fingerprints = get([learner.weights_fingerprint.remote()], self.config.timeouts.sync, ["learner"], "sync")
+            self.expected = (self.weights_version, fingerprints[0])
+        return self.expected[1]
+
+    def check_loaded(self, index: int, loaded: Loaded | None) -> None:
+        """Raise SyncError unless worker `index` reports a load of the current version and (`sync.fingerprint`)
+        handed its engine exactly the learner's weights, in every engine process that received them."""
+        name = self.fleet.rollout_names[index]
+        if loaded is None:
+            raise SyncError(f"weight sync check failed: {name} was sent weights version {self.weights_version} with "
+                            "its request but reports no load")
+        if loaded.version != self.weights_version:
+            raise SyncError(f"{name} serves weights version {loaded.version}, expected {self.weights_version}")
+        if not self.config.sync.fingerprint:
+            return
+        if not loaded.fingerprints:
+            raise SyncError(f"weight sync check failed: {name} (version {loaded.version}) reports no fingerprints of "
+                            "the weights it loaded (sync.fingerprint is on)")
+        expected = self.learner_fingerprint()
+        for rank, received in enumerate(loaded.fingerprints):
+            problem = differences(expected, received)
+            if problem is not None:
+                where = f" (engine process {rank})" if len(loaded.fingerprints) > 1 else ""
+                raise SyncError(f"weight sync check failed: {name}{where} (version {loaded.version}) did not get the "
+                                f"learner's weights: {problem}")
 
     def _tolerance_source(self) -> str:
         if self.config.sync.probe_tolerance is not None:
@@ -285,16 +347,24 @@ class RolloutPool:
         return "derived from the noise floor before the first update; set sync.probe_tolerance to override"
 
     def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
-        """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample)."""
+        """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample with the
+        learner's logprobs filled in).
+
+        The learner scores each distinct sample alone, so that its logprobs of the same tokens and weights are the
+        same bits whichever other samples the probe had (batched, padding changes them in bfloat16)."""
         cfg = self.config
         names = [self.fleet.rollout_names[i] for i in indices]
         probes = get([self.workers[i].probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens,
-                                                   cfg.rollout.temperature, self.weights_version) for i in indices],
+                                                   cfg.rollout.temperature, PROBE_SEED) for i in indices],
                      cfg.timeouts.sync, names, "sync")
-        learner_lps = self.fleet.learner_group.compute_logprobs([p.prompt_ids for p in probes],
-                                                                [p.response_ids for p in probes])
-        return [(max((abs(a - b) for a, b in zip(sample.logprobs, ours)), default=0.0), sample)
-                for sample, ours in zip(probes, learner_lps)]
+        learner_lps: dict[tuple, list[float]] = {}
+        for p in probes:
+            key = (tuple(p.prompt_ids), tuple(p.response_ids))
+            if key not in learner_lps:
+                [learner_lps[key]] = self.fleet.learner_group.compute_logprobs([p.prompt_ids], [p.response_ids])
+        samples = [p._replace(learner_logprobs=learner_lps[(tuple(p.prompt_ids), tuple(p.response_ids))])
+                   for p in probes]
+        return [(max((abs(a - b) for a, b in zip(s.logprobs, s.learner_logprobs)), default=0.0), s) for s in samples]
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""
@@ -324,10 +394,8 @@ class RolloutPool:
         {index: cause} of the workers that died, raised or missed the deadline."""
         done, failed = self.transport.load(indices)
         self.unprobed.update(self.fleet.rollout[i].id for i in done)
-        for i, version in done.items():
-            if version != self.weights_version:
-                raise SyncError(f"{self.fleet.rollout_names[i]} serves weights version {version}, expected "
-                                f"{self.weights_version}")
+        for i, loaded in done.items():
+            self.check_loaded(i, loaded)
         return failed
 
 
@@ -344,3 +412,39 @@ def probe_tolerance_from(noise: float, names: list[str]) -> float:
                         f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
                         f"({', '.join(names)}); that is not numerics: check model.path and the engine's dtype")
     return max(PROBE_TOLERANCE_MIN, PROBE_NOISE_FACTOR * noise)
+
+
+class ProbeRecord(NamedTuple):
+    """One worker's probe at one version, with what identifies the learner's weights then (`_weights_digest`)."""
+
+    version: int
+    weights: str
+    response_ids: tuple[int, ...]
+    engine: tuple[float, ...]  # the engine's logprobs of the response tokens
+    learner: tuple[float, ...]  # the learner's
+
+
+def stale_probe(earlier: ProbeRecord | None, now: ProbeRecord, noise: float) -> float | None:
+    """How far the learner's logprobs of the probe moved from `earlier` to `now`, if the engine's stayed bit for bit
+    the same meanwhile though the learner's weights changed and moved them by more than the noise floor (at least
+    `PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR`); else None.
+
+    An engine serving the same weights repeats a seeded probe exactly (same tokens, same batch); one serving new
+    weights does not, unless their change is too small to reach the probe's logits, and then the learner's logprobs
+    do not move beyond the noise either. So the engine is closer to the earlier weights than to the new ones, whatever
+    the dtype: this sees one stale step in bfloat16, where the gap to the learner cannot (docs/benchmarks.md)."""
+    if earlier is None or earlier.weights == now.weights or earlier.response_ids != now.response_ids:
+        return None
+    if earlier.engine != now.engine:
+        return None
+    moved = max((abs(a - b) for a, b in zip(earlier.learner, now.learner)), default=0.0)
+    return moved if moved > max(noise, PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR) else None
+
+
+def next_probe_record(earlier: ProbeRecord | None, now: ProbeRecord) -> ProbeRecord:
+    """The record to compare the next probe with: `now`, unless the engine's probe did not change since `earlier`
+    (then `earlier` stays, so a learner that keeps moving away from an engine that does not follow is seen once its
+    moves add up beyond the noise)."""
+    if earlier is not None and earlier.response_ids == now.response_ids and earlier.engine == now.engine:
+        return earlier
+    return now

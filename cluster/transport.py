@@ -1,14 +1,15 @@
 """How new weights travel from the learner to the rollout engines: one interface, a transport per `sync.transport`.
 
 Owns: moving the learner's current weights into a given set of rollout workers and reporting, per worker, the weights
-version it now serves or why it failed (death or missed deadline). `object_store` (the default) has the learner write
+version it now serves with the fingerprints of what it received (`Loaded`), or why it failed (death or missed
+deadline). `object_store` (the default) has the learner write
 its weights into its shared-memory buffer for workers on its node (`sync.shared_memory`, learner/shared_weights.py),
 and export them once, in buckets of `sync.bucket_mb`, as zero-copy numpy objects in Ray's object store for workers on
 other nodes; every worker loads them through the engine's reload path. `collective` forms a torch.distributed group of
 the learner (rank 0) and every engine worker, broadcasts the weights in flat buckets, and re-forms the group when the
 fleet changes or a member fails (the group itself lives in learner/weight_group.py).
 Does not own: which workers exist, replacing failed ones, or the probe check (cluster/rollout_pool.py); the version
-check of what a worker reports (RolloutPool does it, for every transport alike).
+and fingerprint checks of what a worker reports (RolloutPool does them, for every transport alike).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from cluster.remote import RunError, describe, get, get_ready
 
 if TYPE_CHECKING:
+    from actors.rollout_types import Loaded
     from cluster.rollout_pool import RolloutPool
 
 
 class WeightTransport(Protocol):
     """What RolloutPool needs from a transport."""
 
-    def load(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str]]:
+    def load(self, indices: list[int]) -> tuple[dict[int, Loaded], dict[int, str]]:
         """Load the learner's current weights (version `pool.weights_version`) into the workers at `indices`:
-        ({index: version it reports}, {index: why it failed}). Raises RunError when the learner itself fails."""
+        ({index: what it reports, a `Loaded`}, {index: why it failed}). Raises RunError when the learner itself
+        fails."""
         ...
 
     def defer(self) -> dict[int, list] | None:
@@ -67,7 +70,7 @@ class ObjectStoreTransport:
             ["learner"] * 2, "sync")
         self.exported: list = []  # refs of the latest export: the buffer's handle and/or the buckets
 
-    def load(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str]]:
+    def load(self, indices: list[int]) -> tuple[dict[int, Loaded], dict[int, str]]:
         pool = self.pool
         loads = self.export(indices)
         refs = {i: pool.workers[i].load_weights.remote(pool.weights_version, *loads[i]) for i in indices}
@@ -142,8 +145,8 @@ class CollectiveTransport:
         self.host = get([learner.__ray_call__.remote(lambda _: ray.util.get_node_ip_address())], self.timeout,
                         ["learner"], "sync")[0]
 
-    def load(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str]]:
-        done: dict[int, int] = {}
+    def load(self, indices: list[int]) -> tuple[dict[int, Loaded], dict[int, str]]:
+        done: dict[int, Loaded] = {}
         failed: dict[int, str] = {}
         todo = list(indices)
         for _ in range(2):
@@ -171,8 +174,8 @@ class CollectiveTransport:
         self.members, self.leaving, self.stale = [], [], True
         _drain(refs, timeout=10)
 
-    def _attempt(self, indices: list[int]) -> tuple[dict[int, int], dict[int, str], dict[int, str]]:
-        """Form the group if needed, then broadcast: ({index: version}, {index: failure}, {index: to load again})."""
+    def _attempt(self, indices: list[int]) -> tuple[dict[int, Loaded], dict[int, str], dict[int, str]]:
+        """Form the group if needed, then broadcast: ({index: Loaded}, {index: failure}, {index: to load again})."""
         workers = [self.pool.workers[i] for i in indices]
         if self.stale or [_id(w) for w in workers] != [_id(m) for m in self.members]:
             lost, retry = self._form(indices)

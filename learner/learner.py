@@ -36,6 +36,7 @@ from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_tok
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.device import compute_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
+from learner.fingerprint import fingerprint
 from learner.shared_weights import SharedWeights, SharedWeightsHandle
 
 if TYPE_CHECKING:
@@ -339,6 +340,12 @@ class Learner:
             shared = self.shared_weights = SharedWeights(state, self.compute_dtype)  # written cast to it
         self.shared_at = self.weights_version
         return shared.write(state, version)
+
+    def weights_fingerprint(self) -> dict[str, str]:
+        """{name: fingerprint} of the policy's weights as the engines must receive them (cast to their dtypes;
+        learner/fingerprint.py), for the pool to compare with what each worker reports it received. Computed from the
+        weights themselves, not from what a transport packed, so a packing error is caught too. Rank 0's alone."""
+        return fingerprint(_cast(self.policy_state_dict(), self.compute_dtype).items())
 
     def count_buckets(self, bucket_bytes: int) -> int:
         return len(self._bucket_names(bucket_bytes))

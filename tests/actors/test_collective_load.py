@@ -55,8 +55,12 @@ def test_broadcast_loads_the_learners_weights_into_the_engine(tiny_tied_model_di
 
     def broadcast(version: int) -> None:
         sent = background.submit(learner.broadcast_weights)
-        assert worker.receive_weights(version) == version
+        loaded = worker.receive_weights(version)
         assert sent.result(timeout=30)["bytes"] > 0
+        # what the engine's process received, in the engine's dtype, is bit for bit what the learner's weights cast
+        # to it are (and not what they were before the last perturbation)
+        assert loaded.version == version and loaded.fingerprints == (learner.weights_fingerprint(),)
+        assert loaded.fingerprints != (before,)
 
     try:
         # Both start from the model directory (the probe prompt is cached): the gap is the noise floor, and the
@@ -67,12 +71,14 @@ def test_broadcast_loads_the_learners_weights_into_the_engine(tiny_tied_model_di
         assert len(first.layout) > 1 and {s.dtype for b in first.layout for s in b.slots} == {dtype}
         assert {p.dtype for p in learner.model.parameters()} == {torch.float32}
         for version in (1, 2):  # the same group, twice
+            before = learner.weights_fingerprint()
             perturb(learner.model, seed=version, scale=scale)
             assert probe_gap(worker, learner) > 2 * tolerance  # the engine still serves the old weights
             broadcast(version)
             assert probe_gap(worker, learner) < tolerance  # a stale head or stale cached KV gives 0.2-1.7
         second = form_group()  # re-formed: a new group on a new port
         assert second.port != first.port
+        before = learner.weights_fingerprint()
         perturb(learner.model, seed=3, scale=scale)
         broadcast(3)
         assert probe_gap(worker, learner) < tolerance and worker.weights_version == 3

@@ -8,6 +8,7 @@ import torch
 
 from actors.rollout import RolloutWorker, SamplingSettings
 from actors.engine import EngineSettings
+from learner.fingerprint import fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(worker):
 
 def test_load_weights_updates_the_running_engine(worker, tiny_model_dir):
     new = perturbed_state(tiny_model_dir, seed=3)
-    assert worker.load_weights(5, *buckets_of(new)) == 5
+    loaded = worker.load_weights(5, *buckets_of(new))
+    # the fingerprints of exactly what the engine was handed
+    assert loaded.version == 5 and loaded.fingerprints == (fingerprint(new.state_dict().items()),)
+    base = perturbed_state(tiny_model_dir, seed=0, scale=0.0)
+    assert loaded.fingerprints != (fingerprint(base.state_dict().items()),)
     [[r]] = worker.generate(["37+45="], [11], SamplingSettings(group_size=1, max_new_tokens=6))
     assert r.weights_version == 5
     expected = hf_logprobs(new, r.prompt_ids, r.response_ids)
@@ -85,8 +90,10 @@ def test_generate_given_weights_loads_them_first(worker, tiny_model_dir):
     first, second = perturbed_state(tiny_model_dir, seed=6), perturbed_state(tiny_model_dir, seed=7)
     sampling = SamplingSettings(group_size=2, max_new_tokens=6)
     for version, model in ((10, first), (11, second)):  # the second call's prompt is cached from the first
-        [group] = worker.generate([PROBE], [3], sampling, version, *buckets_of(model))
-        assert worker.weights_version == version
+        groups = worker.generate([PROBE], [3], sampling, version, *buckets_of(model))
+        assert worker.weights_version == version and groups.loaded.version == version
+        assert groups.loaded.fingerprints == (fingerprint(model.state_dict().items()),)
+        [group] = groups
         for r in group:
             assert r.weights_version == version
             torch.testing.assert_close(torch.tensor(r.behavior_logprobs),
@@ -102,7 +109,7 @@ def test_load_from_the_learners_shared_buffer_copies_it_into_the_engine(worker, 
     sampling = SamplingSettings(group_size=1, max_new_tokens=6)
     try:
         handle = shared.write(first.state_dict(), version=12)
-        assert worker.load_weights(12, handle) == 12
+        assert worker.load_weights(12, handle) == (12, (fingerprint(first.state_dict().items()),))
         shared.write(second.state_dict(), version=13)  # the buffer changes; the engine must not see it
         [[r]] = worker.generate(["37+45="], [11], sampling)
         assert r.weights_version == 12

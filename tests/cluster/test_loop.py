@@ -1,16 +1,18 @@
 """The whole loop on a real local Ray with real vLLM rollout workers: metrics contract, verified weight sync, and
-faults (a worker that never loads the weights, one that skips the prefix-cache reset, one that hangs)."""
+faults (a worker that never loads the weights, an engine that skips the load, a dropped bucket, a skipped prefix-cache
+reset, a worker that hangs), in float32 and bfloat16."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
 import pytest
 import ray
 
-from actors.rollout import RolloutWorker
+from actors.rollout import Loaded, RolloutWorker
 from bench import step_breakdown
 from cluster.config import LearnerConfig, load_config
 from cluster.driver import SyncError, run_training
@@ -34,7 +36,23 @@ class SkipLoadWorker(RolloutWorker):
 
     def load_weights(self, version, *buckets):
         self.weights_version = version
-        return version
+        return Loaded(version)
+
+
+class EngineSkipsLoadWorker(RolloutWorker):
+    """Receives the weights (and fingerprints them) but its engine never applies them: a reload path that does
+    nothing. Only the probe can see this one."""
+
+    def load_weights(self, version, *buckets):
+        self.engine.load_weights = lambda named: self.engine.reset_prefix_cache()
+        return super().load_weights(version, *buckets)
+
+
+class DropBucketWorker(RolloutWorker):
+    """Loads every bucket of the weights but the last: a transport that lost one."""
+
+    def load_weights(self, version, *buckets):
+        return super().load_weights(version, *buckets[:-1])
 
 
 class NoCacheResetWorker(RolloutWorker):
@@ -75,18 +93,42 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
 
 @pytest.mark.parametrize("lr", ["2e-3", "default"])
 @pytest.mark.parametrize("worker_cls, caught_by", [
-    (SkipLoadWorker, r"\(version 1\) gives probe logprobs that differ from the learner's"),
+    (SkipLoadWorker, r"\(version 1\) reports no fingerprints of the weights it loaded"),
+    (EngineSkipsLoadWorker, r"\(version 1\) gives probe logprobs that differ from the learner's"),
     # at 2e-3 the stale KV entries already move the logprobs beyond the tolerance; at the default lr they do not
     (NoCacheResetWorker, r"\(version 1\) (gives probe logprobs|took 32 probe prompt tokens from its prefix cache)")])
 def test_broken_sync_stops_the_run(ray_local, tmp_path, demo_model_dir, worker_cls, caught_by, lr):
-    """Caught at the first sync, at the default learning rate too (whose first, warm-up step is lr/10): a skipped load
-    by the logprobs (in float32 one step moves them far more than `sync.probe_tolerance`; bfloat16's limits are in
-    docs/operations.md), a skipped prefix-cache reset by the cache hit itself (its logprob error is as small as the
-    step's change of the weights)."""
+    """float32, caught at the first sync, at the default learning rate too (whose first, warm-up step is lr/10): a
+    worker that loads nothing by its missing fingerprints, an engine that skips the load by the logprobs (in float32
+    one step moves them far more than the probe's tolerance), a skipped prefix-cache reset by the cache hit itself
+    (its logprob error is as small as the step's change of the weights)."""
     default_lr = LearnerConfig.model_fields["lr"].default
     config = config_for(tmp_path, demo_model_dir, "max_steps=3", f"learner.lr={default_lr if lr == 'default' else lr}")
     with pytest.raises(SyncError, match="weight sync check failed: rollout worker 0 " + caught_by):
         run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=worker_cls)
+
+
+def test_an_engine_that_skips_the_load_stops_a_bfloat16_run(ray_local, tmp_path, demo_model_dir):
+    """bfloat16 at 5e-6, where the engine-learner noise floor (~1e-2) hides a step's change from the probe's gap
+    (docs/benchmarks.md, the probe's limits): the engine repeats its probe bit for bit while the learner's logprobs
+    of it move beyond the noise, which no engine serving the new weights does."""
+    config = config_for(tmp_path, demo_model_dir, "max_steps=6", "model.dtype=bfloat16", "learner.lr=5e-6",
+                        "learner.warmup_steps=0")
+    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version \d\) gives bit for bit "
+                                        r"the probe logprobs it gave at version 0, while the learner's logprobs"):
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=EngineSkipsLoadWorker)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dropped_bucket_stops_the_run(ray_local, tmp_path, demo_model_dir, dtype):
+    """Through the object store in buckets of 256 KiB: the worker's fingerprints of what reached its engine lack the
+    last bucket's tensors, at the first sync and whatever the dtype."""
+    config = config_for(tmp_path, demo_model_dir, "max_steps=2", f"model.dtype={dtype}", "sync.shared_memory=false",
+                        "sync.bucket_mb=0.25")
+    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) did not get the "
+                                        r"learner's weights: \d+ of the \d+ tensors never reached the engine \(first: "
+                                        r"model\.(norm|layers)"):
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=DropBucketWorker)
 
 
 def test_a_skipped_prefix_cache_reset_stops_a_bfloat16_run(ray_local, tmp_path, demo_model_dir):
@@ -96,6 +138,20 @@ def test_a_skipped_prefix_cache_reset_stops_a_bfloat16_run(ray_local, tmp_path, 
                         f"learner.lr={LearnerConfig.model_fields['lr'].default}")
     with pytest.raises(SyncError, match=r"rollout worker 0 \(version 1\) took 32 probe prompt tokens from its prefix"):
         run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=NoCacheResetWorker)
+
+
+def test_without_the_probe_every_deferred_load_is_still_fingerprinted(ray_local, tmp_path, demo_model_dir):
+    """`sync.probe=false`: each worker loads the weights at the start of its next request, whose result carries the
+    load's fingerprints back: a clean run trains, one that loses a bucket stops at the first step that used it."""
+    overrides = ["max_steps=2", "sync.probe=false", "sync.shared_memory=false", "sync.bucket_mb=0.25"]
+    records = run_training(config_for(tmp_path / "clean", demo_model_dir, *overrides), tmp_path / "clean" / "run",
+                           str(demo_model_dir), display=False)
+    assert [r["weights/version"] for r in records] == [1, 2] and math.isnan(records[-1]["sync/probe_max_diff"])
+    assert all(r["logprob/mismatch"] < 1e-4 for r in records)
+    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker \d \(version 1\) did not get the "
+                                        r"learner's weights: \d+ of the \d+ tensors never reached the engine"):
+        run_training(config_for(tmp_path / "drop", demo_model_dir, *overrides), tmp_path / "drop" / "run",
+                     str(demo_model_dir), display=False, rollout_cls=DropBucketWorker)
 
 
 def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_run(ray_local, tmp_path, tiny_model_dir):

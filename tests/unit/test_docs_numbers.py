@@ -50,19 +50,30 @@ def one_digit(value: float) -> str:
 def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
     rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "## The sync probe's limits", "dtype")
     f32 = [r for r in rows if r["dtype"] == "float32"]
-    bf16_small = [r for r in rows if (r["dtype"], r["master"]) == ("bfloat16", "float32") and float(r["lr"]) <= 5e-5]
+    mixed = {float(r["lr"]): r for r in rows if (r["dtype"], r["master"]) == ("bfloat16", "float32")}
+    bf16_small = [r for lr, r in mixed.items() if lr <= 5e-6]
     assert f32 and bf16_small
-    assert all(r["stale engine caught, no false alarm"] == "yes" for r in f32)  # "so it is caught"
-    assert all(r["stale engine caught, no false alarm"] == "NO" for r in bf16_small)  # "goes unnoticed there"
+    by_gap = "gap caught every stale engine, no false alarm"
+    assert all(r[by_gap] == "yes" for r in f32)  # "the gap alone catches"
+    assert all(r[by_gap] == "NO" for r in bf16_small)  # "the gap misses a stale engine there"
+    one_step = "repeat rule: one-step-stale engines caught"
+    caught, steps = mixed[1e-6][one_step].split("/")
+    every, at_5e6 = mixed[5e-6][one_step].split("/")
+    assert every == at_5e6  # "every one at 5e-6"
+    assert mixed[1e-6]["repeat rule: never-loading engine caught at step"] == "1"  # "at the first step"
+    assert sum(int(r["repeat rule: false alarms"]) for r in rows) == 0  # "no false alarm"
+    loads = sum(int(r[one_step].split("/")[1]) for r in rows)
     readme = (ROOT / "README.md").read_text()
     claim = " ".join(readme.split("**Its limits**", 1)[1].split("\n\n", 1)[0].split())
     stale_at_1e6 = next(float(r["stale gap (min)"]) for r in f32 if float(r["lr"]) == 1e-6)
     quotes = {
         "float32 noise": f"noise ~{one_digit(max(float(r['fresh gap (max)']) for r in f32))}",
-        "float32 step at lr 1e-6": f"moved them by {one_digit(stale_at_1e6)} at lr 1e-6",
+        "float32 step at lr 1e-6": f"moved the probe by {one_digit(stale_at_1e6)} at lr 1e-6",
         "bfloat16 noise": f"differ by up to ~{one_digit(max(float(r['fresh gap (max)']) for r in bf16_small))}",
         "bfloat16 steps": (f"moved the logprobs by {one_digit(min(float(r['stale gap (min)']) for r in bf16_small))} "
                            f"to {one_digit(max(float(r['stale gap (min)']) for r in bf16_small))}"),
+        "repeat rule at lr 1e-6": f"caught {caught} of {steps} one-step-stale engines at lr 1e-6",
+        "correct loads": f"no false alarm in {loads} correct loads",
     }
     for what, quote in quotes.items():
         assert quote in claim, f"README's probe limits should quote {what} as '{quote}'"
