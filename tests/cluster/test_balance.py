@@ -23,8 +23,8 @@ class OneSlowWorker(RolloutWorker):
 
     log = ""
 
-    def __init__(self, settings, num_threads=1):
-        super().__init__(settings, num_threads)
+    def __init__(self, settings, num_threads=1, fingerprint=True):
+        super().__init__(settings, num_threads, fingerprint)
         try:
             os.close(os.open(self.log + ".slow", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             self.speed = "slow"

@@ -29,7 +29,7 @@ class ThirdStartFails(RolloutWorker):
 
     markers = ""
 
-    def __init__(self, settings, num_threads=1):
+    def __init__(self, settings, num_threads=1, fingerprint=True):
         number = 1
         while True:  # this process's start number, over all processes (marker files, created atomically)
             try:
@@ -39,7 +39,7 @@ class ThirdStartFails(RolloutWorker):
                 number += 1
         if number == 3:
             raise RuntimeError("injected: this engine cannot start")
-        super().__init__(settings, num_threads)
+        super().__init__(settings, num_threads, fingerprint)
 
     def generate(self, prompts, seeds, sampling, *load):
         time.sleep(0.3)
