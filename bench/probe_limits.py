@@ -61,31 +61,30 @@ def main() -> int:
     sampling = SamplingSettings(group_size=4, max_new_tokens=8)
     prompts = [f"{a}+{b}=" for a, b in [(37, 45), (1, 2), (60, 39), (8, 8), (12, 71), (99, 1), (5, 40), (23, 23)]]
 
-    def probe(worker, learner, version: int) -> tuple[float, ProbeRecord]:
-        """(the gap, the probe as RolloutPool records it)."""
+    def probe(worker, learner, version: int, weights: str) -> tuple[float, ProbeRecord]:
+        """(the gap, the probe as RolloutPool records it; `weights`: the digest of the learner's weights)."""
         prompt_ids, response_ids, engine_lps, *_ = worker.probe(sync.probe_prompt, sync.probe_tokens, 1.0,
                                                                 PROBE_SEED)
         [ours] = learner.compute_logprobs([prompt_ids], [response_ids])
         gap = max(abs(a - b) for a, b in zip(engine_lps, ours))
-        weights = digest(learner.weights_fingerprint())
         return gap, ProbeRecord(version, weights, tuple(response_ids), tuple(engine_lps), tuple(ours))
 
-    def rescored(record: ProbeRecord, learner, version: int) -> ProbeRecord:
+    def rescored(record: ProbeRecord, prompt_ids: list[int], learner, version: int, weights: str) -> ProbeRecord:
         """`record`'s probe as an engine that never loaded repeats it, with the learner's logprobs now."""
-        [ours] = learner.compute_logprobs([list(learner_prompt)], [list(record.response_ids)])
-        return record._replace(version=version, weights=digest(learner.weights_fingerprint()), learner=tuple(ours))
+        [ours] = learner.compute_logprobs([prompt_ids], [list(record.response_ids)])
+        return record._replace(version=version, weights=weights, learner=tuple(ours))
 
     rows = []
     for precision in args.precisions:
         dtype, master = PRECISIONS[precision]
         worker = RolloutWorker(EngineSettings(model_path=model_path, dtype=dtype))
-        learner_prompt = worker.tokenizer.encode(sync.probe_prompt, add_special_tokens=False)
+        probe_prompt = worker.tokenizer.encode(sync.probe_prompt, add_special_tokens=False)
         try:
             for lr in args.lrs:
                 config = LearnerConfig(lr=lr, warmup_steps=0, kl_coef=0.0, num_threads=1, master_dtype=master)
                 learner = Learner(model_path, config, dtype=dtype)
                 worker.load_weights(0, *learner.export_weights(int(sync.bucket_mb * 2**20)))
-                noise, first = probe(worker, learner, 0)
+                noise, first = probe(worker, learner, 0, digest(learner.weights_fingerprint()))
                 fresh, stale, repeats_caught, false_alarms, never_caught = [noise], [], 0, 0, None
                 last = first  # the record a run keeps for this engine
                 rng = random.Random(0)  # the same rewards for every row
@@ -95,13 +94,15 @@ def main() -> int:
                     rewards = [rng.choice([0.0, 1.0]) for _ in flat]
                     learner.train_step(TrainBatch([r.prompt_ids for r in flat], [r.response_ids for r in flat],
                                                   [r.behavior_logprobs for r in flat], rewards, sampling.group_size))
-                    gap, record = probe(worker, learner, step)
+                    weights = digest(learner.weights_fingerprint())
+                    gap, record = probe(worker, learner, step, weights)
                     stale.append(gap)
                     repeats_caught += stale_probe(last, record, noise) is not None
-                    if never_caught is None and stale_probe(first, rescored(first, learner, step), noise) is not None:
+                    never = rescored(first, probe_prompt, learner, step, weights)
+                    if never_caught is None and stale_probe(first, never, noise) is not None:
                         never_caught = step
                     worker.load_weights(step, *learner.export_weights(int(sync.bucket_mb * 2**20)))
-                    gap, record = probe(worker, learner, step)
+                    gap, record = probe(worker, learner, step, weights)
                     fresh.append(gap)
                     false_alarms += stale_probe(last, record, noise) is not None
                     last = next_probe_record(last, record)

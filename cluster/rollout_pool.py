@@ -358,12 +358,12 @@ class RolloutPool:
                                                    cfg.rollout.temperature, PROBE_SEED) for i in indices],
                      cfg.timeouts.sync, names, "sync")
         learner_lps: dict[tuple, list[float]] = {}
+        samples = []
         for p in probes:
             key = (tuple(p.prompt_ids), tuple(p.response_ids))
             if key not in learner_lps:
                 [learner_lps[key]] = self.fleet.learner_group.compute_logprobs([p.prompt_ids], [p.response_ids])
-        samples = [p._replace(learner_logprobs=learner_lps[(tuple(p.prompt_ids), tuple(p.response_ids))])
-                   for p in probes]
+            samples.append(p._replace(learner_logprobs=learner_lps[key]))
         return [(max((abs(a - b) for a, b in zip(s.logprobs, s.learner_logprobs)), default=0.0), s) for s in samples]
 
     def replace(self, index: int, cause: str) -> None:
@@ -433,9 +433,7 @@ def stale_probe(earlier: ProbeRecord | None, now: ProbeRecord, noise: float) -> 
     weights does not, unless their change is too small to reach the probe's logits, and then the learner's logprobs
     do not move beyond the noise either. So the engine is closer to the earlier weights than to the new ones, whatever
     the dtype: this sees one stale step in bfloat16, where the gap to the learner cannot (docs/benchmarks.md)."""
-    if earlier is None or earlier.weights == now.weights or earlier.response_ids != now.response_ids:
-        return None
-    if earlier.engine != now.engine:
+    if not _repeated(earlier, now) or earlier.weights == now.weights:
         return None
     moved = max((abs(a - b) for a, b in zip(earlier.learner, now.learner)), default=0.0)
     return moved if moved > max(noise, PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR) else None
@@ -445,6 +443,9 @@ def next_probe_record(earlier: ProbeRecord | None, now: ProbeRecord) -> ProbeRec
     """The record to compare the next probe with: `now`, unless the engine's probe did not change since `earlier`
     (then `earlier` stays, so a learner that keeps moving away from an engine that does not follow is seen once its
     moves add up beyond the noise)."""
-    if earlier is not None and earlier.response_ids == now.response_ids and earlier.engine == now.engine:
-        return earlier
-    return now
+    return earlier if _repeated(earlier, now) else now
+
+
+def _repeated(earlier: ProbeRecord | None, now: ProbeRecord) -> bool:
+    """The engine gave `now`'s probe bit for bit as at `earlier`: the same tokens with the same logprobs."""
+    return earlier is not None and earlier.response_ids == now.response_ids and earlier.engine == now.engine

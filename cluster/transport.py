@@ -2,10 +2,10 @@
 
 Owns: moving the learner's current weights into a given set of rollout workers and reporting, per worker, the weights
 version it now serves with the fingerprints of what it received (`Loaded`), or why it failed (death or missed
-deadline). `object_store` (the default) has the learner write
-its weights into its shared-memory buffer for workers on its node (`sync.shared_memory`, learner/shared_weights.py),
-and export them once, in buckets of `sync.bucket_mb`, as zero-copy numpy objects in Ray's object store for workers on
-other nodes; every worker loads them through the engine's reload path. `collective` forms a torch.distributed group of
+deadline). `object_store` (the default) has the learner write its weights into its shared-memory buffer for workers
+on its node (`sync.shared_memory`, learner/shared_weights.py), and export them once, in buckets of `sync.bucket_mb`,
+as zero-copy numpy objects in Ray's object store for workers on other nodes; every worker loads them through the
+engine's reload path. `collective` forms a torch.distributed group of
 the learner (rank 0) and every engine worker, broadcasts the weights in flat buckets, and re-forms the group when the
 fleet changes or a member fails (the group itself lives in learner/weight_group.py).
 Does not own: which workers exist, replacing failed ones, or the probe check (cluster/rollout_pool.py); the version

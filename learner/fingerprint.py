@@ -28,7 +28,8 @@ ROW = 1 << 15  # elements per row: |column-weighted sum of a row| < 2^15 * 2^15 
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor | np.ndarray]]) -> dict[str, str]:
-    """{name: fingerprint} of every (name, tensor); a name given twice (a tied head) is fingerprinted once."""
+    """{name: fingerprint} of every (name, tensor), as a worker reports what it handed its engine (a tied head that
+    arrived under two names is two tensors there, each checked)."""
     return {name: tensor_fingerprint(tensor) for name, tensor in dict(named).items()}
 
 

@@ -18,7 +18,7 @@ Ray wraps it in `cluster/`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,7 @@ from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_tok
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.device import compute_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
-from learner.fingerprint import fingerprint
+from learner.fingerprint import tensor_fingerprint
 from learner.shared_weights import SharedWeights, SharedWeightsHandle
 
 if TYPE_CHECKING:
@@ -299,12 +299,13 @@ class Learner:
         numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors; both
         in host memory whatever the model's device. On the CPU, when the master weights are in the engines' dtype,
         the arrays are views of the live parameters: load or copy them before the next `train_step`."""
-        state = _cast(self.policy_state_dict(), self.compute_dtype)  # no copy when already in it
+        # One tensor cast at a time on the model's device (no copy when already in the engines' dtype, on the CPU).
+        state = _per_tensor(self.policy_state_dict(), lambda t: _to_engine(t, self.compute_dtype).contiguous().cpu())
         buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = []
         for names in self._bucket_names(bucket_bytes):
             buckets.append([])
             for name in names:
-                tensor = state[name].contiguous().cpu()
+                tensor = state[name]
                 buckets[-1].append((name, tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor))
         return buckets
 
@@ -344,8 +345,9 @@ class Learner:
     def weights_fingerprint(self) -> dict[str, str]:
         """{name: fingerprint} of the policy's weights as the engines must receive them (cast to their dtypes;
         learner/fingerprint.py), for the pool to compare with what each worker reports it received. Computed from the
-        weights themselves, not from what a transport packed, so a packing error is caught too. Rank 0's alone."""
-        return fingerprint(_cast(self.policy_state_dict(), self.compute_dtype).items())
+        weights themselves, not from what a transport packed, so a packing error is caught too; one tensor cast at a
+        time, a tied head once. Rank 0's alone."""
+        return _per_tensor(self.policy_state_dict(), lambda t: tensor_fingerprint(_to_engine(t, self.compute_dtype)))
 
     def count_buckets(self, bucket_bytes: int) -> int:
         return len(self._bucket_names(bucket_bytes))
@@ -467,10 +469,21 @@ def engine_dtype(tensor: torch.Tensor, compute: torch.dtype) -> torch.dtype:
     return compute if tensor.is_floating_point() else tensor.dtype
 
 
+def _to_engine(tensor: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """`tensor` in the engines' dtype (`engine_dtype`), itself when already in it."""
+    return tensor.detach().to(engine_dtype(tensor, compute))
+
+
 def _cast(state: dict[str, torch.Tensor], compute: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` in the engines' dtypes (`engine_dtype`); names that share a tensor (a tied head) share the cast."""
-    cast: dict[int, torch.Tensor] = {}
+    return _per_tensor(state, lambda tensor: _to_engine(tensor, compute))
+
+
+def _per_tensor(state: dict[str, torch.Tensor], convert: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """{name: convert(tensor)}, converting each distinct tensor once: names that share one (a tied head) share the
+    result."""
+    done: dict[int, Any] = {}
     for tensor in state.values():
-        if id(tensor) not in cast:
-            cast[id(tensor)] = tensor.detach().to(engine_dtype(tensor, compute))
-    return {name: cast[id(tensor)] for name, tensor in state.items()}
+        if id(tensor) not in done:
+            done[id(tensor)] = convert(tensor)
+    return {name: done[id(tensor)] for name, tensor in state.items()}
