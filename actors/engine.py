@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.weight_group import GroupSpec
+from sync.group import GroupSpec
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
 
@@ -66,7 +66,7 @@ class VllmEngine:
             device_args["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if settings.tensor_parallel_size > 1:
             # The shards run as Ray workers in the bundles of the placement group this actor was started in (its
-            # child tasks are captured there: cluster/remote.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
+            # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.llm = LLM(
@@ -120,7 +120,7 @@ class VllmEngine:
     def receive_weights(self, fingerprint: bool = True) -> tuple[dict[str, float], tuple[dict[str, str], ...]]:
         """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path; then the
         prefix cache is reset, as for `load_weights`. Returns the first worker's timings and, with `fingerprint`,
-        every worker's fingerprints of the tensors it received (learner/fingerprint.py)."""
+        every worker's fingerprints of the tensors it received (sync/fingerprint.py)."""
         reports = self.llm.collective_rpc("relay_receive_weights", args=(fingerprint,))
         self.reset_prefix_cache()
         fingerprints = tuple(report.pop("fingerprint") for report in reports)

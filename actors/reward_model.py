@@ -3,7 +3,7 @@
 Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode with gradients
 off, on the actor's GPU when it has one (`learner.device.pick_device`), its own tokenizer (a reward model need not
 share the policy's), and batched scoring of right-padded text.
-Does not own: combining or normalising scores (the driver, `cluster/scoring.py`). A plain class: Ray wraps it in
+Does not own: combining or normalising scores (the driver, `cluster/run/scoring.py`). A plain class: Ray wraps it in
 `cluster/`.
 """
 

@@ -1,29 +1,22 @@
 """RolloutWorker: one vLLM engine that samples G completions per prompt and takes new weights in place.
 
 Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, the
-fingerprints of the weights it hands its engine (learner/fingerprint.py), and the sync probe (a seeded sample from a
+fingerprints of the weights it hands its engine (sync/fingerprint.py), and the sync probe (a seeded sample from a
 fixed prompt whose logprobs the driver compares with the learner's).
 Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from actors.engine import EngineSettings, SampledCompletion, VllmEngine
-from actors.rollout_types import Loaded, Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (this module's API)
-from learner.fingerprint import fingerprint
-from learner.shared_weights import SharedWeightsHandle, read_shared
-from learner.weight_group import GroupSpec
-
-# What a weight load carries: buckets of (name, array) from the object store, or one handle of the learner's
-# shared-memory buffer.
-Weights = list[tuple[str, np.ndarray | torch.Tensor]] | SharedWeightsHandle
+from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (this module's API)
+from sync.group import GroupSpec
+from sync.receive import Loaded, Weights, fingerprints, received
 
 
 class ProbeSample(NamedTuple):
@@ -69,16 +62,11 @@ class RolloutWorker:
         """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the
         learner's node), into the engine in place; return the version now served and the fingerprints of what the
         engine was handed."""
-        if len(buckets) == 1 and isinstance(buckets[0], SharedWeightsHandle):
-            with read_shared(buckets[0]) as named:  # fails if the learner rewrote it meanwhile
-                fingerprints = self._fingerprints(named)
-                self.engine.load_weights(named)
-        else:
-            named = [(name, _as_tensor(array)) for bucket in buckets for name, array in bucket]
-            fingerprints = self._fingerprints(named)
+        with received(buckets) as named:  # fails if the learner rewrote its shared buffer meanwhile
+            report = Loaded(version, fingerprints(named, self.fingerprint))
             self.engine.load_weights(named)
         self.weights_version = version
-        return Loaded(version, fingerprints)
+        return report
 
     # The `collective` transport: this worker's engine is a member of the learner's weight group.
     def weight_group_ranks(self) -> int:
@@ -109,17 +97,6 @@ class RolloutWorker:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def _fingerprints(self, named: list[tuple[str, torch.Tensor]]) -> tuple[dict[str, str], ...]:
-        return (fingerprint(named),) if self.fingerprint else ()
-
     def _rollout(self, prompt_ids: list[int], c: SampledCompletion) -> Rollout:
         return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)
 
-
-def _as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
-    if isinstance(array, torch.Tensor):
-        return array
-    with warnings.catch_warnings():
-        # Arrays read zero-copy from Ray's object store are read-only; the reload copies them into the model.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)

@@ -1,7 +1,7 @@
 """What a rollout worker hands back: sampling settings in, `Rollout`s out, and how they travel between processes.
 
 Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a
-Python object per token), `SamplingSettings`, and `Loaded` (what a worker reports after a weight load). Imports only
+Python object per token), and `SamplingSettings`. Imports only
 numpy, so the driver (and benchmarks that simulate engines) can use these types without torch or vLLM.
 Does not own: sampling itself (actors/rollout.py).
 """
@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sync.receive import Loaded
 
 
 @dataclass(frozen=True)
@@ -35,16 +38,6 @@ class Rollout:
     text: str  # the response text, EOS dropped
     finish_reason: str  # "stop" | "length"
     weights_version: int
-
-
-class Loaded(NamedTuple):
-    """What a worker reports after loading weights: the version it now serves and, for each engine process that
-    received them (one per tensor-parallel shard with the `collective` transport, else one), the fingerprint of every
-    tensor it handed to the engine ({name: fingerprint}, learner/fingerprint.py; empty when `sync.fingerprint` is
-    off). The pool compares them with the learner's."""
-
-    version: int
-    fingerprints: tuple[dict[str, str], ...] = ()
 
 
 class RolloutGroups(list):

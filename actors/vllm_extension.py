@@ -4,7 +4,7 @@ Owns: `RelayWorkerExtension`, mixed into vLLM's worker through `LLM(worker_exten
 `llm.collective_rpc("relay_...")`. Method names carry a `relay_` prefix so they never clash with worker attributes.
 Each vLLM worker is also one member of the `collective` transport's weight group (`relay_join_weight_group`,
 `relay_receive_weights`), so the broadcast reaches every worker of a tensor-parallel engine in its own process.
-Does not own: where the weights come from (see `actors.engine`) or the group's plumbing (`learner.weight_group`).
+Does not own: where the weights come from (see `actors.engine`) or the group's plumbing (`sync.group`).
 Must stay importable in the engine's processes: it imports only torch and relay modules that need only torch and numpy.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
-from learner.fingerprint import fingerprint as relay_fingerprint
-from learner.weight_group import GroupSpec, WeightGroup
+from sync.fingerprint import fingerprint as relay_fingerprint
+from sync.group import GroupSpec, WeightGroup
 
 
 class RelayWorkerExtension:
@@ -50,7 +50,7 @@ class RelayWorkerExtension:
 
     def relay_receive_weights(self, fingerprint: bool = True) -> dict:
         """Receive the learner's broadcast and load it through `relay_reload_weights`: {"tensors", "receive_s",
-        "fingerprint_s", "reload_s", "fingerprint"} (the received tensors' fingerprints, learner/fingerprint.py,
+        "fingerprint_s", "reload_s", "fingerprint"} (the received tensors' fingerprints, sync/fingerprint.py,
         computed on the device they arrived on; empty without `fingerprint`). A failed broadcast leaves the engine's
         weights as they were."""
         group = getattr(self, "_relay_weight_group", None)

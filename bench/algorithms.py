@@ -36,8 +36,8 @@ def steps_to_target(records: list[dict]) -> int | None:
 
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     from cluster.config import load_config
-    from cluster.demo_model import ensure_demo_model
-    from cluster.driver import run_training
+    from cluster.demo.model import ensure_demo_model
+    from cluster.run.driver import run_training
     from learner.learner import Learner
 
     run_dir = Path(tmp) / name

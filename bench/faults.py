@@ -61,9 +61,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from cluster.config import load_config
-    from cluster.demo_model import ensure_demo_model
-    from cluster.driver import run_training
-    from cluster.remote import RunError
+    from cluster.demo.model import ensure_demo_model
+    from cluster.run.driver import run_training
+    from sync.calls import RunError
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:

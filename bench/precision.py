@@ -40,8 +40,8 @@ VARIANTS = {
 
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     from cluster.config import load_config
-    from cluster.demo_model import ensure_demo_model
-    from cluster.driver import run_training
+    from cluster.demo.model import ensure_demo_model
+    from cluster.run.driver import run_training
 
     run_dir = Path(tmp) / name
     config = load_config(None, [f"max_steps={steps}", f"run_dir={run_dir}", *VARIANTS[name], *overrides])
@@ -67,8 +67,8 @@ def progress(steps: int, lr: float) -> dict[str, float]:
     """How far each precision's learner moves a fixed batch's rewarded completions in `steps` on-policy steps."""
     from transformers import AutoTokenizer
 
-    from cluster.config import LearnerConfig
-    from cluster.demo_model import ensure_demo_model
+    from cluster.demo.model import ensure_demo_model
+    from learner.config import LearnerConfig
     from learner.learner import Learner, TrainBatch
 
     model_path = str(ensure_demo_model())

@@ -5,7 +5,7 @@ Usage: python bench/probe_limits.py [--precisions float32 bfloat16 bfloat16/bflo
 The probe (`sync.probe`) checks every engine two ways after a load. The gap: its logprobs of a seeded sample from
 `sync.probe_prompt` must be within the probe's tolerance of the learner's; that catches an engine that kept the
 previous weights only if one step moves those logprobs by more than the tolerance, and refuses no correct load only if
-engine and learner agree to within it. The repeat rule (`cluster.rollout_pool.stale_probe`): an engine that gives bit
+engine and learner agree to within it. The repeat rule (`sync.verify.stale_probe`): an engine that gives bit
 for bit the probe it gave at an earlier version, while the learner's logprobs of it moved by more than the noise
 floor, did not apply the load. For each precision (`model.dtype`, the engine's and the learner's compute dtype, and
 `learner.master_dtype`, the learner's parameters) and learning rate, on the demo model: a learner (`warmup_steps=0`, so
@@ -15,7 +15,7 @@ batch with non-zero advantages moves the policy). Before each load the probe com
 previous weights, with the updated learner ("stale"); after it, the engine on the new weights ("fresh"). Every probe
 uses the run's seed, and the learner scores each probe alone, as a run does.
 Columns: the noise floor (the gap before any update), the largest fresh gap, the smallest stale gap, the tolerance
-derived from the noise floor as a run derives it (`cluster.rollout_pool.probe_tolerance_from`: 5x, at least 1e-4),
+derived from the noise floor as a run derives it (`sync.verify.probe_tolerance_from`: 5x, at least 1e-4),
 whether the gap caught every stale engine with no correct load refused, how many one-step-stale engines the repeat
 rule caught, the step at which it caught an engine that never loaded (its probe is the one of step 0, as a stale
 engine repeats its probe exactly), and the repeat rule's false alarms on fresh engines.
@@ -50,11 +50,12 @@ def main() -> int:
 
     from actors.engine import EngineSettings
     from actors.rollout import RolloutWorker, SamplingSettings
-    from cluster.config import LearnerConfig, SyncConfig
-    from cluster.demo_model import ensure_demo_model
-    from cluster.rollout_pool import PROBE_SEED, ProbeRecord, next_probe_record, probe_tolerance_from, stale_probe
-    from learner.fingerprint import digest
+    from cluster.demo.model import ensure_demo_model
+    from learner.config import LearnerConfig
     from learner.learner import Learner, TrainBatch
+    from sync.config import SyncConfig
+    from sync.fingerprint import digest
+    from sync.verify import PROBE_SEED, ProbeRecord, next_probe_record, probe_tolerance_from, stale_probe
 
     model_path = str(ensure_demo_model())
     sync = SyncConfig()

@@ -34,7 +34,8 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.rollout_types import Loaded, Rollout, RolloutGroups, SamplingSettings  # noqa: E402  (numpy only)
+from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings
+from sync.receive import Loaded  # noqa: E402  (numpy only)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below travel by value
 
@@ -94,7 +95,7 @@ class SimulatedLearner:
     def share_weights(self, version):
         import torch
 
-        from learner.shared_weights import SharedWeights
+        from sync.shared_memory import SharedWeights
 
         tensors = {name: torch.from_numpy(array) for name, array in self.weights.items()}
         if not hasattr(self, "shared"):
@@ -107,8 +108,8 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     """(completions per second, driver CPU seconds per step) over `steps` steps (generate + weight sync) with n
     simulated workers."""
     from cluster.config import load_config
-    from cluster.remote import Fleet, RolloutLauncher, start_rollout_slots
-    from cluster.rollout_pool import RolloutPool
+    from cluster.fleet.placement import Fleet, RolloutLauncher, start_rollout_slots
+    from cluster.fleet.rollout_pool import RolloutPool
 
     config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
                                 "sync.fingerprint=false", f"rollout.balance={balance}", "rollout.group_size=8"])
@@ -143,12 +144,11 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
 def calibrate() -> tuple[float, float, float]:
     """Fit `a + tokens * (d + e * sequences)` to the real engine's generate time: the demo model, one engine thread,
     every sequence decoding exactly `tokens` tokens (EOS ignored), for 8..128 sequences and 8..40 tokens."""
+    import torch
     from vllm import SamplingParams, TokensPrompt
 
     from actors.engine import EngineSettings, VllmEngine
-    from cluster.demo_model import ensure_demo_model
-
-    import torch
+    from cluster.demo.model import ensure_demo_model
 
     torch.set_num_threads(1)
     engine = VllmEngine(EngineSettings(model_path=str(ensure_demo_model())))
@@ -184,7 +184,7 @@ def main() -> None:
     latency = calibrate() if args.calibrate else LATENCY
     latency = (max(0.0, latency[0]), *latency[1:])
     counts = [int(n) for n in args.workers.split(",")]
-    from cluster.remote import RAY_SYSTEM_CONFIG
+    from cluster.fleet.placement import RAY_SYSTEM_CONFIG
 
     # The Ray settings `relay train` uses when it starts Ray (rollout replies return inline up to 1 MiB).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",

@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cluster.config import load_config
-    from cluster.driver import run_training
+    from cluster.run.driver import run_training
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(None, [f"max_steps={args.steps}", f"run_dir={tmp}/run", *args.overrides])

@@ -53,7 +53,7 @@ def start_service(workers: int) -> tuple[subprocess.Popen, str]:
 
 def measure(url: str, samples, repeats: int, **config) -> dict[str, float]:
     """Median over `repeats` calls (after one warm-up) of the call time and the requests' latencies."""
-    from cluster.config import RemoteSource
+    from rewards.config import RemoteSource
     from rewards.remote import RemoteVerifier
 
     runs = []

@@ -83,7 +83,7 @@ class TimedWorker(RolloutWorker):
 
 
 def model_dir(size: str) -> Path:
-    from cluster.demo_model import make_random_model_dir
+    from cluster.demo.model import make_random_model_dir
 
     path = Path(os.environ.get("RELAY_CACHE_DIR", Path.home() / ".cache" / "relay")) / "bench" / f"qwen2-{size}"
     if not path.exists():
@@ -124,7 +124,7 @@ def perturb(learner, seed: int, scale: float = PERTURBATION) -> None:
 def measure(pool, name: str, repeats: int) -> dict[str, float]:
     """Warm-up load, then `repeats` timed loads of every worker through transport `name`, each of newly perturbed
     weights and checked by the probe: stale (before the load) and loaded (after it)."""
-    from cluster.transport import make_transport
+    from sync.transport import make_transport
 
     transport = make_transport(pool)
     indices = list(range(len(pool.workers)))
@@ -171,8 +171,9 @@ def probe_gap(pool) -> float:
 
 def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) -> list[dict]:
     from cluster.config import load_config
-    from cluster.remote import RunError, start_fleet, stop_fleet
-    from cluster.rollout_pool import RolloutPool
+    from cluster.fleet.placement import start_fleet, stop_fleet
+    from cluster.fleet.rollout_pool import RolloutPool
+    from sync.calls import RunError
 
     path = model_dir(size)
     nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))  # float32 weights (+ a small header)

@@ -1,4 +1,5 @@
-"""The run: configuration, the command line, Ray placement of the actors, and the training loop's driver.
+"""The run: its configuration (`config`), the step loop (`run/`), the actors on Ray (`fleet/`), the command line
+(`cli/`) and the built-in demo (`demo/`).
 
-The top layer: it may import actors/, learner/ and rewards/; nothing imports it except for config types.
+The top layer: it may import actors/, learner/, rewards/ and sync/; nothing imports it.
 """

@@ -7,7 +7,7 @@ itself for checkpoints, data-parallel over the learner's ranks like the policy (
 Face directory helpers the policy and the value model share (`save_model_dir`, `read_model_weights`,
 `load_model_weights`). Does not own: GAE (`learner.algo.advantages`), the loss math
 (`learner.algo.losses`), when to step or checkpoint (the `Learner`, the driver), or checkpoint atomicity
-(`cluster.checkpoint`).
+(`cluster.run.checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from learner.device import compute_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
 
 if TYPE_CHECKING:
-    from cluster.config import CriticConfig
+    from learner.config import CriticConfig
 
 
 # Files beside the weights that a model directory needs to be served or tokenized as it is (generation defaults,

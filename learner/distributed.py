@@ -7,7 +7,7 @@ group's timeout), which rows of a batch and of each minibatch this rank computes
 states (checkpoints, weight export). With one rank every method is the plain single-process operation, so a
 one-rank learner computes exactly what it computed before this module existed.
 Does not own: the update's math or the order of its steps (`learner.learner`), starting the ranks or choosing the
-rendezvous address (`cluster/learner_group.py`).
+rendezvous address (`cluster/fleet/learner_group.py`).
 
 Why N ranks give the update of one rank on the same batch:
 - every rank receives the whole TrainBatch and draws the same minibatch shuffle (same seed, same generator

@@ -4,26 +4,25 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 `old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
 of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite updates;
-exporting weights in buckets for the engines, or into a shared-memory buffer for those on its node; saving and
-restoring its whole state for checkpoints. Mixed precision: parameters, gradients and AdamW state are in
+saving and restoring its whole state for checkpoints; the weights version (it counts the updates it made, and
+`train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters, gradients and AdamW state are in
 `learner.master_dtype` (float32 by default), forward and backward in `model.dtype` (autocast when the two differ);
 whatever leaves for an engine or the Hugging Face policy directory is cast to `model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
 gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
 optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
 (`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
-Does not own: sampling, rewards, how weights travel, or checkpoint atomicity and retention (cluster/). A plain class:
-Ray wraps it in `cluster/`.
+Does not own: sampling, rewards, how weights travel (it publishes them through `sync.publisher.WeightPublisher`,
+mixed in), or checkpoint atomicity and retention (cluster/). A plain class: Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import resource
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import resource
 
 import numpy as np
 import torch
@@ -31,16 +30,21 @@ import torch
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
-from learner.algo.sequences import (SequenceBatch, batched_logprobs, pad_per_token, pad_sequences,
-                                     sequence_logprobs_and_entropy, unpad_per_token)
+from learner.algo.sequences import (
+    SequenceBatch,
+    batched_logprobs,
+    pad_per_token,
+    pad_sequences,
+    sequence_logprobs_and_entropy,
+    unpad_per_token,
+)
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.device import compute_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
-from learner.fingerprint import tensor_fingerprint
-from learner.shared_weights import SharedWeights, SharedWeightsHandle
+from sync.publisher import WeightPublisher, cast_to_engine
 
 if TYPE_CHECKING:
-    from cluster.config import CriticConfig, LearnerConfig
+    from learner.config import CriticConfig, LearnerConfig
 
 
 @dataclass
@@ -73,7 +77,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# The learner's part of a checkpoint directory (cluster/checkpoint.py names the same files; a test keeps them equal).
+# The learner's part of a checkpoint directory (cluster/run/checkpoint.py names the same files; a test keeps them equal).
 POLICY_DIR = "policy"  # Hugging Face causal LM directory: transformers and vLLM load it as it is
 CRITIC_DIR = "critic"  # Hugging Face token-classification directory, with a critic only
 LEARNER_STATE_FILE = "learner_state.pt"  # optimizers, schedulers, RNG states, counters: tensors and numbers only
@@ -84,8 +88,9 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-class Learner:
-    """Holds the policy (+ critic) and optimizers; `train_step` updates them, `export_weights` hands them out.
+class Learner(WeightPublisher):
+    """Holds the policy (+ critic) and optimizers; `train_step` updates them, the `WeightPublisher` methods hand them
+    out.
 
     With `config.num_ranks` > 1 this is rank `rank` of the group: call `join_process_group` on every rank first, then
     call `train_step`, `compute_logprobs`, `save_checkpoint` and `load_checkpoint` on every rank, in the same order
@@ -123,8 +128,6 @@ class Learner:
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
-        self.shared_weights: SharedWeights | None = None  # made by the first `share_weights`
-        self.shared_at = -1  # this learner's `weights_version` when the buffer was last written
 
     def _make_optimizer(self) -> None:
         cfg = self.config
@@ -292,105 +295,6 @@ class Learner:
         after the last update or load (other fsdp2 ranks: empty). No collective: rank 0 alone may call it."""
         return self._gathered if self._gathered is not None else self.model.state_dict()
 
-    def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, np.ndarray | torch.Tensor]]]:
-        """The policy's weights in the engines' dtype (`model.dtype`) as buckets of (name, array) of about
-        `bucket_bytes` each, in checkpoint names.
-
-        numpy arrays travel through Ray's object store zero-copy; dtypes numpy lacks (bfloat16) stay tensors; both
-        in host memory whatever the model's device. On the CPU, when the master weights are in the engines' dtype,
-        the arrays are views of the live parameters: load or copy them before the next `train_step`."""
-        # One tensor cast at a time on the model's device (no copy when already in the engines' dtype, on the CPU).
-        state = _per_tensor(self.policy_state_dict(), lambda t: _to_engine(t, self.compute_dtype).contiguous().cpu())
-        buckets: list[list[tuple[str, np.ndarray | torch.Tensor]]] = []
-        for names in self._bucket_names(bucket_bytes):
-            buckets.append([])
-            for name in names:
-                tensor = state[name]
-                buckets[-1].append((name, tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor))
-        return buckets
-
-    def _bucket_names(self, bucket_bytes: int) -> list[list[str]]:
-        """The policy's checkpoint names grouped into consecutive buckets of about `bucket_bytes` in the engines'
-        dtype (a larger tensor goes alone)."""
-        buckets: list[list[str]] = [[]]
-        size = 0
-        for name, tensor in self.policy_state_dict().items():
-            nbytes = tensor.numel() * engine_dtype(tensor, self.compute_dtype).itemsize
-            if size and size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(name)
-            size += nbytes
-        return buckets
-
-    def export_weight_buckets(self, bucket_bytes: int):
-        """`export_weights` shaped for a Ray call with `num_returns=count_buckets(...)`: one object per bucket
-        (Ray stores a method's whole return value as one object when num_returns is 1, so one bucket goes bare)."""
-        buckets = self.export_weights(bucket_bytes)
-        return buckets[0] if len(buckets) == 1 else buckets
-
-    def share_weights(self, version: int) -> SharedWeightsHandle:
-        """The policy's weights, as `version`, in this process's shared-memory buffer (laid out by the first call,
-        rewritten in place by later ones; not again for the same `version` while this learner's weights are unchanged),
-        for engines on this node to read (learner/shared_weights.py). Rank 0's alone, like `export_weights`."""
-        shared = self.shared_weights
-        if shared is not None and shared.version == version and self.shared_at == self.weights_version:
-            return shared.handle()  # engines may be reading it now (a replacement's load during a step)
-        state = self.policy_state_dict()
-        if shared is None:
-            shared = self.shared_weights = SharedWeights(state, self.compute_dtype)  # written cast to it
-        self.shared_at = self.weights_version
-        return shared.write(state, version)
-
-    def weights_fingerprint(self) -> dict[str, str]:
-        """{name: fingerprint} of the policy's weights as the engines must receive them (cast to their dtypes;
-        learner/fingerprint.py), for the pool to compare with what each worker reports it received. Computed from the
-        weights themselves, not from what a transport packed, so a packing error is caught too; one tensor cast at a
-        time, a tied head once. Rank 0's alone."""
-        return _per_tensor(self.policy_state_dict(), lambda t: tensor_fingerprint(_to_engine(t, self.compute_dtype)))
-
-    def count_buckets(self, bucket_bytes: int) -> int:
-        return len(self._bucket_names(bucket_bytes))
-
-    # The `collective` transport (cluster/transport.py): a weight-broadcast group of this learner (rank 0) and every
-    # engine worker; the torch.distributed plumbing lives in learner/weight_group.py.
-    def open_weight_group(self, host: str, world_size: int, bucket_bytes: int, timeout: float):
-        """Leave the previous weight group and open a new one of `world_size` members as its rank 0: a rendezvous
-        store on a fresh port of `host` (this node's address), buckets of about `bucket_bytes`, `timeout` seconds for
-        every collective. Returns the `GroupSpec` the engines join with; `join_weight_group` then completes it."""
-        from learner.weight_group import WeightGroup, plan_buckets
-
-        old = self.__dict__.pop("weight_group", None)
-        if old is not None:
-            old.close()
-        state = self.policy_state_dict()
-        # Laid out in the engines' dtype: packing a bucket casts the master weights into it (one cast per sync).
-        layout = plan_buckets(((name, t.shape, engine_dtype(t, self.compute_dtype)) for name, t in state.items()),
-                              bucket_bytes)
-        self.weight_group = WeightGroup.host(host, world_size, layout, next(iter(state.values())).device, timeout,
-                                             avoid_port=old.spec.port if old is not None else None)
-        return self.weight_group.spec
-
-    def join_weight_group(self) -> None:
-        """Join the group `open_weight_group` opened, as rank 0; returns once every member has joined."""
-        self._weight_group().join(0)
-
-    def broadcast_weights(self) -> dict[str, float]:
-        """Broadcast the current weights to every member of the weight group: {"seconds", "bytes"}."""
-        group = self._weight_group()
-        seconds = group.send(self.policy_state_dict())
-        return {"seconds": seconds, "bytes": float(sum(b.nbytes for b in group.spec.layout))}
-
-    def leave_weight_group(self) -> None:
-        group = self.__dict__.pop("weight_group", None)
-        if group is not None:
-            group.close()
-
-    def _weight_group(self):
-        if "weight_group" not in self.__dict__:
-            raise RuntimeError("the learner is in no weight group: call open_weight_group first")
-        return self.weight_group
-
     def save_checkpoint(self, directory: str) -> None:
         """Write the learner's whole state into `directory` (existing and empty; the caller makes it atomic):
         `policy/` (in `model.dtype`, for vLLM and transformers) and, with a critic, `critic/` (in
@@ -408,7 +312,7 @@ class Learner:
             weights = self.policy_state_dict()
             if self.mixed_precision:
                 state["master_weights"] = to_cpu(weights)  # what the update continues from, exactly
-                weights = _cast(weights, self.compute_dtype)
+                weights = cast_to_engine(weights, self.compute_dtype)
             save_model_dir(self.model, self.model_path, root / POLICY_DIR, weights, self.compute_dtype)
             torch.save(state, root / LEARNER_STATE_FILE)
 
@@ -462,28 +366,3 @@ class Learner:
             "nonfinite_in_row": self.nonfinite_in_row,
         })
 
-
-def engine_dtype(tensor: torch.Tensor, compute: torch.dtype) -> torch.dtype:
-    """The dtype `tensor` has where the engines and the saved policy get it: `compute` (`model.dtype`) for weights,
-    its own for anything else (integer buffers)."""
-    return compute if tensor.is_floating_point() else tensor.dtype
-
-
-def _to_engine(tensor: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    """`tensor` in the engines' dtype (`engine_dtype`), itself when already in it."""
-    return tensor.detach().to(engine_dtype(tensor, compute))
-
-
-def _cast(state: dict[str, torch.Tensor], compute: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` in the engines' dtypes (`engine_dtype`); names that share a tensor (a tied head) share the cast."""
-    return _per_tensor(state, lambda tensor: _to_engine(tensor, compute))
-
-
-def _per_tensor(state: dict[str, torch.Tensor], convert: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
-    """{name: convert(tensor)}, converting each distinct tensor once: names that share one (a tied head) share the
-    result."""
-    done: dict[int, Any] = {}
-    for tensor in state.values():
-        if id(tensor) not in done:
-            done[id(tensor)] = convert(tensor)
-    return {name: done[id(tensor)] for name, tensor in state.items()}

@@ -1,1 +1,1 @@
-"""Reward functions and task data: pure Python, no torch, no Ray."""
+"""Scoring completions: rule verifiers, the remote verifier client and service, reward shaping, and their config."""

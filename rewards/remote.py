@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:  # rewards/ sits below cluster/: the config type is only named, never imported at run time
-    from cluster.config import RemoteSource
+    from rewards.config import RemoteSource
 
 log = logging.getLogger(__name__)
 

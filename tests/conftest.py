@@ -30,7 +30,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised Qwen2 (hidden 64, 2 heads of 32, 2 layers, untied) with the character tokenizer."""
-    from cluster.demo_model import make_random_model_dir
+    from cluster.demo.model import make_random_model_dir
 
     return make_random_model_dir(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
@@ -38,7 +38,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory) -> Path:
     """Like `tiny_model_dir` but with tied input/output embeddings (the CPU backend's stale-head trap)."""
-    from cluster.demo_model import make_random_model_dir
+    from cluster.demo.model import make_random_model_dir
 
     return make_random_model_dir(tmp_path_factory.mktemp("models") / "tiny_tied", seed=1, tie_word_embeddings=True)
 
@@ -46,7 +46,7 @@ def tiny_tied_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised Qwen2 sequence classifier with one output, with the character tokenizer."""
-    from cluster.demo_model import make_random_reward_model_dir
+    from cluster.demo.model import make_random_reward_model_dir
 
     return make_random_reward_model_dir(tmp_path_factory.mktemp("models") / "tiny_rm", seed=2)
 
@@ -54,7 +54,7 @@ def tiny_reward_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo's warmed-up base model, built once into RELAY_CACHE_DIR (about a minute the first time)."""
-    from cluster.demo_model import ensure_demo_model
+    from cluster.demo.model import ensure_demo_model
 
     return ensure_demo_model()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import CriticConfig, LearnerConfig
 from learner.algo.sequences import pad_sequences, sequence_logprobs
+from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, TrainBatch
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)

@@ -11,7 +11,7 @@ import torch
 
 from actors.engine import EngineSettings
 from actors.rollout import RolloutWorker
-from cluster.config import LearnerConfig
+from learner.config import LearnerConfig
 from learner.learner import Learner
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def test_broadcast_loads_the_learners_weights_into_the_engine(tiny_tied_model_di
     perturbations are 25x smaller: bfloat16's engine-learner noise grows with the weights (on this random model,
     measured: 1.5e-3 at the start, 1.5e-2 after two perturbations of 0.05, 7e-2 after one of 0.5; the same through
     the object store), so larger ones would leave the noise floor the tolerance was derived from."""
-    from cluster.rollout_pool import probe_tolerance_from
+    from sync.verify import probe_tolerance_from
 
     learner = Learner(str(tiny_tied_model_dir), LearnerConfig(kl_coef=0.0, num_threads=1), dtype=dtype)
     worker = RolloutWorker(EngineSettings(model_path=str(tiny_tied_model_dir), dtype=dtype))

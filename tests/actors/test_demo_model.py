@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.demo_model import (
+from cluster.demo.model import (
     REPORT_FILE,
     build_char_tokenizer,
     demo_model_dir,
@@ -18,7 +18,7 @@ from cluster.demo_model import (
     save_model_dir,
     tiny_qwen2_config,
 )
-from rewards.arithmetic import make_problems
+from cluster.demo.task import make_problems
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import learner.critic
 import learner.learner
 from actors.reference import ReferenceWorker
 from actors.reward_model import RewardModelWorker
-from cluster.config import CriticConfig, LearnerConfig
+from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, TrainBatch
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)

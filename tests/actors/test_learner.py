@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
-from cluster.config import CriticConfig, LearnerConfig
 from learner.algo.sequences import pad_sequences
+from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, NonFiniteError, TrainBatch
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)
@@ -110,7 +110,7 @@ def test_export_weights_in_buckets(tiny_model_dir):
 
 
 def test_share_weights_rewrites_one_buffer_only_when_the_weights_or_their_version_change(tiny_model_dir):
-    from learner.shared_weights import read_shared
+    from sync.shared_memory import read_shared
 
     learner = make_learner(tiny_model_dir)
     first = learner.share_weights(version=1)
@@ -264,7 +264,7 @@ def test_bfloat16_with_float32_master_weights_learns_like_float32_at_a_small_lea
 
 def test_mixed_precision_keeps_float32_master_weights_and_hands_engines_bfloat16(tiny_model_dir):
     from learner.algo.sequences import sequence_logprobs
-    from learner.shared_weights import read_shared
+    from sync.shared_memory import read_shared
 
     config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2)
     learner = Learner(str(tiny_model_dir), config, dtype="bfloat16", seed=0, norm_length=4)

@@ -21,8 +21,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from cluster.config import RemoteSource
-from rewards.arithmetic import exact_match
+from cluster.demo.task import exact_match
+from rewards.config import RemoteSource
 from rewards.remote import RemoteVerifier, RemoteVerifierError, VerifierSample
 from rewards.service import create_app, run_in_thread
 
@@ -430,7 +430,7 @@ def test_relay_verifier_serve_cli(serve_verifier, monkeypatch):
                                capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad_param.returncode == 2 and "does not accept parameter 'tol'" in bad_param.stderr
 
-    process, url = serve_verifier(["--verifier", "rewards.arithmetic:exact_match", "--workers", "2", "--token-env",
+    process, url = serve_verifier(["--verifier", "cluster.demo.task:exact_match", "--workers", "2", "--token-env",
                                    "SERVE_TOKEN"], {"SERVE_TOKEN": TOKEN})
     samples = make_samples(40)
     monkeypatch.setenv("JUDGE_TOKEN", TOKEN)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.rollout import RolloutWorker, SamplingSettings
 from actors.engine import EngineSettings
-from learner.fingerprint import fingerprint
+from actors.rollout import RolloutWorker, SamplingSettings
+from sync.fingerprint import fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_generate_given_weights_loads_them_first(worker, tiny_model_dir):
 
 def test_load_from_the_learners_shared_buffer_copies_it_into_the_engine(worker, tiny_model_dir):
     """`sync.shared_memory`: the engine reads the learner's buffer, keeps its own copy, and refuses a stale handle."""
-    from learner.shared_weights import SharedWeights
+    from sync.shared_memory import SharedWeights
 
     first, second = perturbed_state(tiny_model_dir, seed=8), perturbed_state(tiny_model_dir, seed=9)
     shared = SharedWeights(first.state_dict())

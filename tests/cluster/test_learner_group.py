@@ -13,10 +13,11 @@ import pytest
 import ray
 import torch
 
-from cluster.config import CriticConfig, LearnerConfig, TimeoutConfig
-from cluster.learner_group import start_learner_group
-from cluster.remote import RunError
+from cluster.config import TimeoutConfig
+from cluster.fleet.learner_group import start_learner_group
+from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, TrainBatch
+from sync.calls import RunError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # SgdLearner travels to the rank actors by value
 
@@ -239,7 +240,7 @@ def test_a_run_with_two_learner_ranks_trains_and_keeps_the_engines_in_sync(ray_l
     """Through the driver: placement reserves a bundle per rank, the probe asks every rank, checkpoints come from
     rank 0 and the weights reach the engines from rank 0 after each step."""
     from cluster.config import load_config
-    from cluster.driver import run_training
+    from cluster.run.driver import run_training
 
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={demo_model_dir}", "max_steps=3",
                                 "data.prompts_per_step=8", "rollout.num_workers=1", "learner.num_ranks=2",

@@ -12,11 +12,14 @@ import time
 import pytest
 import ray
 
-from actors.rollout import Loaded, RolloutWorker
+from actors.rollout import RolloutWorker
 from bench import step_breakdown
-from cluster.config import LearnerConfig, load_config
-from cluster.driver import SyncError, run_training
-from cluster.remote import RunError
+from cluster.config import load_config
+from cluster.run.driver import run_training
+from learner.config import LearnerConfig
+from sync.calls import RunError
+from sync.receive import Loaded
+from sync.verify import SyncError
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting workers below travel by value

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from cluster.driver import run_training
+from cluster.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from cluster.driver import run_training
-from cluster.remote import RunError
+from cluster.run.driver import run_training
+from sync.calls import RunError
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def chat_model_dir(tmp_path_factory):
     keeps just the user's text; the system prompt goes through it and is dropped)."""
     from transformers import AutoTokenizer
 
-    from cluster.demo_model import make_random_model_dir
+    from cluster.demo.model import make_random_model_dir
 
     path = make_random_model_dir(tmp_path_factory.mktemp("models") / "chat", seed=3)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -16,8 +16,8 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.control import NAMESPACE, control_name
-from cluster.driver import run_training
+from cluster.fleet.control import NAMESPACE, control_name
+from cluster.run.driver import run_training
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value

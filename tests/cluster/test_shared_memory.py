@@ -13,9 +13,9 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.driver import run_training
-from cluster.remote import RunError
-from learner.shared_weights import SharedWeightsHandle
+from cluster.run.driver import run_training
+from sync.calls import RunError
+from sync.shared_memory import SharedWeightsHandle
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value

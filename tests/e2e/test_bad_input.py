@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import main
+from cluster.cli.commands import main
 
 # (arguments after `relay`, text the one-line error must contain). `{tmp}` is the test's temporary directory, where
 # the fixture below writes the bad files.

@@ -25,7 +25,7 @@ def test_train_then_plot(tmp_path, demo_model_dir):
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from cluster.plot import PANELS, load_run, plot_figure
+    from cluster.cli.plot import PANELS, load_run, plot_figure
 
     run_dir = tmp_path / "run"
     result = relay("train", "max_steps=3", "rollout.num_workers=1", "data.prompts_per_step=8", f"run_dir={run_dir}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from cluster import checkpoint
+from cluster.run import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -42,7 +42,7 @@ HEAD_ATTEMPTS = 3
 def ray_head(demo_model_dir):
     """A Ray head in its own process group (so this test process's own Ray instance is not involved), on free ports,
     with its own temp dir, shared by this module's tests; stopped by signalling its processes only."""
-    from cluster.jobs import client
+    from cluster.cli.jobs import client
 
     for attempt in range(1, HEAD_ATTEMPTS + 1):
         head, temp_dir, address, agent_port = start_head()

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 
 def gpu_run(tmp_path, model_dir, *overrides):
     from cluster.config import load_config
-    from cluster.driver import run_training
+    from cluster.run.driver import run_training
 
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "max_steps=3",
                                 "model.dtype=bfloat16", "sync.probe_tolerance=0.05", "data.prompts_per_step=16",
@@ -72,7 +72,7 @@ def max_diff(a: list, b: list) -> float:
 
 
 def make_learner(model_dir, dtype: str, advantage: str, **overrides):
-    from cluster.config import CriticConfig, LearnerConfig
+    from learner.config import CriticConfig, LearnerConfig
     from learner.learner import Learner
 
     config = LearnerConfig(lr=1e-2, num_threads=1, advantage=advantage, micro_batch_size=2, num_minibatches=2,
@@ -148,7 +148,7 @@ def test_learner_on_cuda_matches_the_cpu(tiny_model_dir, monkeypatch, dtype, adv
     assert all(not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and v.dtype == torch.bfloat16)
                for v in exported)
     # The shared-memory buffer takes the weights straight from the GPU, in their dtype.
-    from learner.shared_weights import read_shared
+    from sync.shared_memory import read_shared
 
     with read_shared(gpu.share_weights(version=1)) as named:
         state = gpu.model.state_dict()
@@ -156,7 +156,7 @@ def test_learner_on_cuda_matches_the_cpu(tiny_model_dir, monkeypatch, dtype, adv
 
 
 def test_a_gpu_checkpoint_holds_host_tensors_and_resumes_on_either_device(tiny_model_dir, tmp_path, monkeypatch):
-    from cluster.config import CriticConfig, LearnerConfig
+    from learner.config import CriticConfig, LearnerConfig
     from learner.learner import LEARNER_STATE_FILE, Learner
 
     def adam_learner() -> Learner:  # the real optimizers: their state is what a checkpoint carries

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rewards.arithmetic import Problem, exact_match, make_problems
+from cluster.demo.task import Problem, exact_match, make_problems
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""cluster.checkpoint on plain files: commit, latest, keeping the last M, crashes mid-write, replacing a step."""
+"""cluster.run.checkpoint on plain files: commit, latest, keeping the last M, crashes mid-write, replacing a step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import checkpoint
-from cluster.checkpoint import COMPLETE_MARKER, begin, commit, latest, read_driver_state, validate
+from cluster.run import checkpoint
+from cluster.run.checkpoint import COMPLETE_MARKER, begin, commit, latest, read_driver_state, validate
 
 
 def fill(tmp: Path, step: int, cursor: int = 0) -> Path:
@@ -124,5 +124,5 @@ def test_file_names_match_the_learner_and_no_torch_is_imported():
 
     assert (checkpoint.POLICY_DIR, checkpoint.CRITIC_DIR, checkpoint.LEARNER_STATE_FILE) == (
         learner.POLICY_DIR, learner.CRITIC_DIR, learner.LEARNER_STATE_FILE)
-    code = "import sys, cluster.checkpoint; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, cluster.run.checkpoint; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

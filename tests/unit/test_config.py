@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from cluster.config import ConfigError, LearnerConfig, RuleSource, RunConfig, dump_config, load_config, parse_overrides
+from cluster.config import ConfigError, RunConfig, dump_config, load_config, parse_overrides
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS
 from learner.algo.losses import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from learner.config import LearnerConfig
+from rewards.config import RuleSource
 from rewards.registry import RULE_VERIFIERS
 
 

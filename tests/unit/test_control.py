@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.control import ControlError, RunControl, control_name
+from cluster.fleet.control import ControlError, RunControl, control_name
 
 
 def control_with_workers(ids):
@@ -70,7 +70,7 @@ class FakePool:
     ([0, 1, 2, 3], {0: 12.0, 1: 10.0, 2: 10.0, 3: 10.0}, "speed", 32, [9, 8, 8, 7]),  # 20% faster: a real difference
 ])
 def test_prompts_are_shared_in_proportion_to_measured_speed(ids, speeds, balance, count, expected):
-    from cluster.rollout_pool import RolloutPool
+    from cluster.fleet.rollout_pool import RolloutPool
 
     shares = RolloutPool._shares(FakePool(ids, speeds, balance), count)
     assert shares == expected and sum(shares) == count

@@ -1,4 +1,4 @@
-"""Prompt datasets (cluster/data.py): the three file formats, fields, chat templates, the length filter, seeded
+"""Prompt datasets (cluster/run/data.py): the three file formats, fields, chat templates, the length filter, seeded
 epochs, the resumable cursor, and one-line errors naming file, row and field.
 
 The character tokenizer keeps only "0123456789+-*= " (one token each, everything else dropped), so prompts made of
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cluster.config import DataConfig
-from cluster.data import ArithmeticPrompts, DataError, PromptDataset, make_prompt_source
-from cluster.demo_model import build_char_tokenizer
-from rewards.arithmetic import Problem
+from cluster.demo.model import build_char_tokenizer
+from cluster.demo.task import Problem
+from cluster.run.data import ArithmeticPrompts, DataError, PromptDataset, make_prompt_source
 
 # Readable roles, for asserting rendered text: "<user>1+2=\n<assistant>".
 READABLE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -242,7 +242,7 @@ def kuberay_nodes(cluster_spec: dict) -> list[Node]:
 
 
 def bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
-    """One actor's placement-group bundle, as cluster/remote.py asks Ray for it."""
+    """One actor's placement-group bundle, as cluster/fleet/placement.py asks Ray for it."""
     return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **resources}
 
 
@@ -524,7 +524,7 @@ def test_cluster_launcher_installs_relay_and_turns_on_token_auth():
 
 def test_every_ray_process_in_deploy_gets_the_ray_settings_relay_starts_ray_with():
     """relay sets RAY_SYSTEM_CONFIG when it starts Ray itself; a cluster's nodes need them as RAY_<name> variables."""
-    from cluster.remote import RAY_SYSTEM_CONFIG
+    from cluster.fleet.placement import RAY_SYSTEM_CONFIG
 
     wanted = {f"RAY_{name}={value}" for name, value in RAY_SYSTEM_CONFIG.items()}
     cluster = yaml.safe_load(LAUNCHER.read_text())

@@ -1,4 +1,4 @@
-"""Weight fingerprints (learner/fingerprint.py): exact, in every dtype, the same on the host and on a device."""
+"""Weight fingerprints (sync/fingerprint.py): exact, in every dtype, the same on the host and on a device."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.fingerprint import ROW, _sums_on_device, _sums_on_host, differences, digest, fingerprint, tensor_fingerprint
+from sync.fingerprint import ROW, _sums_on_device, _sums_on_host, differences, digest, fingerprint, tensor_fingerprint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])

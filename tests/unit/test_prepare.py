@@ -1,9 +1,9 @@
-"""The driver's checks before anything starts (`cluster.driver.prepare`), beyond config validation."""
+"""The driver's checks before anything starts (`cluster.run.driver.prepare`), beyond config validation."""
 
 from __future__ import annotations
 
 from cluster.config import load_config
-from cluster.driver import prepare
+from cluster.run.driver import prepare
 
 
 def test_top_p_below_one_warns_that_the_mismatch_metric_holds_the_nucleus_renormalisation(capsys):

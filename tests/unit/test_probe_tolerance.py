@@ -1,11 +1,11 @@
 """The probe's tolerance derived from the noise floor before the first update, and its rule for an engine that
-repeats an earlier probe bit for bit (cluster/rollout_pool.py)."""
+repeats an earlier probe bit for bit (cluster/fleet/rollout_pool.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.rollout_pool import ProbeRecord, SyncError, next_probe_record, probe_tolerance_from, stale_probe
+from sync.verify import ProbeRecord, SyncError, next_probe_record, probe_tolerance_from, stale_probe
 
 
 def test_float32_noise_gives_the_minimum_and_bfloat16_noise_five_times_itself():

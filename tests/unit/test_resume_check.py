@@ -1,12 +1,12 @@
-"""What a resumed run may change (cluster/resume.py): where and how fast it runs, never what it computes."""
+"""What a resumed run may change (cluster/run/resume.py): where and how fast it runs, never what it computes."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster import checkpoint
 from cluster.config import ConfigError, dump_config, load_config
-from cluster.resume import find
+from cluster.run import checkpoint
+from cluster.run.resume import find
 
 
 def checkpointed_run(tmp_path, *overrides):

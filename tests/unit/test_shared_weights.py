@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from learner.shared_weights import ALIGN, SharedWeights, read_shared
+from sync.layout import ALIGN
+from sync.shared_memory import SharedWeights, read_shared
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -30,10 +31,10 @@ def test_a_buffer_holds_every_tensor_aligned_and_another_process_reads_them():
     shared = SharedWeights(source)
     try:
         handle = shared.write(source, version=3)
-        assert [entry[0] for entry in handle.layout] == list(source)
-        assert all(offset % ALIGN == 0 for *_, offset in handle.layout)
+        assert [slot.name for slot in handle.layout.slots] == list(source)
+        assert all(slot.offset % ALIGN == 0 for slot in handle.layout.slots)
         assert handle.nbytes >= sum(t.numel() * t.element_size() for t in source.values())
-        reader = ("import pickle, sys; from learner.shared_weights import read_shared\n"
+        reader = ("import pickle, sys; from sync.shared_memory import read_shared\n"
                   "with read_shared(pickle.loads(sys.stdin.buffer.read())) as named:\n"
                   "    sys.stdout.buffer.write(pickle.dumps({n: t.clone() for n, t in named}))")
         out = subprocess.run([sys.executable, "-c", reader], input=pickle.dumps(handle), capture_output=True,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import main
+from cluster.cli.commands import main
 
 TOKEN = "ray-tok-3b9e1d7c"
 COMMANDS = {"submit": ["submit", "run_dir=/abs/run", "--no-wait"], "jobs": ["jobs"], "stop": ["stop", "raysubmit_1"]}

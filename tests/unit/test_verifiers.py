@@ -34,7 +34,7 @@ def test_exact_match(completion: str, label: Any, expected: float) -> None:
 
 
 def test_exact_match_is_reexported_from_arithmetic() -> None:
-    from rewards import arithmetic
+    from cluster.demo import task as arithmetic
 
     assert arithmetic.exact_match is exact_match
 

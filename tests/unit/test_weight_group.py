@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from learner.weight_group import (ALIGN, Bucket, GroupSpec, TensorSlot, WeightGroup, WeightGroupError, pack_bucket,
-                                  plan_buckets, unpack_bucket)
+from sync.group import GroupSpec, WeightGroup, WeightGroupError
+from sync.layout import ALIGN, Bucket, TensorSlot, pack_bucket, plan_buckets, unpack_bucket
 
 TIMEOUT = 2.0  # seconds, for every collective of the groups below
 
@@ -161,8 +161,8 @@ def test_group_spec_survives_the_trip_as_plain_data():
 def test_every_configured_transport_is_registered():
     from typing import get_args
 
-    from cluster.config import SyncConfig
-    from cluster.transport import TRANSPORTS
+    from sync.config import SyncConfig
+    from sync.transport import TRANSPORTS
 
     assert set(TRANSPORTS) == set(get_args(SyncConfig.model_fields["transport"].annotation)) == {"object_store",
                                                                                                "collective"}

@@ -3,7 +3,7 @@ Biases (when enabled), the console display, and the Ray dashboard line printed a
 
 Owns: the metrics file's format (see DESIGN.md's contract), fanning each step's record out to every sink
 (`MetricsRecorder`), dropping records past the checkpoint on resume, the progress display (rich) and the final
-summary. Does not own: computing metrics (the driver and the learner do) or the charts (cluster/plot.py).
+summary. Does not own: computing metrics (the driver and the learner do) or the charts (cluster/cli/plot.py).
 TensorBoard and wandb are imported only when a run writes to them.
 """
 

@@ -2,8 +2,8 @@
 
 Owns: resolving `resume=auto|PATH` to a complete checkpoint (or to "start fresh" for `auto` in a run without one),
 and refusing a config that changed anything the checkpoint's state depends on (with a one-line message naming the
-keys). Does not own: writing checkpoints (cluster/checkpoint.py, the learner), restoring state (cluster/driver.py),
-or trimming the metrics back to the checkpoint (cluster/metrics.py).
+keys). Does not own: writing checkpoints (cluster/run/checkpoint.py, the learner), restoring state (cluster/run/driver.py),
+or trimming the metrics back to the checkpoint (cluster/run/metrics.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from cluster import checkpoint
 from cluster.config import ConfigError, RunConfig
+from cluster.run import checkpoint
 
 # Keys a resumed run may change: where and how fast it runs, not what it computes. Everything else must equal the
 # checkpoint's config, or the resumed run would not continue the same run.

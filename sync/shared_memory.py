@@ -1,20 +1,19 @@
 """Weights in one shared-memory buffer of the learner, rewritten in place at every sync, for engines on its node.
 
 Owns: the buffer (an anonymous `memfd` of the learner's process, sized for the whole model once, so its pages are
-allocated and touched once, not at every sync as a new object-store object would be), its layout (name, dtype, shape
-and 64-byte-aligned offset of each tensor), writing the weights into it, and opening it read-only from another process
+allocated and touched once, not at every sync as a new object-store object would be; laid out as one bucket of
+sync/layout.py after a header), writing the weights into it, and opening it read-only from another process
 of the same node and PID namespace (through `/proc/<pid>/fd/<fd>`). A header holds the buffer's token (a process that
 reuses the learner's pid and fd number is not mistaken for it), the version written (-1 while a write is under way)
 and a count of writes; a reader checks them before and after it loads, so a load that a rewrite overlapped fails
 instead of serving torn weights. The memory goes back to the system once the learner and every reader have closed it,
 whatever way the learner ends (nothing is left in /dev/shm). torch is imported where it is used, so a handle
 unpickles in any process without it.
-Does not own: when to write or who reads (cluster/transport.py), loading into an engine (actors/).
+Does not own: when to write or who reads (sync/transport.py), loading into an engine (actors/).
 """
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import struct
@@ -25,10 +24,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sync.layout import Bucket, plan_buckets, unpack_bucket
+
 if TYPE_CHECKING:
     import torch
 
-ALIGN = 64  # bytes: every tensor starts on a cache line (and on its element size, for the typed views)
 HEADER = struct.Struct("<16sqq")  # token, version written (-1: being written), count of writes
 WRITING = -1
 
@@ -43,7 +43,7 @@ class SharedWeightsHandle:
     token: bytes  # uuid4, also in the buffer's header
     version: int  # the weights version the buffer holds
     writes: int  # which write of the buffer holds it (a rewrite of the same version is a different one)
-    layout: tuple[tuple[str, str, tuple[int, ...], int], ...]  # (name, dtype name, shape, offset) per tensor
+    layout: Bucket  # where each tensor is, after the header
 
 
 class SharedWeights:
@@ -53,14 +53,9 @@ class SharedWeights:
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
         import torch
 
-        layout, offset = [], HEADER.size
-        for name, tensor in tensors.items():
-            offset = -(-offset // ALIGN) * ALIGN
-            slot_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            layout.append((name, str(slot_dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-            offset += tensor.numel() * slot_dtype.itemsize
-        self.layout = tuple(layout)
-        self.nbytes = offset
+        [self.layout] = plan_buckets(((name, t.shape, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                                      for name, t in tensors.items()), start=HEADER.size)
+        self.nbytes = max(self.layout.nbytes, HEADER.size)
         self.token = uuid.uuid4().bytes
         self.version: int | None = None
         self.writes = 0
@@ -78,12 +73,13 @@ class SharedWeights:
         """Copy `tensors` (the same names and shapes as the layout; any device; floating tensors are cast to the
         layout's dtype as they are copied) into the buffer as weights `version`. A reader of the previous version
         fails its check from here on."""
-        if len(tensors) != len(self.layout):
-            raise ValueError(f"{len(tensors)} tensors to share, but the buffer was laid out for {len(self.layout)}")
+        if len(tensors) != len(self.layout.slots):
+            raise ValueError(f"{len(tensors)} tensors to share, but the buffer was laid out for "
+                             f"{len(self.layout.slots)}")
         self.version = None
         self.writes += 1
         self._stamp(WRITING)
-        for (name, tensor), (slot, view) in zip(tensors.items(), _views(self.flat, self.layout)):
+        for (name, tensor), (slot, view) in zip(tensors.items(), unpack_bucket(self.layout, self.flat)):
             if name != slot or tensor.shape != view.shape or (
                     tensor.dtype != view.dtype and not (tensor.is_floating_point() and view.is_floating_point())):
                 raise ValueError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the shared "
@@ -116,7 +112,7 @@ def read_shared(handle: SharedWeightsHandle) -> Iterator[list[tuple[str, torch.T
     if the buffer does not hold `handle.version` when the block starts or when it ends (rewritten meanwhile)."""
     flat = _open(handle)
     _check(flat, handle)
-    yield _views(flat, handle.layout)
+    yield unpack_bucket(handle.layout, flat)
     _check(flat, handle)
 
 
@@ -157,14 +153,3 @@ def _check(flat: torch.Tensor, handle: SharedWeightsHandle) -> None:
         raise RuntimeError(f"the learner's shared weights are {state}, not version {handle.version}: the learner "
                            "wrote new weights after this load was asked for")
 
-
-def _views(flat: torch.Tensor, layout: tuple[tuple[str, str, tuple[int, ...], int], ...]
-           ) -> list[tuple[str, torch.Tensor]]:
-    import torch
-
-    views = []
-    for name, dtype_name, shape, offset in layout:
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
-        views.append((name, flat[offset:offset + nbytes].view(dtype).view(shape)))
-    return views

@@ -6,7 +6,7 @@ bounded by `timeouts.train`), and calling the ranks together under a deadline: e
 (one object in the object store, read by each) and the same call, in the same order, because the calls run
 collectives. The first rank that fails ends the call (the others would wait in a collective until its timeout).
 With one rank it makes exactly the calls the single learner actor got before (no process group, no `ray.put`).
-Does not own: placement groups or bundles (cluster/remote.py), what a step does (cluster/driver.py), or the
+Does not own: placement groups or bundles (cluster/fleet/placement.py), what a step does (cluster/run/driver.py), or the
 data-parallel arithmetic (learner/distributed.py). Weight transports talk to `rank0` directly: rank 0 alone serves
 `export_weight_buckets`, `count_buckets` and `weights_fingerprint`.
 """
@@ -14,16 +14,15 @@ data-parallel arithmetic (learner/distributed.py). Weight transports talk to `ra
 from __future__ import annotations
 
 import socket
-import time
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import RayError
 
-from cluster.remote import RunError, get
+from sync.calls import RunError, call_all, get, values
 
 if TYPE_CHECKING:
-    from cluster.config import CriticConfig, LearnerConfig, TimeoutConfig
+    from cluster.config import TimeoutConfig
+    from learner.config import CriticConfig, LearnerConfig
     from learner.learner import TrainBatch
 
 
@@ -87,22 +86,7 @@ class LearnerGroup:
     def _call_all(self, method: str, args: tuple, timeout: float, what: str) -> list[Any]:
         """`method(*args)` on every rank; their results in rank order. RunError (naming the rank) on the first
         failure, or when a rank misses the deadline."""
-        refs = [getattr(actor, method).remote(*args) for actor in self.ranks]
-        if len(refs) == 1:
-            return get(refs, timeout, self.names, what)
-        deadline = time.monotonic() + timeout
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                late = [name for ref, name in zip(refs, self.names) if ref in pending]
-                raise RunError(f"{', '.join(late)} missed the {timeout:g} s deadline of '{what}' "
-                               f"(raise timeouts.{what} if the work is legitimately slow)")
-            try:
-                ray.get(ready[0])
-            except RayError:  # re-raised by `get` as a one-line RunError naming the rank
-                get(ready, timeout, [self.names[refs.index(ready[0])]], what)
-        return get(refs, timeout, self.names, what)  # all done: returns at once
+        return values(call_all(self.ranks, method, args, timeout, what, stop_on_failure=True), self.names, what)
 
 
 def launch_learner_group(rank_options: list[dict[str, Any]], model_path: str, config: LearnerConfig, *,

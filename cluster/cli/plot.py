@@ -1,7 +1,7 @@
 """`relay plot RUN_DIR`: a run's charts, drawn from its `metrics.jsonl` into one PNG.
 
 Owns: reading a run directory's records for charts, the panels (`PANELS`) and their layout. Does not own: the
-metrics (cluster/metrics.py writes them) or live dashboards (TensorBoard, W&B). matplotlib is imported only when a
+metrics (cluster/run/metrics.py writes them) or live dashboards (TensorBoard, W&B). matplotlib is imported only when a
 chart is drawn, and only through `matplotlib.figure.Figure` (the Agg canvas: no display, no pyplot global state).
 """
 
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cluster.metrics import PHASES, read_records
+from cluster.run.metrics import PHASES, read_records
 
 PANELS = ("Reward", "KL to the reference", "Response length", "Logprob mismatch, engine vs learner",
           "Seconds per phase, per step")

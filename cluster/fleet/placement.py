@@ -2,9 +2,9 @@
 
 Owns: placement (one placement group for the learner, reference and reward models; one per rollout worker, sized by
 its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
-also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote`
-wrapping, and a deadline-bounded `ray.get`.
-Does not own: what a step does (cluster/driver.py).
+also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), and `ray.remote`
+wrapping.
+Does not own: calling the actors (sync/calls.py) or what a step does (cluster/run/driver.py).
 """
 
 from __future__ import annotations
@@ -15,22 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
-
+from sync.calls import RunError, get
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
 # every node: deploy/'s images set them). A rollout worker's reply (G completions x response tokens x ids and
-# logprobs: ~130 KB at 8 prompts x 8 x 256 tokens) returns inline to the driver up to 1 MiB, instead of through the
-# object store above Ray's default 100 KB: 3-5 points of ideal throughput at 64 workers (docs/benchmarks.md).
+# logprobs) returns inline to the driver up to 1 MiB, instead of through the object store above Ray's default 100 KB
+# (docs/benchmarks.md, scale simulation).
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
-
-
-class RunError(RuntimeError):
-    """The run cannot go on; the message is one line for the user."""
 
 
 @dataclass
@@ -50,7 +46,7 @@ class RolloutSlot:
 @dataclass(eq=False)
 class PendingWorker:
     """A rollout worker on its way into the fleet: its placement group waits for room (Ray's autoscaler may be adding
-    a node), then its engine starts; it joins at a step boundary once it is up (cluster/rollout_pool.py `admit`)."""
+    a node), then its engine starts; it joins at a step boundary once it is up (cluster/fleet/rollout_pool.py `admit`)."""
 
     id: int
     placement: PlacementGroup
@@ -79,7 +75,7 @@ class Fleet:
     placement: PlacementGroup
     launcher: RolloutLauncher
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
-    learner_group: Any = None  # cluster.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
+    learner_group: Any = None  # cluster.fleet.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
     pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
 
     @property
@@ -234,8 +230,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
-    from cluster.config import ModelSource
-    from cluster.learner_group import launch_learner_group
+    from cluster.fleet.learner_group import launch_learner_group
+    from rewards.config import ModelSource
 
     lc, rc, ro = config.learner, config.reference, config.rollout
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
@@ -293,48 +289,6 @@ def check_reachable(address: str | None, timeout: float = 10.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as err:
         raise ConnectionError(f"nothing accepts connections at {address} ({err.strerror or err})") from None
-
-
-def get(refs: list, timeout: float, names: list[str], what: str) -> list:
-    """`ray.get` with a deadline; a missed deadline or a dead actor becomes a RunError naming the actor."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except GetTimeoutError:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        late = [name for ref, name in zip(refs, names) if ref not in ready]
-        raise RunError(f"{', '.join(late)} missed the {timeout:g} s deadline of '{what}' "
-                       f"(raise timeouts.{what} if the work is legitimately slow)") from None
-    except RayActorError as err:
-        raise RunError(f"an actor died during '{what}': {describe(err)}") from err
-    except RayTaskError as err:
-        raise RunError(f"{', '.join(names)} failed during '{what}': {describe(err)}") from err
-
-
-def get_ready(refs: list) -> list[tuple[Any, str | None]]:
-    """Results of calls that have finished: (value, None), or (None, why it failed) for a call that raised or whose
-    actor died. One round trip to the object store when none failed."""
-    try:
-        return [(value, None) for value in ray.get(refs)]
-    except RayError:
-        pass
-    results: list[tuple[Any, str | None]] = []
-    for ref in refs:
-        try:
-            results.append((ray.get(ref), None))
-        except RayError as err:
-            results.append((None, describe(err)))
-    return results
-
-
-def describe(err: Exception) -> str:
-    """One line: a call that raised inside its actor by that exception's class and message (not Ray's traceback
-    wall, whose first line names only the call), any other error by its own."""
-    cause = err.cause if isinstance(err, RayTaskError) and err.cause is not None else err
-    lines = str(cause).strip().splitlines()
-    if isinstance(cause, RayActorError) and cause.actor_init_failed and lines:
-        # Ray's header line names the actor; the constructor's own exception ("Class: message") comes last.
-        return f"{cause.__class__.__name__}: its constructor raised {lines[-1][:300]}"
-    return f"{cause.__class__.__name__}: {lines[0][:300] if lines else ''}"
 
 
 def stop_fleet(fleet: Fleet) -> None:

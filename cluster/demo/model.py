@@ -2,7 +2,7 @@
 
 Owns building, saving (atomically) and caching the model directory that the demo's engines and learner load,
 and the transformers-based accuracy check used to tune it. Does not own the RL loop, the reward (that is
-`rewards.arithmetic`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
+`cluster.demo.task`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
 
 The built model is right on ~97% of held-out problems greedily but on only ~25% when sampling at temperature
 1 (its output layer is scaled down to that target), like a pretrained base whose sampling RL then sharpens.
@@ -24,7 +24,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rewards.arithmetic import Problem, exact_match, make_problems
+from cluster.demo.task import Problem, exact_match, make_problems
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"

@@ -1,7 +1,7 @@
 """Scoring one generation round with every reward source of the run, and combining them into one reward.
 
 Owns: loading each source (`rule` verifiers by name or import path, `remote` verifier clients, `model` reward-model
-actors started by `cluster/remote.py`), scoring every completion with every source (reward models and remote
+actors started by `cluster/fleet/placement.py`), scoring every completion with every source (reward models and remote
 services run concurrently with the in-process rules), per-source means and failure counts for the metrics, batch
 normalisation of reward-model scores, and the weighted sum. Samples a remote source could not score under
 `on_failure=drop` mark their whole group as dropped. Does not own: the verifiers (`rewards/`), the HTTP protocol
@@ -15,8 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import ModelSource, RemoteSource, RewardConfig, RuleSource
-from cluster.remote import RunError, get
+from rewards.config import ModelSource, RemoteSource, RewardConfig, RuleSource
+from sync.calls import RunError, get
 
 
 @dataclass

@@ -1,52 +1,31 @@
 """A process group of its own that broadcasts the learner's weights to the engines' workers, in flat buckets.
 
-Owns: the bucket layout (which tensor sits where in which flat byte bucket: pure functions), forming a group from a
+Owns: forming a group from a
 TCPStore hosted by rank 0 (the learner) on a fresh port and a gloo (CPU) or NCCL (GPU) backend built directly, so it
 never touches torch.distributed's default group (vLLM owns that one inside its workers), the bucketed broadcast with a
 timeout on every collective, and aborting: a member whose collective fails writes the cause into the store, and every
 other member, polling for it while it waits, gives up at once instead of waiting out its own timeout.
-Does not own: who the members are or re-forming the group after a failure (cluster/transport.py), or loading the
-received weights into an engine (actors/vllm_extension.py). Imports only torch: the learner and vLLM's worker both
-use it.
+Does not own: the bucket layout (sync/layout.py), who the members are or re-forming the group after a failure
+(sync/transport.py), or loading the received weights into an engine (actors/vllm_extension.py). Imports only torch:
+the learner and vLLM's worker both use it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
-ALIGN = 64  # bytes: every tensor starts on a multiple, so a slice of a bucket can be viewed with the tensor's dtype
+from sync.layout import Bucket, TensorSlot, pack_bucket, unpack_bucket
+
 ABORT_KEY = "abort"
 ARRIVED_KEY = "arrived"  # how many members reached the rendezvous
 ABORT_POLL_S = 0.05  # how often a waiting member looks for another member's abort
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one named tensor lives in its bucket."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name, e.g. "float32"
-    offset: int  # bytes from the bucket's start, a multiple of ALIGN
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * getattr(torch, self.dtype).itemsize
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One flat uint8 buffer of `nbytes` holding `slots`, broadcast in one collective."""
-
-    slots: tuple[TensorSlot, ...]
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -74,50 +53,6 @@ class GroupSpec:
 
 class WeightGroupError(RuntimeError):
     """A collective of the weight group failed, timed out, or another member aborted the group."""
-
-
-def plan_buckets(specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int) -> list[Bucket]:
-    """Lay out (name, shape, dtype) tensors, in order, in buckets of about `bucket_bytes`: a tensor that would overflow
-    a non-empty bucket starts the next one (so a tensor larger than `bucket_bytes` gets a bucket of its own)."""
-    buckets: list[Bucket] = []
-    slots: list[TensorSlot] = []
-    size = 0
-    for name, shape, dtype in specs:
-        slot = TensorSlot(name, tuple(int(d) for d in shape), str(dtype).removeprefix("torch."), _align(size))
-        if slots and slot.offset + slot.nbytes > bucket_bytes:
-            buckets.append(Bucket(tuple(slots), size))
-            slots, slot = [], TensorSlot(slot.name, slot.shape, slot.dtype, 0)
-        slots.append(slot)
-        size = slot.offset + slot.nbytes
-    if slots:
-        buckets.append(Bucket(tuple(slots), size))
-    return buckets
-
-
-def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
-    """Copy each of the bucket's tensors into its slot of `out` (uint8, at least `bucket.nbytes`)."""
-    for slot, view in zip(bucket.slots, _views(bucket, out)):
-        view.copy_(tensors[slot.name].detach().reshape(slot.shape))
-
-
-def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors as (name, view of `buffer`): no copy, valid until the buffer is written again."""
-    return [(slot.name, view) for slot, view in zip(bucket.slots, _views(bucket, buffer))]
-
-
-def _views(bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
-    return [buffer[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape) for s in bucket.slots]
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 def backend_for(device: torch.device) -> str:

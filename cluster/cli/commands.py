@@ -3,7 +3,7 @@ build-demo-model, verifier serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
-Does not own: the run itself (cluster/driver.py).
+Does not own: the run itself (cluster/run/driver.py).
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def _train(items: list[str], quiet: bool) -> int:
     path = items[0] if items and "=" not in items[0] else None
     overrides = items[1:] if path else items
     config = load_config(path, overrides)
-    from cluster.driver import resolve_run_dir
+    from cluster.run.driver import resolve_run_dir
 
     run_dir = resolve_run_dir(config)
-    from cluster.driver import RunFinished, run_training
-    from cluster.remote import RunError
+    from cluster.run.driver import RunFinished, run_training
+    from sync.calls import RunError
 
     try:
         run_training(config, run_dir, display=not quiet)  # checks every input before it builds or starts anything
@@ -96,7 +96,7 @@ def _train(items: list[str], quiet: bool) -> int:
 
 
 def _plot(run_dir: Path, out: Path | None) -> int:
-    from cluster.plot import plot_run
+    from cluster.cli.plot import plot_run
 
     try:
         path = plot_run(run_dir, out)
@@ -134,7 +134,7 @@ def _jobs_command(args) -> int:
     if not args.address or not args.address.startswith(("http://", "https://")):
         raise ConfigError(f"--address {args.address!r} is not the cluster's Jobs API URL; pass e.g. "
                           "--address http://127.0.0.1:8265 (or set RAY_ADDRESS)")
-    from cluster import jobs
+    from cluster.cli import jobs
 
     try:  # before the config is loaded or anything is sent: the token must not cross the network in clear text
         jobs.check_token_transport(args.address, allow_insecure=args.allow_insecure_token)
@@ -193,7 +193,7 @@ def _add_control_commands(commands) -> None:
 def _control_command(args) -> int:
     import json
 
-    from cluster import control
+    from cluster.fleet import control
 
     if args.command == "scale" and args.rollout_workers is None and not args.remove_worker:
         raise ConfigError("relay scale needs --rollout-workers N and/or --remove-worker ID")
@@ -216,7 +216,7 @@ def _control_command(args) -> int:
 def _build_demo_model(force: bool) -> int:
     import shutil
 
-    from cluster.demo_model import demo_model_dir, ensure_demo_model
+    from cluster.demo.model import demo_model_dir, ensure_demo_model
 
     if force and demo_model_dir().exists():
         shutil.rmtree(demo_model_dir())
@@ -278,6 +278,3 @@ def _verifier_serve(args: argparse.Namespace) -> int:
     run_app(app, args.host, args.port)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cluster.config import DataConfig
-from rewards.arithmetic import Problem, make_problems
+from cluster.demo.task import Problem, make_problems
 
 SUPPORTED_FORMATS = "a .jsonl or .parquet file, or a directory written by datasets' save_to_disk"
 _COUNT_CHUNK = 1024  # prompts tokenized per call when counting lengths
@@ -116,7 +116,7 @@ class PromptDataset:
 
     def state(self) -> dict[str, int]:
         """The cursor (prompts drawn so far, over all epochs), JSON-able; `load_state` of it on a fresh dataset
-        continues with the same batches. A resumed run keeps `data.prompts_per_step` (cluster/resume.py refuses a
+        continues with the same batches. A resumed run keeps `data.prompts_per_step` (cluster/run/resume.py refuses a
         change): the batches, and so the run, depend on it."""
         return {"consumed": self.consumed, "num_prompts": self.num_prompts}
 
@@ -140,7 +140,7 @@ def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_pat
     if config.task == "arithmetic":
         return ArithmeticPrompts(config, seed, batch_size)
     if model_path is None:
-        from cluster.demo_model import build_char_tokenizer
+        from cluster.demo.model import build_char_tokenizer
 
         tokenizer = build_char_tokenizer()
     else:

@@ -4,7 +4,7 @@ Owns: `RunControl`, the run's mailbox (the driver publishes the fleet after ever
 on their way in; `relay scale` leaves a request that the driver takes at the start of the next step), its name
 (`relay/<run_dir name>` in Ray namespace `relay`), and the client functions that find a run on a cluster and talk to it. Requests are checked here, against
 the fleet the driver last published, so a bad request fails in the user's terminal, not in the run.
-Does not own: applying a request (cluster/rollout_pool.py `resize`, called by the driver between steps).
+Does not own: applying a request (cluster/fleet/rollout_pool.py `resize`, called by the driver between steps).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def start_control(run_dir: str) -> Any:
     """The run's named control actor (no CPU of its own; it dies with the driver)."""
     import ray
 
-    from cluster.remote import RunError
+    from sync.calls import RunError
 
     name = control_name(run_dir)
     try:

@@ -2,7 +2,7 @@
 workers that die or hang, and growing or shrinking the fleet between steps.
 
 Owns: splitting prompts over the workers in proportion to their measured speed (load balancing), the deadline on every
-worker call, loading the learner's weights into the engines through the configured transport (cluster/transport.py)
+worker call, loading the learner's weights into the engines through the configured transport (sync/transport.py)
 and checking that each engine received exactly them (the fingerprints) and serves them (the probe), recovery (a
 worker that dies or misses its deadline is killed, started again in its placement group, given the current weights,
 checked by the probe, and handed its request again, so no prompt is lost; past `rollout.max_restarts` replacements
@@ -10,7 +10,7 @@ the run stops naming the worker and the cause), and resizing (`resize`: removed 
 when they hold no prompts; new ones are placed and started in the background, and `admit` adds each at the first step
 boundary after its engine is up, with the current weights, probe-checked, before its first request: the step loop
 never waits for Ray to find room).
-Does not own: what a step does with the rollouts (cluster/driver.py) or placement (cluster/remote.py).
+Does not own: what a step does with the rollouts (cluster/run/driver.py) or placement (cluster/fleet/placement.py).
 """
 
 from __future__ import annotations
@@ -19,26 +19,32 @@ import statistics
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from cluster.config import RunConfig
-from cluster.remote import Fleet, PendingWorker, RolloutSlot, RunError, get, get_ready, node_of
-from cluster.transport import make_transport
-from learner.fingerprint import differences, digest
+from cluster.fleet.placement import Fleet, PendingWorker, RolloutSlot, node_of
+from sync.calls import RunError, call_all, get, settle, values
+from sync.fingerprint import digest
+from sync.transport import make_transport
+from sync.verify import (
+    PROBE_SEED,
+    PROBE_TOLERANCE_MIN,
+    ProbeRecord,
+    SyncError,
+    check_loaded,
+    next_probe_record,
+    probe_tolerance_from,
+    stale_probe,
+)
 
 if TYPE_CHECKING:
     from actors.rollout import ProbeSample
-    from actors.rollout_types import Loaded
+    from sync.receive import Loaded
 
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
-PROBE_SEED = 0  # one seed for every probe: an engine still on the weights of its last probe repeats it bit for bit
-
-
-class SyncError(RunError):
-    """An engine does not serve the learner's weights after a sync."""
 
 
 class RolloutPool:
@@ -55,7 +61,7 @@ class RolloutPool:
         self.speeds: dict[int, float] = {}  # worker id -> prompts per second in recent steps (`rollout.balance`)
         self.last_scale_error = ""
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
-        self.transport = make_transport(self)
+        self.transport = make_transport(config.sync, fleet.learner, config.timeouts.sync)
         # Without the probe, a sync only exports the weights: each worker loads them at the start of its next
         # `generate` (one call per worker per step instead of two). slot id -> the `version, *buckets` to send.
         self.deferred: dict[int, list] = {}
@@ -98,16 +104,16 @@ class RolloutPool:
             now = time.monotonic()
             failed: dict[int, str] = {}
             errored: list[int] = []
-            for ref, (value, error) in zip(ready, get_ready(ready)):
+            for ref, outcome in zip(ready, settle(ready, "generate")):
                 worker, (a, b), started = running.pop(ref)
-                if error is None:
-                    results[a] = value
+                if outcome.ok:
+                    results[a] = value = outcome.value
                     self._record_speed(worker, b - a, now - started)
                     if self.deferred.pop(self.fleet.rollout[worker].id, None) is not None:  # it loaded them first
                         self.check_loaded(worker, value.loaded)
                 else:
                     errored.append(worker)
-                    failed[worker] = f"failed during 'generate' ({error})"
+                    failed[worker] = outcome.error
                     todo.append((worker, (a, b)))
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
@@ -178,7 +184,7 @@ class RolloutPool:
             for slot in removed:
                 self.deferred.pop(slot.id, None)
             fleet.launcher.stop(removed)
-            self.transport.fleet_changed()
+            self.transport.fleet_changed(self.workers)
             self.scale_events += len(removed)
         busy = [slot.node_id for slot in fleet.rollout]
         for _ in range(num_workers - len(fleet.rollout) - len(fleet.pending)):
@@ -202,11 +208,11 @@ class RolloutPool:
         ready = [p for p in starting if p.started in up]
         failed: dict[int, str] = {}
         joining = []
-        for p, (_, error) in zip(ready, get_ready([p.started for p in ready])):
-            if error is None:
+        for p, outcome in zip(ready, settle([p.started for p in ready], "start")):
+            if outcome.ok:
                 joining.append(p)
             else:
-                failed[p.id] = f"failed to start ({error})"
+                failed[p.id] = f"failed to start ({outcome.cause})"
         limit = self.config.timeouts.start
         failed.update((p.id, f"did not start within timeouts.start={limit:g} s") for p in starting
                       if p not in ready and time.monotonic() - p.since > limit)
@@ -216,12 +222,12 @@ class RolloutPool:
             return 0
         first = len(fleet.rollout)
         fleet.rollout += [RolloutSlot(p.id, p.actor, p.placement, node_of(p.placement)) for p in joining]
-        self.transport.fleet_changed()
+        self.transport.fleet_changed(self.workers)
         lost = {fleet.rollout[i].id: cause for i, cause in self._load(list(range(first, len(fleet.rollout)))).items()}
         if lost:
             self._drop_new([slot for slot in fleet.rollout if slot.id in lost], lost, "while loading the weights")
             fleet.rollout = [slot for slot in fleet.rollout if slot.id not in lost]
-            self.transport.fleet_changed()
+            self.transport.fleet_changed(self.workers)
         if self.config.sync.probe and len(fleet.rollout) > first:
             self.verify(list(range(first, len(fleet.rollout))))
         self.scale_events += len(fleet.rollout) - first
@@ -247,7 +253,8 @@ class RolloutPool:
         only exported here: every worker loads them at the start of its next `generate` request, which Ray runs after
         any earlier call from this driver, and every rollout's weights version is still checked."""
         self.weights_version = version
-        loads = None if self.config.sync.probe else self.transport.defer()
+        loads = None if self.config.sync.probe else self.transport.defer(
+            {slot.id: slot for slot in self.fleet.rollout}, version)
         if loads is not None:
             self.deferred = loads
             return float("nan")
@@ -322,24 +329,8 @@ class RolloutPool:
     def check_loaded(self, index: int, loaded: Loaded | None) -> None:
         """Raise SyncError unless worker `index` reports a load of the current version and (`sync.fingerprint`)
         handed its engine exactly the learner's weights, in every engine process that received them."""
-        name = self.fleet.rollout_names[index]
-        if loaded is None:
-            raise SyncError(f"weight sync check failed: {name} was sent weights version {self.weights_version} with "
-                            "its request but reports no load")
-        if loaded.version != self.weights_version:
-            raise SyncError(f"{name} serves weights version {loaded.version}, expected {self.weights_version}")
-        if not self.config.sync.fingerprint:
-            return
-        if not loaded.fingerprints:
-            raise SyncError(f"weight sync check failed: {name} (version {loaded.version}) reports no fingerprints of "
-                            "the weights it loaded (sync.fingerprint is on)")
-        expected = self.learner_fingerprint()
-        for rank, received in enumerate(loaded.fingerprints):
-            problem = differences(expected, received)
-            if problem is not None:
-                where = f" (engine process {rank})" if len(loaded.fingerprints) > 1 else ""
-                raise SyncError(f"weight sync check failed: {name}{where} (version {loaded.version}) did not get the "
-                                f"learner's weights: {problem}")
+        expected = self.learner_fingerprint() if self.config.sync.fingerprint else None
+        check_loaded(self.fleet.rollout_names[index], loaded, self.weights_version, expected)
 
     def _tolerance_source(self) -> str:
         if self.config.sync.probe_tolerance is not None:
@@ -354,9 +345,9 @@ class RolloutPool:
         same bits whichever other samples the probe had (batched, padding changes them in bfloat16)."""
         cfg = self.config
         names = [self.fleet.rollout_names[i] for i in indices]
-        probes = get([self.workers[i].probe.remote(cfg.sync.probe_prompt, cfg.sync.probe_tokens,
-                                                   cfg.rollout.temperature, PROBE_SEED) for i in indices],
-                     cfg.timeouts.sync, names, "sync")
+        args = (cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED)
+        probes = values(call_all([self.workers[i] for i in indices], "probe", args, cfg.timeouts.sync, "sync",
+                                 stop_on_failure=True), names, "sync")
         learner_lps: dict[tuple, list[float]] = {}
         samples = []
         for p in probes:
@@ -379,7 +370,7 @@ class RolloutPool:
         self.deferred.pop(slot.id, None)  # the replacement is loaded here
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
-        self.transport.fleet_changed()
+        self.transport.fleet_changed(self.workers)
         get([self.workers[index].__ray_ready__.remote()], self.config.timeouts.start, [name], "start")
         failed = self._load([index])
         if failed:
@@ -392,60 +383,9 @@ class RolloutPool:
     def _load(self, indices: list[int]) -> dict[int, str]:
         """Load the learner's current weights into the given workers through the configured transport; returns
         {index: cause} of the workers that died, raised or missed the deadline."""
-        done, failed = self.transport.load(indices)
+        done, failed = self.transport.load({i: self.fleet.rollout[i] for i in indices}, self.weights_version)
         self.unprobed.update(self.fleet.rollout[i].id for i in done)
         for i, loaded in done.items():
             self.check_loaded(i, loaded)
         return failed
 
-
-PROBE_TOLERANCE_MIN = 1e-4  # float32 engines and learner agree to ~1e-6: a step at lr 1e-6 moves the probe ~1e-3
-PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps vary ~2x with the probe's tokens
-PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
-
-
-def probe_tolerance_from(noise: float, names: list[str]) -> float:
-    """The probe's tolerance from the largest gap of the first probe (engines and learner on the same weights):
-    `PROBE_NOISE_FACTOR` x it, at least `PROBE_TOLERANCE_MIN`; a gap above `PROBE_NOISE_CEILING` raises SyncError."""
-    if not noise <= PROBE_NOISE_CEILING:
-        raise SyncError(f"weight sync check failed before the first update: the engines' probe logprobs differ from "
-                        f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
-                        f"({', '.join(names)}); that is not numerics: check model.path and the engine's dtype")
-    return max(PROBE_TOLERANCE_MIN, PROBE_NOISE_FACTOR * noise)
-
-
-class ProbeRecord(NamedTuple):
-    """One worker's probe at one version, with what identifies the learner's weights then (`_weights_digest`)."""
-
-    version: int
-    weights: str
-    response_ids: tuple[int, ...]
-    engine: tuple[float, ...]  # the engine's logprobs of the response tokens
-    learner: tuple[float, ...]  # the learner's
-
-
-def stale_probe(earlier: ProbeRecord | None, now: ProbeRecord, noise: float) -> float | None:
-    """How far the learner's logprobs of the probe moved from `earlier` to `now`, if the engine's stayed bit for bit
-    the same meanwhile though the learner's weights changed and moved them by more than the noise floor (at least
-    `PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR`); else None.
-
-    An engine serving the same weights repeats a seeded probe exactly (same tokens, same batch); one serving new
-    weights does not, unless their change is too small to reach the probe's logits, and then the learner's logprobs
-    do not move beyond the noise either. So the engine is closer to the earlier weights than to the new ones, whatever
-    the dtype: this sees one stale step in bfloat16, where the gap to the learner cannot (docs/benchmarks.md)."""
-    if not _repeated(earlier, now) or earlier.weights == now.weights:
-        return None
-    moved = max((abs(a - b) for a, b in zip(earlier.learner, now.learner)), default=0.0)
-    return moved if moved > max(noise, PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR) else None
-
-
-def next_probe_record(earlier: ProbeRecord | None, now: ProbeRecord) -> ProbeRecord:
-    """The record to compare the next probe with: `now`, unless the engine's probe did not change since `earlier`
-    (then `earlier` stays, so a learner that keeps moving away from an engine that does not follow is seen once its
-    moves add up beyond the noise)."""
-    return earlier if _repeated(earlier, now) else now
-
-
-def _repeated(earlier: ProbeRecord | None, now: ProbeRecord) -> bool:
-    """The engine gave `now`'s probe bit for bit as at `earlier`: the same tokens with the same logprobs."""
-    return earlier is not None and earlier.response_ids == now.response_ids and earlier.engine == now.engine

@@ -1,17 +1,17 @@
-"""The driver: one training run, step by step, over the actors that `cluster.remote` placed.
+"""The driver: one training run, step by step, over the actors that `cluster.fleet.placement` placed.
 
 Owns: the step of DESIGN.md (sample prompts -> generate -> score -> reference logprobs -> learn -> sync weights ->
 record), splitting prompts across rollout workers, the deadline on every remote call, and the verified weight sync
 (every worker must serve the learner's new version, and a probe must agree with the learner's logprobs).
-Does not own: the math (learner/), the engines (actors/), or placement (cluster/remote.py).
+Does not own: the math (learner/), the engines (actors/), or placement (cluster/fleet/placement.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import sys
 import statistics
+import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -19,17 +19,18 @@ from typing import Any
 
 import ray
 
-from cluster import checkpoint, resume
-from cluster.config import ConfigError, ModelSource, RunConfig, dump_config
-from cluster.data import sampling_seeds
-from cluster.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
-from cluster.control import start_control
-from cluster.remote import (RAY_SYSTEM_CONFIG, Fleet, RunError, check_reachable, get, node_of, start_fleet,
-                            stop_fleet)
-from cluster.rollout_pool import RolloutPool, SyncError  # noqa: F401  (SyncError: part of this module's API)
-from cluster.scoring import Scorer
-from rewards.arithmetic import Problem
+from cluster.config import ConfigError, RunConfig, dump_config
+from cluster.demo.task import Problem
+from cluster.fleet.control import start_control
+from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, check_reachable, node_of, start_fleet, stop_fleet
+from cluster.fleet.rollout_pool import RolloutPool
+from cluster.run import checkpoint, resume
+from cluster.run.data import sampling_seeds
+from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
+from cluster.run.scoring import Scorer
+from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
+from sync.calls import RunError, get
 
 
 class Trainer:
@@ -255,7 +256,7 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
     itself needs: the prompt source (dataset files are read and validated here) and the reward sources (verifiers
     imported, remote clients configured). `model_path` None is the demo model, not built yet: datasets are checked with
     its tokenizer, made in memory. Raises ConfigError (one line, nothing written) on bad input."""
-    from cluster.data import DataError, make_prompt_source
+    from cluster.run.data import DataError, make_prompt_source
 
     if model_path is not None and not (Path(model_path) / "config.json").is_file():
         raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
@@ -307,7 +308,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         if _init_ray(config):
             cleanup.callback(ray.shutdown)
         if model_path is None:
-            from cluster.demo_model import ensure_demo_model
+            from cluster.demo.model import ensure_demo_model
 
             model_path = str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr)))
         run_dir.mkdir(parents=True, exist_ok=True)

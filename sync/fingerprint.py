@@ -3,7 +3,7 @@
 Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve), `differences` (what a
 worker's fingerprints lack or get wrong against the learner's, in one line) and `digest` (one string per version).
 The learner fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it
-received and handed to its engine, whichever transport brought them; the pool compares the two (cluster/rollout_pool.py).
+received and handed to its engine, whichever transport brought them; the pool compares the two (cluster/fleet/rollout_pool.py).
 Unlike the logprob probe this does not depend on numerics, so it is as exact in bfloat16 as in float32.
 
 A tensor's fingerprint hashes its dtype, shape and three exact integer sums over its bits read as 16-bit integers
@@ -11,7 +11,7 @@ A tensor's fingerprint hashes its dtype, shape and three exact integer sums over
 by row. Any change of one element changes the plain sum; moved elements change a weighted one. Integer sums do not
 depend on the order of the reduction, so numpy on the host and torch on a GPU (where NCCL delivers tensors) agree
 bit for bit, and both run at memory speed (a cryptographic hash of the bytes runs ~5x slower on the host and does
-not run on a GPU). Does not own: moving weights (cluster/transport.py) or the probe.
+not run on a GPU). Does not own: moving weights (sync/transport.py) or the probe.
 Imports only torch and numpy: it runs inside vLLM's worker processes too.
 """
 

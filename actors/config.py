@@ -1,0 +1,83 @@
+"""The rollout fleet's and the reference worker's settings: engines, sampling, placement knobs of the workers.
+
+Owned here, beside the workers they configure; `cluster/config.py` composes them into the run config. Imports
+only pydantic, so validating a config needs neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RolloutConfig(_Section):
+    num_workers: int = Field(2, ge=1, le=4096)
+    """Rollout workers, each one Ray actor owning one vLLM engine; scaled independently of the learner."""
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for each rollout worker (scheduling only)."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for each rollout worker (0 on CPU machines)."""
+    num_threads: int = Field(1, ge=1, le=1024)
+    """Compute threads each engine uses; keep the sum over workers at or below the cores of a node."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs each engine shards its model over (vLLM tensor parallelism); each worker reserves this many bundles of
+    `num_cpus`/`num_gpus`, packed on one node."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each rollout worker needs, e.g. `{rollout_node: 1}` to run only on nodes started with
+    `--resources='{"rollout_node": 8}'`."""
+    node_labels: dict[str, str] = {}
+    """Node labels each rollout worker's node must carry (Ray label selector), e.g. `{ray.io/accelerator-type: H100}`."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Where rollout workers go among the nodes that fit them: `pack` leaves it to Ray (which fills nodes already
+    in use first), `spread` puts each new worker on the fitting node with the fewest rollout workers."""
+    balance: Literal["speed", "even"] = "speed"
+    """How each step's prompts are split over the workers (one request, one engine batch, per worker): `speed` in
+    proportion to the prompts per second each worker managed in recent steps, so a slow worker gets fewer and the
+    fleet finishes together; `even` in equal shares."""
+    group_size: int = Field(8, ge=1, le=1024)
+    """Completions sampled per prompt (G)."""
+    max_new_tokens: int = Field(8, ge=1, le=1_000_000)
+    """Maximum response tokens per completion."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature; the learner scores with the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass. 1 keeps the full distribution, which the learner's logprobs assume; below 1 the
+    engines' logprobs are renormalised over the nucleus and the learner's are not, so `logprob/mismatch` also holds
+    that renormalisation (the run warns at start)."""
+    max_model_len: int = Field(64, ge=8, le=1_048_576)
+    """Longest prompt+response the engine accepts."""
+    kv_cache_bytes: int = Field(64 * 2**20, ge=2**20)
+    """KV-cache memory per engine, in bytes (needed on CPU, where vLLM cannot measure free memory)."""
+    enforce_eager: bool = True
+    """Skip torch.compile and graph capture (saves ~1 minute of start-up on CPU)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory the engine may take (GPU only)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more prompts
+    until `data.prompts_per_step` groups are kept."""
+    max_restarts: int = Field(5, ge=0, le=10_000)
+    """Rollout workers the run may replace (after a death or a missed deadline) before it stops."""
+    max_sampling_rounds: int = Field(4, ge=1, le=1000)
+    """Generation rounds per step with dynamic sampling; if the batch is still short after them, it is topped up
+    with dropped groups (counted in `sampling/filler_groups`)."""
+
+
+class ReferenceConfig(_Section):
+    enabled: bool = True
+    """Allow a frozen reference policy for the KL penalty; it is started only when `learner.kl_coef` or
+    `learner.kl_reward_coef` is > 0 (which then require it)."""
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for the reference worker."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for the reference worker."""
+    num_threads: int = Field(2, ge=1, le=1024)
+    """Torch threads of the reference worker (phases run in turn, so it may use every core)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources the reference worker needs (e.g. `{learner_node: 1}`)."""
+    micro_batch_size: int = Field(64, ge=1, le=1_000_000)
+    """Sequences per reference forward pass."""

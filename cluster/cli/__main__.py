@@ -1,0 +1,3 @@
+from cluster.cli.commands import main
+
+raise SystemExit(main())

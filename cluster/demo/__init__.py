@@ -1,0 +1,1 @@
+"""The built-in demo: the `a+b=` arithmetic task (`task`) and the small local model that learns it (`model`)."""

@@ -1,0 +1,117 @@
+"""The learner's settings: the objective, the optimizer, the ranks, and the value model of PPO.
+
+Owned here, beside the learner; `cluster/config.py` composes them into the run config. Imports only pydantic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class LearnerConfig(_Section):
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for the learner."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for the learner."""
+    num_threads: int = Field(2, ge=1, le=1024)
+    """Torch threads of the learner (phases run in turn, so it may use every core)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each learner rank needs, e.g. `{learner_node: 1}`."""
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """Data-parallel learner ranks (one actor each, joined by torch.distributed; rank 0 exports weights)."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the parameters AdamW updates, its state and the checkpoint's master weights. With
+    `model.dtype=bfloat16`, `float32` keeps every update (the forward and backward run in bfloat16 under autocast;
+    engines get the weights cast once per sync); `bfloat16` halves that memory but is lossy: an update below half a
+    bfloat16 ulp of its weight rounds away, most of them at learning rates near 1e-6 (docs/algorithms.md)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and sums each rank's share of the gradient
+    (the update equals one rank's), `fsdp2` shards parameters, gradients and optimizer state (`fully_shard`) for
+    models that do not fit one device."""
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
+    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch) or `gae` (PPO: GAE from the
+    value model's per-token values, whitened over the batch; needs `critic.enabled=true`)."""
+    group_scale: Literal["std", "none"] = "std"
+    """How `grpo` scales the centred reward: `std` divides by the group's std, `none` does not (Dr.GRPO)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount per token (`advantage=gae` only)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (`advantage=gae` only)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """Policy objective: `ppo` (per-token clipped ratio) or `gspo` (one length-normalised ratio per sequence)."""
+    lr: float = Field(5e-5, gt=0, le=1)
+    """AdamW learning rate."""
+    warmup_steps: int = Field(10, ge=0, le=10_000_000)
+    """Optimizer steps over which the learning rate rises linearly to `lr` (step n uses lr x n / warmup_steps):
+    lets Adam's moment estimates settle before full-size steps, as its first steps are sign-like."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over each step's batch."""
+    num_minibatches: int = Field(1, ge=1, le=100_000)
+    """Optimizer steps per epoch; the batch is shuffled and split into this many minibatches."""
+    micro_batch_size: int = Field(64, ge=1, le=1_000_000)
+    """Sequences per forward/backward pass; gradients accumulate over a minibatch's micro-batches."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
+    clip_high: float = Field(0.2, ge=0, le=10)
+    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
+    clip_c: float | None = Field(None, gt=1, le=100)
+    """Dual-clip constant for negative advantages (loss at most -A * clip_c); empty turns dual clip off (`ppo`)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How per-token losses become one number: every token weighs the same (`token-mean`, DAPO), every sequence
+    weighs the same (`seq-mean-token-mean`, GRPO/GSPO), sums per sequence (`seq-mean-token-sum`), or sums over a
+    fixed length (`seq-mean-token-sum-norm`, Dr.GRPO)."""
+    loss_norm_length: int | None = Field(None, ge=1, le=1_000_000)
+    """The fixed length of `seq-mean-token-sum-norm`; empty means `rollout.max_new_tokens`."""
+    entropy_coef: float = Field(0.0, ge=0, le=10)
+    """Weight of the entropy bonus subtracted from the loss; 0 turns it off."""
+    kl_coef: float = Field(0.01, ge=0, le=100)
+    """Coefficient of the KL penalty to the reference policy added to the loss (GRPO style); 0 turns it off."""
+    kl_reward_coef: float = Field(0.0, ge=0, le=100)
+    """Coefficient of the per-token KL penalty subtracted from the reward (PPO style); 0 turns it off. Use either
+    this or `kl_coef`, not both."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator, wherever the KL goes (loss or reward)."""
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    """Correct the policy gradient for the gap between the engine's logprobs of the sampled tokens (behaviour) and
+    the learner's (pi_old), rho = pi_old / pi_behavior: `tis` weighs each token's term by min(rho, cap) (truncated
+    importance sampling), `mis` drops tokens whose rho is outside [1/cap, cap] (masked); `none` uses neither. The gap
+    is numerics in a synchronous run (larger in bfloat16; `mismatch/kl` shows it); docs/algorithms.md."""
+    rollout_correction_cap: float = Field(2.0, gt=1, le=1000)
+    """The cap C of `rollout_correction`."""
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """`token`: one ratio per token; `sequence`: one per sequence, the product of its tokens' (each of its tokens
+    gets the sequence's weight)."""
+    max_nonfinite_steps: int = Field(3, ge=1, le=1000)
+    """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+
+
+class CriticConfig(_Section):
+    enabled: bool = False
+    """Train a value model (PPO); required by and only used with `learner.advantage=gae`."""
+    path: str | None = None
+    """Hugging Face directory the value model starts from (a scalar head is added); empty: the policy's checkpoint."""
+    lr: float = Field(1e-4, gt=0, le=1)
+    """AdamW learning rate of the value model (its own optimizer, stepped with the policy's)."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Optimizer steps over which the value model's learning rate rises linearly to `lr` (as `learner`'s)."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay of the value model."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold of the value model (global L2 norm)."""
+    value_clip: float = Field(0.2, gt=0, le=1e6)
+    """PPO value clipping: how far a value may move from its rollout-time prediction before the clipped loss
+    term takes over."""

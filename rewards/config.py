@@ -1,0 +1,120 @@
+"""How completions are scored: named reward sources (rule verifiers, remote services, reward models) and shaping.
+
+Owned here, beside the verifiers; `cluster/config.py` composes them into the run config. Imports only pydantic.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RuleSource(_Section):
+    type: Literal["rule"] = "rule"
+    """A rule verifier run in the driver: a pure function (completion, label) -> reward."""
+    verifier: str = Field("exact_match", min_length=1)
+    """A name from `rewards/registry.py` (`exact_match`, `numeric_match`, `math_verify`, `format`) or your own
+    function as `package.module:function`."""
+    params: dict[str, Any] = {}
+    """Keyword arguments passed to the verifier (e.g. `pattern` for `format`)."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+
+
+class RemoteSource(_Section):
+    type: Literal["remote"]
+    """A verifier service over HTTP (`POST /verify`, docs/verifiers.md)."""
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the service's replicas (`http(s)://host:port`); batches are spread over them."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+    batch_size: int = Field(64, ge=1, le=100_000)
+    """Samples per request."""
+    max_concurrency: int = Field(8, ge=1, le=4096)
+    """Requests in flight at once, over all URLs."""
+    timeout: float = Field(30.0, gt=0, le=86_400)
+    """Deadline of one request, in seconds (connect + send + reply)."""
+    max_retries: int = Field(3, ge=0, le=100)
+    """Retries of a request that was refused, timed out or got a 5xx reply (never on 4xx)."""
+    backoff: float = Field(0.25, gt=0, le=600)
+    """First retry delay in seconds; doubles each retry, with full jitter, up to `backoff_max`."""
+    backoff_max: float = Field(8.0, gt=0, le=3600)
+    """Longest retry delay in seconds."""
+    on_failure: Literal["fail", "drop", "default"] = "fail"
+    """What happens to samples still unscored after the retries: `fail` stops the run naming the service and the
+    error, `drop` removes their groups from the step, `default` gives them `default_reward`. Always counted."""
+    default_reward: float | None = None
+    """Reward of an unscored sample with `on_failure=default`."""
+    token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding a bearer token (the token itself is never in the config)."""
+    verify_tls: bool = True
+    """Verify the service's TLS certificate (https URLs)."""
+
+    @model_validator(mode="after")
+    def _valid(self) -> RemoteSource:
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
+                raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
+        if self.on_failure == "default" and self.default_reward is None:
+            raise ValueError("on_failure=default needs default_reward (e.g. 0.0); or choose fail or drop")
+        if self.backoff > self.backoff_max:
+            raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        return self
+
+
+class ModelSource(_Section):
+    type: Literal["model"]
+    """A frozen reward model (`AutoModelForSequenceClassification`) in its own Ray actor."""
+    path: str = Field(min_length=1)
+    """Hugging Face directory of the reward model (one output: the score)."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of this source in the combined reward."""
+    normalize: Literal["none", "batch"] = "none"
+    """`batch` whitens the scores over the step's completions (mean 0, std 1) before weighting."""
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for the reward-model worker."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for the reward-model worker."""
+    num_threads: int = Field(1, ge=1, le=1024)
+    """Torch threads of the reward-model worker."""
+    micro_batch_size: int = Field(32, ge=1, le=1_000_000)
+    """Sequences per forward pass."""
+
+
+def _source_type(value: Any) -> str:
+    """A source without `type` is a rule verifier (the common case: `reward.sources.fmt.verifier=format`)."""
+    return value.get("type", "rule") if isinstance(value, dict) else getattr(value, "type", "rule")
+
+
+RewardSource = Annotated[Annotated[RuleSource, Tag("rule")] | Annotated[RemoteSource, Tag("remote")]
+                         | Annotated[ModelSource, Tag("model")], Discriminator(_source_type)]
+
+
+SOURCE_TYPES: dict[str, type[BaseModel]] = {"rule": RuleSource, "remote": RemoteSource, "model": ModelSource}
+
+
+class RewardConfig(_Section):
+    sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()}, min_length=1)
+    """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
+    Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
+    exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`."""
+    overlong_buffer: int = Field(0, ge=0, le=1_000_000)
+    """DAPO soft overlong punishment: responses longer than `rollout.max_new_tokens - overlong_buffer` tokens lose
+    reward linearly, up to `overlong_penalty` at the maximum; 0 turns it off."""
+    overlong_penalty: float = Field(1.0, ge=0, le=1000)
+    """Reward lost by a response of the maximum length when `overlong_buffer` > 0."""
+
+    @model_validator(mode="after")
+    def _names(self) -> RewardConfig:
+        for name in self.sources:
+            if not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name):
+                raise ValueError(f"source name {name!r} must be lower-case letters, digits and _ (it names metrics)")
+            if name in ("mean", "std"):
+                raise ValueError(f"source name {name!r} would hide the metric reward/{name}; choose another name")
+        return self

@@ -1,0 +1,98 @@
+"""Verifying a sync: the rules that decide whether an engine serves the learner's weights.
+
+Owns: `check_loaded` (a worker's report of a load against the learner's version and fingerprints), the probe's
+tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat rule (`stale_probe`,
+`next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while the learner's
+logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
+Does not own: calling the workers and the learner for the probe or the load (cluster/fleet/rollout_pool.py). Functions
+over plain data.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from sync.calls import RunError
+from sync.fingerprint import differences
+
+if TYPE_CHECKING:
+    from sync.receive import Loaded
+
+PROBE_SEED = 0  # one seed for every probe: an engine still on the weights of its last probe repeats it bit for bit
+
+
+class SyncError(RunError):
+    """An engine does not serve the learner's weights after a sync."""
+
+
+def check_loaded(name: str, loaded: Loaded | None, version: int, expected: dict[str, str] | None) -> None:
+    """Raise SyncError unless worker `name` reports a load of `version` and, given the learner's fingerprints
+    `expected` (`sync.fingerprint`), handed its engine exactly those tensors in every engine process."""
+    if loaded is None:
+        raise SyncError(f"weight sync check failed: {name} was sent weights version {version} with its request but "
+                        "reports no load")
+    if loaded.version != version:
+        raise SyncError(f"{name} serves weights version {loaded.version}, expected {version}")
+    if expected is None:
+        return
+    if not loaded.fingerprints:
+        raise SyncError(f"weight sync check failed: {name} (version {loaded.version}) reports no fingerprints of "
+                        "the weights it loaded (sync.fingerprint is on)")
+    for rank, received in enumerate(loaded.fingerprints):
+        problem = differences(expected, received)
+        if problem is not None:
+            where = f" (engine process {rank})" if len(loaded.fingerprints) > 1 else ""
+            raise SyncError(f"weight sync check failed: {name}{where} (version {loaded.version}) did not get the "
+                            f"learner's weights: {problem}")
+
+
+PROBE_TOLERANCE_MIN = 1e-4  # float32 engines and learner agree to ~1e-6: a step at lr 1e-6 moves the probe ~1e-3
+PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps vary ~2x with the probe's tokens
+PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
+
+
+def probe_tolerance_from(noise: float, names: list[str]) -> float:
+    """The probe's tolerance from the largest gap of the first probe (engines and learner on the same weights):
+    `PROBE_NOISE_FACTOR` x it, at least `PROBE_TOLERANCE_MIN`; a gap above `PROBE_NOISE_CEILING` raises SyncError."""
+    if not noise <= PROBE_NOISE_CEILING:
+        raise SyncError(f"weight sync check failed before the first update: the engines' probe logprobs differ from "
+                        f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
+                        f"({', '.join(names)}); that is not numerics: check model.path and the engine's dtype")
+    return max(PROBE_TOLERANCE_MIN, PROBE_NOISE_FACTOR * noise)
+
+
+class ProbeRecord(NamedTuple):
+    """One worker's probe at one version, with what identifies the learner's weights then (`_weights_digest`)."""
+
+    version: int
+    weights: str
+    response_ids: tuple[int, ...]
+    engine: tuple[float, ...]  # the engine's logprobs of the response tokens
+    learner: tuple[float, ...]  # the learner's
+
+
+def stale_probe(earlier: ProbeRecord | None, now: ProbeRecord, noise: float) -> float | None:
+    """How far the learner's logprobs of the probe moved from `earlier` to `now`, if the engine's stayed bit for bit
+    the same meanwhile though the learner's weights changed and moved them by more than the noise floor (at least
+    `PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR`); else None.
+
+    An engine serving the same weights repeats a seeded probe exactly (same tokens, same batch); one serving new
+    weights does not, unless their change is too small to reach the probe's logits, and then the learner's logprobs
+    do not move beyond the noise either. So the engine is closer to the earlier weights than to the new ones, whatever
+    the dtype: this sees one stale step in bfloat16, where the gap to the learner cannot (docs/benchmarks.md)."""
+    if not _repeated(earlier, now) or earlier.weights == now.weights:
+        return None
+    moved = max((abs(a - b) for a, b in zip(earlier.learner, now.learner)), default=0.0)
+    return moved if moved > max(noise, PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR) else None
+
+
+def next_probe_record(earlier: ProbeRecord | None, now: ProbeRecord) -> ProbeRecord:
+    """The record to compare the next probe with: `now`, unless the engine's probe did not change since `earlier`
+    (then `earlier` stays, so a learner that keeps moving away from an engine that does not follow is seen once its
+    moves add up beyond the noise)."""
+    return earlier if _repeated(earlier, now) else now
+
+
+def _repeated(earlier: ProbeRecord | None, now: ProbeRecord) -> bool:
+    """The engine gave `now`'s probe bit for bit as at `earlier`: the same tokens with the same logprobs."""
+    return earlier is not None and earlier.response_ids == now.response_ids and earlier.engine == now.engine
