@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from learner.algo.sequences import batched_logprobs, pad_sequences, unpad_per_token
+from learner.algo.sequences import batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from learner.device import pick_device
 
 
@@ -35,3 +36,12 @@ class ReferenceWorker:
         """log pi_ref of every response token: [B][T_resp_i] (float32 logprobs, computed on the model's device)."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
         return unpad_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
+
+    def compute_flat_logprobs(self, prompt_ids: Sequence[Sequence[int]],
+                              response_ids: Sequence[Sequence[int]]) -> tuple[int, np.ndarray]:
+        """The same logprobs as one flat float32 array, row after row, and their count: called with
+        `num_returns=2`, the driver reads the count (did it succeed, in time?) and hands the array's ref to the
+        learner, so the logprobs go from this actor to the learner without passing through the driver."""
+        batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
+        flat = flat_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
+        return len(flat), flat.numpy()  # numpy: read zero-copy from the object store

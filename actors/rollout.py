@@ -42,7 +42,7 @@ class RolloutWorker:
         self.weights_version = 0
         self.last_load: dict[str, float] = {}
 
-    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingSettings,
+    def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
                  version: int | None = None, *buckets: Weights) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
@@ -51,7 +51,9 @@ class RolloutWorker:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         loaded = self.load_weights(version, *buckets) if version is not None else None
-        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are.
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
+                      for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
         result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))

@@ -56,7 +56,8 @@ class TrainBatch:
     behavior_logprobs: list[list[float]]  # [B][T_resp_i] from the engine that sampled
     rewards: list[float]  # [B] outcome reward of each completion
     group_size: int  # G
-    ref_logprobs: list[list[float]] | None = None  # [B][T_resp_i] from the frozen reference, when KL is on
+    # [B][T_resp_i] from the frozen reference, when KL is on (or `train_step`'s `ref_logprobs`: one flat array)
+    ref_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -172,13 +173,17 @@ class Learner(WeightPublisher):
         policy = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"policy": policy, "critic": self.critic.num_parameters() if self.critic else 0}
 
-    def train_step(self, data: TrainBatch) -> dict[str, float]:
-        """One update on a step's completions; returns the step's learner metrics."""
+    def train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | None = None) -> dict[str, float]:
+        """One update on a step's completions; returns the step's learner metrics, `weights/version` among them:
+        the version this update produced (the learner owns it; the driver and the engines read it from here).
+        `ref_logprobs`, when given, replaces `data.ref_logprobs`: every response token's reference logprob in one flat
+        array (`ReferenceWorker.compute_flat_logprobs`; Ray resolves a ref passed here in the learner's process)."""
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device)
         mask = batch.response_mask
         old_logprobs = self._policy_rows(batch)
-        ref = pad_per_token(data.ref_logprobs, batch) if data.ref_logprobs is not None else None
+        ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
+        ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
         metrics: dict[str, float] = {}
         rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
         token_rewards = last_token_rewards(rewards, mask)
@@ -218,6 +223,7 @@ class Learner(WeightPublisher):
         metrics["memory/learner_peak_mb"] = _peak_rss_mb()
         metrics["memory/learner_base_mb"] = self.base_rss_mb
         self.weights_version += 1
+        metrics["weights/version"] = self.weights_version
         self._gathered = self.dp.gather_weights(self.model)
         return metrics
 

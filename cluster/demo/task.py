@@ -1,13 +1,14 @@
 """The arithmetic task of the built-in demo: problems like ``37+45=``, scored by exact match.
 
-Owns the problem generator. Does not own the reward (``exact_match`` lives in `rewards/verifiers.py` and is
-re-exported here for existing imports), tokenisation, sampling or batching; pure Python, no torch.
+Owns `Problem` (a prompt and its label, the unit every prompt source yields) and the problem generator. Does not
+own the reward (``exact_match`` lives in `rewards/verifiers.py`; re-exported here, the task's reward), tokenisation,
+sampling or batching; pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rewards.verifiers import exact_match
@@ -22,6 +23,9 @@ class Problem:
     prompt: str  # e.g. "37+45=" (for a dataset: the text after the chat template, as the engine receives it)
     # "82" here; a dataset's label field may hold any JSON value (number, list, object), or None without one.
     label: Any
+    # The prompt's token ids when the driver already tokenised it (a dataset, to filter by length): the engines then
+    # get these and do not tokenise the text again. Not compared: the text says the same.
+    prompt_ids: Any = field(default=None, compare=False, repr=False)
 
 
 def make_problems(rng: random.Random, n: int, min_operand: int = 0, max_operand: int = 99) -> list[Problem]:

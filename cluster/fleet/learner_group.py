@@ -51,10 +51,12 @@ class LearnerGroup:
                              "start")[0]
             self._call_all("join_process_group", (host, port, self.timeouts.train), self.timeouts.start, "start")
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One update over every rank; rank 0's metrics (the same on every rank: they are summed over ranks)."""
+    def train_step(self, batch: TrainBatch, ref_logprobs: Any = None) -> dict[str, float]:
+        """One update over every rank; rank 0's metrics (the same on every rank: they are summed over ranks), with
+        `weights/version`, the version it produced. `ref_logprobs`: the ref of the reference's flat logprobs, which
+        Ray hands each rank without the driver reading them."""
         shared = batch if len(self.ranks) == 1 else ray.put(batch)  # one copy, each rank reads all of it
-        return self._call_all("train_step", (shared,), self.timeouts.train, "train")[0]
+        return self._call_all("train_step", (shared, ref_logprobs), self.timeouts.train, "train")[0]
 
     def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The learner's logprobs of the given sequences (every rank computes its share; rank 0's answer)."""

@@ -78,9 +78,9 @@ class RolloutPool:
     def workers(self) -> list[Any]:
         return self.fleet.rollout_workers
 
-    def generate(self, prompts: list[str], seeds: list[int], sampling: Any) -> list[list[Any]]:
-        """[prompts][G] rollouts in prompt order, each prompt sampled with its own seed (so the result does not
-        depend on which worker serves a prompt).
+    def generate(self, prompts: list[str | Any], seeds: list[int], sampling: Any) -> list[list[Any]]:
+        """[prompts][G] rollouts in prompt order, each prompt (text, or its token ids) sampled with its own seed (so
+        the result does not depend on which worker serves a prompt).
 
         Each worker gets one request per step (one engine batch), sized by `rollout.balance`: with `speed`, in
         proportion to the prompts per second it managed in recent steps, so a slow worker gets fewer prompts and

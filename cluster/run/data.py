@@ -15,11 +15,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from cluster.config import DataConfig
 from cluster.demo.task import Problem, make_problems
 
 SUPPORTED_FORMATS = "a .jsonl or .parquet file, or a directory written by datasets' save_to_disk"
-_COUNT_CHUNK = 1024  # prompts tokenized per call when counting lengths
+_TOKENIZE_CHUNK = 1024  # prompts tokenized per call
 
 
 class DataError(ValueError):
@@ -84,9 +86,10 @@ class PromptDataset:
                       for where, row in read_rows(config)]
         if not candidates:
             raise DataError(f"{config.path}: holds no rows; add prompts or point data.path at another file")
-        lengths = _token_counts(tokenizer, [text for _, text, _ in candidates])
-        self.problems = [Problem(prompt=text, label=label)
-                         for (_, text, label), length in zip(candidates, lengths) if length <= max_prompt_tokens]
+        token_ids = _tokenize(tokenizer, [text for _, text, _ in candidates])
+        lengths = [len(ids) for ids in token_ids]
+        self.problems = [Problem(prompt=text, label=label, prompt_ids=ids)
+                         for (_, text, label), ids in zip(candidates, token_ids) if len(ids) <= max_prompt_tokens]
         self.filtered = len(candidates) - len(self.problems)
         self.num_prompts = len(self.problems)
         if not self.problems:
@@ -310,13 +313,14 @@ def _label(config: DataConfig, where: str, row: dict[str, Any]) -> Any:
     return row[field]
 
 
-def _token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
-    """Prompt lengths in tokens, without special tokens (chat templates write theirs into the text)."""
-    counts: list[int] = []
-    for start in range(0, len(texts), _COUNT_CHUNK):
-        encoded = tokenizer(texts[start:start + _COUNT_CHUNK], add_special_tokens=False)["input_ids"]
-        counts.extend(len(ids) for ids in encoded)
-    return counts
+def _tokenize(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
+    """Each prompt's token ids (int32), without special tokens (chat templates write theirs into the text), as the
+    engines would encode it: they get these ids and do not tokenise the text again."""
+    ids: list[np.ndarray] = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        encoded = tokenizer(texts[start:start + _TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
+        ids.extend(np.asarray(row, dtype=np.int32) for row in encoded)
+    return ids
 
 
 def _json_kind(value: Any) -> str:

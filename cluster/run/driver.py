@@ -132,7 +132,8 @@ class Trainer:
         """[prompts][G] rollouts in order, one sampling seed per prompt (a replaced worker's chunk is sampled again
         with the same seeds, so a fault does not change the step)."""
         seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
-        return self.rollouts.generate([p.prompt for p in problems], seeds, self.sampling)
+        prompts = [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]  # ids: tokenised once
+        return self.rollouts.generate(prompts, seeds, self.sampling)
 
     def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
         """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""
@@ -143,21 +144,25 @@ class Trainer:
         return [reward + overlong_penalty(len(rollout.response_ids), max_length, rc.overlong_buffer,
                                           rc.overlong_penalty) for reward, rollout in zip(rewards, group)]
 
-    def reference_logprobs(self, rollouts: list[Any]) -> list[list[float]] | None:
+    def reference_logprobs(self, rollouts: list[Any]) -> Any:
+        """The ref of the reference's logprobs of every response token (one flat array), once it has them; None
+        without a reference. The driver reads only their count: the array goes to the learner by ref."""
         if self.fleet.reference is None:
             return None
-        ref = self.fleet.reference.compute_logprobs.remote([r.prompt_ids for r in rollouts],
-                                                           [r.response_ids for r in rollouts])
-        return get([ref], self.config.timeouts.reference, ["reference"], "reference")[0]
+        count, logprobs = self.fleet.reference.compute_flat_logprobs.options(num_returns=2).remote(
+            [r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+        get([count], self.config.timeouts.reference, ["reference"], "reference")
+        return logprobs
 
-    def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: list[list[float]] | None) -> dict:
+    def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> dict:
+        """One update; the learner's metrics, and `weights_version` becomes the version it reports it produced."""
         from learner.learner import TrainBatch
 
         batch = TrainBatch(prompt_ids=[r.prompt_ids for r in rollouts], response_ids=[r.response_ids for r in rollouts],
                            behavior_logprobs=[r.behavior_logprobs for r in rollouts], rewards=rewards,
-                           group_size=self.config.rollout.group_size, ref_logprobs=ref_logprobs)
-        metrics = self.fleet.learner_group.train_step(batch)
-        self.weights_version += 1
+                           group_size=self.config.rollout.group_size)
+        metrics = self.fleet.learner_group.train_step(batch, ref_logprobs)
+        self.weights_version = int(metrics["weights/version"])
         return metrics
 
     def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:

@@ -66,17 +66,30 @@ def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     return SequenceBatch(input_ids, attention_mask, response_mask).to(device)
 
 
-def pad_per_token(values: Sequence[Sequence[float]], batch: SequenceBatch) -> torch.Tensor:
-    """Place per-response-token values ([B][T_resp_i]) at the response positions of a [B, L-1] float32 tensor on
-    the batch's device (filled in host memory, then moved in one copy)."""
+def pad_per_token(values: Sequence[Sequence[float]] | torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
+    """Place per-response-token values ([B][T_resp_i], or all of them in one flat array in that order) at the
+    response positions of a [B, L-1] float32 tensor on the batch's device (filled in host memory, then moved in one
+    copy)."""
     response_mask = batch.response_mask.cpu()
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device="cpu")
+    if getattr(values, "ndim", 2) == 1:  # a flat array: the mask's row-major order is the rows one after another
+        keep = response_mask.bool()
+        if values.size != int(keep.sum()):
+            raise ValueError(f"{values.size} values for {int(keep.sum())} response tokens")
+        out[keep] = torch.as_tensor(values, dtype=torch.float32)
+        return out.to(batch.device)
     for i, row in enumerate(values):
         positions = response_mask[i].nonzero().squeeze(-1)
         if len(row) != len(positions):
             raise ValueError(f"sequence {i}: {len(row)} values for {len(positions)} response tokens")
         out[i, positions] = torch.as_tensor(row, dtype=torch.float32, device="cpu")
     return out.to(batch.device)
+
+
+def flat_per_token(values: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
+    """Inverse of `pad_per_token` for a flat array: [B, L-1] (on any device) -> every response token's value, row
+    after row, in one float32 host tensor."""
+    return values.detach().cpu()[batch.response_mask.cpu().bool()].to(torch.float32)
 
 
 def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[float]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,3 +290,25 @@ def test_mixed_precision_keeps_float32_master_weights_and_hands_engines_bfloat16
     assert learner.count_buckets(64 * 64 * 2) == len(exported)
     with read_shared(learner.share_weights(version=1)) as named:
         assert all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].to(torch.bfloat16)) for n, t in named)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_references_flat_logprobs_train_exactly_like_its_rows_and_the_learner_returns_its_version(
+        tiny_model_dir, dtype):
+    """The reference's logprobs reach the learner as one flat array by object ref (never as lists through the
+    driver): the update is bitwise the one from per-row lists, and `train_step` returns the version it produced."""
+    reference = ReferenceWorker(str(tiny_model_dir), dtype=dtype)
+    rows = reference.compute_logprobs(PROMPTS, RESPONSES)
+    count, flat = reference.compute_flat_logprobs(PROMPTS, RESPONSES)
+    assert isinstance(flat, np.ndarray) and flat.dtype == np.float32 and count == len(flat)
+    assert flat.tolist() == [lp for row in rows for lp in row]
+    config = LearnerConfig(lr=1e-2, kl_coef=0.1, num_minibatches=2, num_threads=2)  # the 2nd update sees a KL
+    learners = [Learner(str(tiny_model_dir), config, dtype=dtype, seed=0)
+                for _ in range(2)]
+    by_rows = learners[0].train_step(batch_for(learners[0], [1.0, 0.0, 0.5, 1.0], rows))
+    by_ref = learners[1].train_step(batch_for(learners[1], [1.0, 0.0, 0.5, 1.0]), ref_logprobs=flat)
+    computed = [key for key in by_rows if not key.startswith("memory/")]  # the process's RSS is not the update's
+    assert by_rows["kl/mean"] > 0 and {k: by_rows[k] for k in computed} == {k: by_ref[k] for k in computed}
+    assert by_ref["weights/version"] == learners[1].weights_version == 1
+    for a, b in zip(learners[0].model.state_dict().values(), learners[1].model.state_dict().values()):
+        assert torch.equal(a, b)

@@ -3,6 +3,7 @@ the prefix cache."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -186,3 +187,13 @@ def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worke
             assert gap < (1e-4 if dtype == "float32" else 0.2)
     finally:
         tied.shutdown()
+
+
+def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):
+    """A dataset's prompts are tokenised once, by the driver (cluster/run/data.py), and reach the engine as ids."""
+    sampling = SamplingSettings(group_size=3, max_new_tokens=6)
+    ids = [np.asarray(worker.tokenizer.encode(p, add_special_tokens=False), dtype=np.int32) for p in ["37+45=", "1+2="]]
+    by_text = worker.generate(["37+45=", "1+2="], [4, 5], sampling)
+    by_ids = worker.generate(ids, [4, 5], sampling)
+    assert [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_text] == \
+        [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_ids]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cluster.config import DataConfig
@@ -310,3 +311,11 @@ def test_unusable_paths_are_data_errors(tmp_path, tokenizer):
         with pytest.raises(DataError) as err:
             dataset(path, tokenizer)
         assert fragment in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_datasets_prompts_carry_their_token_ids_tokenised_once(tmp_path, tokenizer):
+    """The length filter's tokenisation is kept: the engines get these ids and do not tokenise the text again."""
+    source = dataset(write_jsonl(tmp_path / "data.jsonl", ROWS), tokenizer)
+    for problem in draw(source, 2):
+        assert problem.prompt_ids.dtype == np.int32
+        assert problem.prompt_ids.tolist() == tokenizer.encode(problem.prompt, add_special_tokens=False)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from learner.algo.sequences import pad_per_token, pad_sequences, unpad_per_token
+from learner.algo.sequences import flat_per_token, pad_per_token, pad_sequences, unpad_per_token
 
 
 def test_layout_marks_the_positions_that_predict_response_tokens():
@@ -33,3 +34,13 @@ def test_mismatched_inputs_are_refused():
         pad_per_token([[0.1]], batch)
     with pytest.raises(ValueError, match="empty prompt"):
         pad_sequences([[]], [[3]])
+
+
+def test_a_flat_array_of_per_token_values_pads_like_its_rows_and_flattens_back():
+    batch = pad_sequences([[7, 8], [9]], [[3, 4, 1], [5]])
+    rows = [[0.1, 0.2, 0.3], [0.4]]
+    flat = np.asarray([0.1, 0.2, 0.3, 0.4], dtype=np.float32)
+    assert torch.equal(pad_per_token(flat, batch), pad_per_token(rows, batch))
+    assert torch.equal(flat_per_token(pad_per_token(rows, batch), batch), torch.from_numpy(flat))
+    with pytest.raises(ValueError, match="3 values for 4 response tokens"):
+        pad_per_token(flat[:3], batch)

@@ -1,0 +1,62 @@
+"""The one call helper (sync/calls.py) on real Ray actors: one outcome per actor, one deadline message, one error
+line, and the strict `get` that names the actor that failed."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+
+from sync.calls import RunError, call_all, get, wait_all
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class below travels by value
+
+
+class Echo:
+    def run(self, behaviour: str, value: int = 0):
+        if behaviour == "raise":
+            raise ValueError(f"bad value {value}")
+        if behaviour == "die":
+            os._exit(1)
+        if behaviour == "sleep":
+            time.sleep(30)
+        return value
+
+
+@pytest.fixture(scope="module")
+def actors(ray_local):
+    started = [ray_local.remote(Echo).options(num_cpus=0).remote() for _ in range(4)]
+    yield started
+    for actor in started:
+        ray_local.kill(actor)
+
+
+def test_every_outcome_says_what_happened_in_one_line(ray_local, actors):
+    behaviours = [("ok", 1), ("raise", 2), ("die", 3), ("sleep", 4)]
+    outcomes = call_all(actors, "run", list(behaviours), 3.0, "generate")
+    assert [o.kind for o in outcomes] == ["ok", "raised", "died", "late"]
+    assert outcomes[0].ok and outcomes[0].value == 1 and outcomes[0].error is None
+    assert outcomes[1].error == "failed during 'generate' (ValueError: bad value 2)"
+    assert outcomes[1].cause == "ValueError: bad value 2"
+    assert outcomes[2].error.startswith("died during 'generate' (") and "\n" not in outcomes[2].error
+    assert outcomes[3].error == "missed the 3 s deadline of 'generate'"
+
+
+def test_get_names_the_actor_that_failed_and_returns_at_the_first_failure(ray_local):
+    fresh = [ray_local.remote(Echo).options(num_cpus=0).remote() for _ in range(3)]
+    try:
+        started = time.monotonic()
+        with pytest.raises(RunError, match=r"^worker b failed during 'sync': ValueError: bad value 7$"):
+            get([fresh[0].run.remote("sleep"), fresh[1].run.remote("raise", 7)], 20.0, ["worker a", "worker b"],
+                "sync")
+        assert time.monotonic() - started < 10  # not the sleeping call's 30 s, nor the 20 s deadline
+        with pytest.raises(RunError, match=r"^worker c missed the 1 s deadline of 'train' \(raise timeouts.train"):
+            get([fresh[2].run.remote("ok"), fresh[1].run.remote("sleep")], 1.0, ["worker a", "worker c"], "train")
+        assert [o.value for o in wait_all([fresh[2].run.remote("ok", 5)], 30.0, "sync")] == [5]
+    finally:
+        for actor in fresh:
+            ray_local.kill(actor)
