@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
-from ray.exceptions import RayError
 
-from sync.calls import Outcome, RunError, get, wait_all
+from sync.calls import Outcome, get, values, wait_all
 from sync.config import SyncConfig
 
 if TYPE_CHECKING:
@@ -247,10 +246,8 @@ def _settle(learner_ref: Any, refs: dict[int, Any], timeout: float,
     (the learner's outcome, {key: result}, {key: died or missed the deadline}, {key: raised}).
     The learner's death, or its missing the deadline (the collectives time out before it), stops the run."""
     learner, *outcomes = wait_all([learner_ref, *refs.values()], timeout, what)
-    if learner.kind == "late":
-        raise RunError(f"learner {learner.error} (raise timeouts.{what} if the weight broadcast is legitimately slow)")
-    if learner.kind == "died":
-        raise RunError(f"an actor died during '{what}': {learner.cause}")
+    if learner.kind in ("late", "died"):
+        values([learner], ["learner"], what)  # raises the RunError
     done = {key: o.value for key, o in zip(refs, outcomes) if o.ok}
     lost = {key: o.error for key, o in zip(refs, outcomes) if o.kind in ("died", "late")}
     retry = {key: o.error for key, o in zip(refs, outcomes) if o.kind == "raised"}  # its collective failed
@@ -258,14 +255,9 @@ def _settle(learner_ref: Any, refs: dict[int, Any], timeout: float,
 
 
 def _drain(refs: list[Any], timeout: float) -> None:
-    """Wait up to `timeout` for best-effort calls and consume their results: a worker that died meanwhile cannot
-    leave its group, and its group went with it."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except RayError:
-            pass
+    """Wait up to `timeout` for best-effort calls and consume their results, failures included: a worker that died
+    meanwhile cannot leave its group, and its group went with it."""
+    wait_all(refs, timeout, "sync")
 
 
 def collect(refs: dict[int, Any], timeout: float, what: str) -> tuple[dict[int, Any], dict[int, str]]:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from cluster.config import RunConfig, dump_config
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cluster", "actors", "learner", "rewards", "configs")  # what a job imports or names; small
+PACKAGES = ("cluster", "actors", "learner", "rewards", "sync", "configs")  # what a job imports or names; small
 FORWARDED_ENV = ("RELAY_CACHE_DIR", "VLLM_CACHE_ROOT", "HF_HOME", "VLLM_LOGGING_LEVEL")  # when set here
 AGENT_WAIT_SECONDS = 60
 

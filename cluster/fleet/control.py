@@ -114,14 +114,13 @@ def find_run(run: str | None) -> Any:
 
 
 def call(method: Any, *args: Any, timeout: float = 30) -> Any:
-    """Call a control method with a deadline; a refused request becomes ControlError (one line)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayTaskError
+    """Call a control method with a deadline (sync/calls.py); a refused request, or a run that does not answer,
+    becomes ControlError (one line)."""
+    from sync.calls import wait_all
 
-    try:
-        return ray.get(method.remote(*args), timeout=timeout)
-    except GetTimeoutError:
-        raise ControlError(f"the run did not answer within {timeout:g} s") from None
-    except RayTaskError as err:
-        cause = err.cause if err.cause is not None else err
-        raise ControlError(str(cause).splitlines()[0]) from None
+    [outcome] = wait_all([method.remote(*args)], timeout, "control")
+    if outcome.kind == "late":
+        raise ControlError(f"the run did not answer within {timeout:g} s")
+    if not outcome.ok:
+        raise ControlError(outcome.cause.removeprefix(f"{ControlError.__name__}: "))
+    return outcome.value

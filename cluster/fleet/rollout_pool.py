@@ -25,7 +25,7 @@ import ray
 
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, PendingWorker, RolloutSlot, node_of
-from sync.calls import RunError, call_all, get, settle, values
+from sync.calls import RunError, call_all, get, late, settle, values
 from sync.fingerprint import digest
 from sync.transport import make_transport
 from sync.verify import (
@@ -118,7 +118,7 @@ class RolloutPool:
             for ref, (worker, chunk, started) in list(running.items()):
                 if started + timeout <= now:
                     running.pop(ref)
-                    failed[worker] = f"missed the {timeout:g} s deadline of 'generate'"
+                    failed[worker] = late(timeout, "generate")
                     todo.append((worker, chunk))
             if any(self.fleet.rollout[worker].id in self.deferred for worker in errored):
                 # Their requests carried the weights: a dead learner fails them all, and then stops the run.

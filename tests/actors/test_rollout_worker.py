@@ -70,6 +70,16 @@ def test_seeded_sampling_does_not_depend_on_the_batch(worker):
     assert [r.response_ids for r in alone] == [r.response_ids for r in mixed]
 
 
+def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):
+    """A dataset's prompts are tokenised once, by the driver (cluster/run/data.py), and reach the engine as ids."""
+    sampling = SamplingSettings(group_size=3, max_new_tokens=6)
+    ids = [np.asarray(worker.tokenizer.encode(p, add_special_tokens=False), dtype=np.int32) for p in ["37+45=", "1+2="]]
+    by_text = worker.generate(["37+45=", "1+2="], [4, 5], sampling)
+    by_ids = worker.generate(ids, [4, 5], sampling)
+    assert [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_text] == \
+        [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_ids]
+
+
 def test_load_weights_updates_the_running_engine(worker, tiny_model_dir):
     new = perturbed_state(tiny_model_dir, seed=3)
     loaded = worker.load_weights(5, *buckets_of(new))
@@ -188,12 +198,3 @@ def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worke
     finally:
         tied.shutdown()
 
-
-def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):
-    """A dataset's prompts are tokenised once, by the driver (cluster/run/data.py), and reach the engine as ids."""
-    sampling = SamplingSettings(group_size=3, max_new_tokens=6)
-    ids = [np.asarray(worker.tokenizer.encode(p, add_special_tokens=False), dtype=np.int32) for p in ["37+45=", "1+2="]]
-    by_text = worker.generate(["37+45=", "1+2="], [4, 5], sampling)
-    by_ids = worker.generate(ids, [4, 5], sampling)
-    assert [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_text] == \
-        [[(r.prompt_ids, list(r.response_ids), list(r.behavior_logprobs)) for r in g] for g in by_ids]

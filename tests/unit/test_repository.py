@@ -50,3 +50,14 @@ def test_the_architecture_names_every_module():
     missing = [str(p.relative_to(ROOT)) for p in sources()
                if p.name not in ("__init__.py", "__main__.py") and f"`{p.relative_to(ROOT)}`" not in architecture]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_a_submitted_job_uploads_every_package_relay_installs():
+    """`relay submit` builds the job's working_dir from `PACKAGES`: a package missing there imports on this machine
+    (from the checkout) and fails on a cluster's nodes."""
+    import tomllib
+
+    from cluster.cli.jobs import PACKAGES
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in include} <= set(PACKAGES)
