@@ -31,7 +31,8 @@ class RolloutConfig(_Section):
     """Custom Ray resources each rollout worker needs, e.g. `{rollout_node: 1}` to run only on nodes started with
     `--resources='{"rollout_node": 8}'`."""
     node_labels: dict[str, str] = {}
-    """Node labels each rollout worker's node must carry (Ray label selector), e.g. `{ray.io/accelerator-type: H100}`."""
+    """Node labels each rollout worker's node must carry (Ray label selector), e.g.
+    `{ray.io/accelerator-type: H100}`."""
     placement: Literal["pack", "spread"] = "pack"
     """Where rollout workers go among the nodes that fit them: `pack` leaves it to Ray (which fills nodes already
     in use first), `spread` puts each new worker on the fitting node with the fewest rollout workers."""
@@ -54,7 +55,7 @@ class RolloutConfig(_Section):
     kv_cache_bytes: int = Field(64 * 2**20, ge=2**20)
     """KV-cache memory per engine, in bytes (needed on CPU, where vLLM cannot measure free memory)."""
     enforce_eager: bool = True
-    """Skip torch.compile and graph capture (saves ~1 minute of start-up on CPU)."""
+    """Skip torch.compile and graph capture, which dominate an engine's start-up on CPU (docs/vllm-cpu.md)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory the engine may take (GPU only)."""
     dynamic_sampling: bool = False

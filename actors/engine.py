@@ -52,7 +52,7 @@ class VllmEngine:
 
     def __init__(self, settings: EngineSettings):
         # The engine must live in this process: then weights are handed over as tensors (no pickling, no files),
-        # and start-up is 3 s instead of 15-28 s on CPU (docs/vllm-cpu.md).
+        # and it starts several times faster on CPU than in vLLM's multiprocess mode (docs/vllm-cpu.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform

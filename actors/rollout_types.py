@@ -28,7 +28,9 @@ class SamplingSettings:
     top_p: float = 1.0
 
 
-@dataclass(slots=True)  # not frozen: a frozen init costs ~3x, and the driver builds thousands per step
+# Not frozen: a frozen dataclass's __init__ sets every field through object.__setattr__, and the driver builds
+# thousands per step.
+@dataclass(slots=True)
 class Rollout:
     """One completion of one prompt, with what the learner needs to score it."""
 
@@ -43,7 +45,7 @@ class Rollout:
 class RolloutGroups(list):
     """[prompts][G] Rollouts, as `RolloutWorker.generate` returns them. Between processes (Ray) they travel packed:
     every completion's token ids and logprobs in two flat arrays, so the driver decodes one buffer per request rather
-    than a Python object per token (3-10x less of its time per worker at 256-token responses). On the receiving side
+    than a Python object per token (docs/benchmarks.md, scale simulation). On the receiving side
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
     float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one."""
 

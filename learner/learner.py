@@ -5,15 +5,17 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
 of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite updates;
 saving and restoring its whole state for checkpoints; the weights version (it counts the updates it made, and
-`train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters, gradients and AdamW state are in
-`learner.master_dtype` (float32 by default), forward and backward in `model.dtype` (autocast when the two differ);
-whatever leaves for an engine or the Hugging Face policy directory is cast to `model.dtype`, once per sync.
+`train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters,
+gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
+(autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
+`model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
 gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
 optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
 (`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
 Does not own: sampling, rewards, how weights travel (it publishes them through `sync.publisher.WeightPublisher`,
-mixed in), or checkpoint atomicity and retention (cluster/). A plain class: Ray wraps it in `cluster/`.
+mixed in), or checkpoint atomicity and retention (cluster/run/checkpoint.py). A plain class: Ray wraps its ranks in
+cluster/fleet/learner_group.py.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# The learner's part of a checkpoint directory (cluster/run/checkpoint.py names the same files; a test keeps them equal).
+# The learner's part of a checkpoint directory (cluster/run/checkpoint.py names the same files; a test keeps them
+# equal).
 POLICY_DIR = "policy"  # Hugging Face causal LM directory: transformers and vLLM load it as it is
 CRITIC_DIR = "critic"  # Hugging Face token-classification directory, with a critic only
 LEARNER_STATE_FILE = "learner_state.pt"  # optimizers, schedulers, RNG states, counters: tensors and numbers only
@@ -95,7 +98,8 @@ class Learner(WeightPublisher):
 
     With `config.num_ranks` > 1 this is rank `rank` of the group: call `join_process_group` on every rank first, then
     call `train_step`, `compute_logprobs`, `save_checkpoint` and `load_checkpoint` on every rank, in the same order
-    (they run collectives); `export_weights` and `count_buckets` are rank 0's alone."""
+    (they run collectives); the `WeightPublisher` methods (export, share, fingerprint, weight group) are rank 0's
+    alone."""
 
     def __init__(self, model_path: str, config: LearnerConfig, dtype: str = "float32", temperature: float = 1.0,
                  seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None, rank: int = 0):
@@ -347,7 +351,7 @@ class Learner(WeightPublisher):
             self.critic.load_model(root / CRITIC_DIR)
             self.critic.load_training_state(state["critic"])
         self.shuffle.set_state(state["rng"]["shuffle"])
-        torch.set_rng_state(state["rng"]["torch"])  # unused by the update today (no dropout); restored for anything
+        torch.set_rng_state(state["rng"]["torch"])  # the update does not draw from it (no dropout); restored anyway
         self.weights_version = int(state["weights_version"])
         self.nonfinite_in_row = int(state["nonfinite_in_row"])
         self._gathered = self.dp.gather_weights(self.model)

@@ -4,8 +4,8 @@ Owns: `RemoteVerifier`, which splits samples into batches, sends them to the ser
 most `max_concurrency` requests in flight), enforces a deadline per request, retries transient faults with
 full-jitter exponential backoff, validates every reply, and applies the source's failure policy (`fail`, `drop`,
 `default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`.
-Does not own: combining sources into one reward or dropping groups (the driver does, from the `None`s here), nor
-the service side (rewards/service.py).
+Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
+`None`s here), nor the service side (rewards/service.py).
 
 Decisions:
 - Requests run on a private asyncio event loop in a daemon thread with one `httpx.AsyncClient`, so connections
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-if TYPE_CHECKING:  # rewards/ sits below cluster/: the config type is only named, never imported at run time
+if TYPE_CHECKING:  # the config type is only named in annotations
     from rewards.config import RemoteSource
 
 log = logging.getLogger(__name__)

@@ -98,7 +98,8 @@ class _Scoring:
 
     Each worker records when it starts a sample and resolves it with its result; the request's handler waits for
     all of them and resolves a sample that has run past its deadline with an error. Whichever comes first wins.
-    One pool task and no event-loop round trip per sample: the service's cost per sample is a few microseconds.
+    One pool task and no event-loop round trip per sample, so the service's own cost stays per request (JSON, HTTP,
+    thread hand-off: docs/benchmarks.md, client throughput).
     """
 
     def __init__(self, verifier: Verifier, samples: list[Sample], timeout: float, stuck: _StuckCalls):

@@ -1,11 +1,12 @@
 """Calling Ray actors with a deadline: the one helper every caller uses, and the one way a failure reads.
 
 Owns: `call_all` (a method on several actors, waited for up to a deadline), `wait_all` (the same for calls already
-made), `settle` (the outcomes of calls that have finished), `get` (values, or a `RunError` naming the actor that
-failed), the `Outcome` of one call, the deadline message and the one-line description of an error (`describe`).
+made), `settle` (the outcomes of calls that have finished), `get` and `values` (values, or a `RunError` naming the
+actor that failed), `RunError`, the `Outcome` of one call, the deadline message (`late`) and the one-line description
+of an error (`describe`).
 Does not own: what a caller does with a failure (replace a worker, re-form a group, stop the run). Lives in `sync/`,
 the lowest layer that makes Ray calls, because the weight transports need it and `sync/` imports nothing of
-`cluster/`; `cluster/` uses it for every other call.
+`cluster/`; `cluster/` uses it for the run's calls to its actors.
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve), `differences` (what a
 worker's fingerprints lack or get wrong against the learner's, in one line) and `digest` (one string per version).
 The learner fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it
-received and handed to its engine, whichever transport brought them; the pool compares the two (cluster/fleet/rollout_pool.py).
+received and handed to its engine, whichever transport brought them; `sync.verify.check_loaded` compares the two.
 Unlike the logprob probe this does not depend on numerics, so it is as exact in bfloat16 as in float32.
 
 A tensor's fingerprint hashes its dtype, shape and three exact integer sums over its bits read as 16-bit integers
 (bytes for 1-byte dtypes), laid out in rows of `ROW`: the plain sum, the sum weighted by column and the sum weighted
 by row. Any change of one element changes the plain sum; moved elements change a weighted one. Integer sums do not
 depend on the order of the reduction, so numpy on the host and torch on a GPU (where NCCL delivers tensors) agree
-bit for bit, and both run at memory speed (a cryptographic hash of the bytes runs ~5x slower on the host and does
-not run on a GPU). Does not own: moving weights (sync/transport.py) or the probe.
+bit for bit, and both run at memory speed (a cryptographic hash of the bytes runs well below it on the host and
+does not run on a GPU). Does not own: moving weights (sync/transport.py) or the probe.
 Imports only torch and numpy: it runs inside vLLM's worker processes too.
 """
 

@@ -6,8 +6,8 @@ never touches torch.distributed's default group (vLLM owns that one inside its w
 timeout on every collective, and aborting: a member whose collective fails writes the cause into the store, and every
 other member, polling for it while it waits, gives up at once instead of waiting out its own timeout.
 Does not own: the bucket layout (sync/layout.py), who the members are or re-forming the group after a failure
-(sync/transport.py), or loading the received weights into an engine (actors/vllm_extension.py). Imports only torch:
-the learner and vLLM's worker both use it.
+(sync/transport.py), or loading the received weights into an engine (actors/vllm_extension.py). Imports only torch
+and sync/layout.py: the learner and vLLM's worker both use it.
 """
 
 from __future__ import annotations

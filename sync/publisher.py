@@ -1,9 +1,11 @@
 """The learner's side of weight sync: its weights as every transport hands them out, and their fingerprints.
 
 Owns: `WeightPublisher`, the methods a transport calls on the learner's rank 0: `export_weights` (buckets of
-(name, array) for the object store), `share_weights` (the shared-memory buffer for engines on its node),
-`weights_fingerprint` (what every engine must report it received), and the collective's `open_weight_group`,
-`join_weight_group`, `broadcast_weights` and `leave_weight_group`. Everything leaves in the engines' dtype
+(name, array) for the object store; `export_weight_buckets` and `count_buckets` shape it for one Ray call),
+`share_weights` (the shared-memory buffer for engines on its node), `weights_fingerprint` (what every engine must
+report it received), and the collective's `open_weight_group`, `join_weight_group`, `broadcast_weights` and
+`leave_weight_group`; and the casts to the engines' dtype (`to_engine`, `cast_to_engine`, each distinct tensor once:
+`per_tensor`), which the Learner also uses for the saved policy. Everything leaves in the engines' dtype
 (`sync.layout.engine_dtype`), cast one tensor at a time, a tied head once.
 Does not own: training (learner/), the layout (sync/layout.py), or when and to whom weights go (sync/transport.py).
 The Learner mixes it in (one level of inheritance), so Ray calls reach these methods on the learner's actor; the

@@ -5,7 +5,7 @@ zero-copy from the object store's arrays or from the learner's shared-memory buf
 rewritten meanwhile), `fingerprints` (of the tensors handed to an engine) and `Loaded` (what a worker reports after a
 load: the version and those fingerprints).
 Does not own: loading tensors into an engine (actors/engine.py) or comparing reports with the learner's
-(sync/verify.py). Imports only torch and numpy.
+(sync/verify.py). Imports only torch, numpy, sync/fingerprint.py and sync/shared_memory.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Loaded(NamedTuple):
     """What a worker reports after loading weights: the version it now serves and, for each engine process that
     received them (one per tensor-parallel shard with the `collective` transport, else one), the fingerprint of every
     tensor it handed to the engine ({name: fingerprint}, sync/fingerprint.py; empty when `sync.fingerprint` is
-    off). The pool compares them with the learner's."""
+    off). `sync.verify.check_loaded` compares them with the learner's."""
 
     version: int
     fingerprints: tuple[dict[str, str], ...] = ()

@@ -4,8 +4,8 @@ Owns: `check_loaded` (a worker's report of a load against the learner's version 
 tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat rule (`stale_probe`,
 `next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while the learner's
 logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
-Does not own: calling the workers and the learner for the probe or the load (cluster/fleet/rollout_pool.py). Functions
-over plain data.
+Does not own: calling the workers and the learner for the probe (cluster/fleet/rollout_pool.py) or the load
+(sync/transport.py). Functions over plain data.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def check_loaded(name: str, loaded: Loaded | None, version: int, expected: dict[
                             f"learner's weights: {problem}")
 
 
-PROBE_TOLERANCE_MIN = 1e-4  # float32 engines and learner agree to ~1e-6: a step at lr 1e-6 moves the probe ~1e-3
-PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps vary ~2x with the probe's tokens
+# Far above float32's engine-learner noise, far below what one float32 step at lr 1e-6 moves the probe
+# (docs/benchmarks.md, the sync probe's limits).
+PROBE_TOLERANCE_MIN = 1e-4
+PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps change with the probe's sampled tokens
 PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
 
 
@@ -62,7 +64,8 @@ def probe_tolerance_from(noise: float, names: list[str]) -> float:
 
 
 class ProbeRecord(NamedTuple):
-    """One worker's probe at one version, with what identifies the learner's weights then (`_weights_digest`)."""
+    """One worker's probe at one version, with what identifies the learner's weights then
+    (`RolloutPool._weights_digest`)."""
 
     version: int
     weights: str

@@ -1,4 +1,5 @@
-"""The command line: `relay train | resume | submit | plot | scale | verifier serve`, Ray jobs and plots."""
+"""The command line (`commands`: `relay train | submit | jobs | stop | scale | status | plot | build-demo-model |
+verifier serve`), Ray jobs (`jobs`) and plots (`plot`)."""
 
 from cluster.cli.commands import main
 

@@ -3,7 +3,8 @@ build-demo-model, verifier serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
-Does not own: the run itself (cluster/run/driver.py).
+Does not own: the run itself (cluster/run/driver.py), the Ray Jobs client (cluster/cli/jobs.py), the charts
+(cluster/cli/plot.py) or the run's control actor (cluster/fleet/control.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The demo's base model: a character tokenizer and a tiny Qwen2 warmed up on addition, built locally.
 
 Owns building, saving (atomically) and caching the model directory that the demo's engines and learner load,
-and the transformers-based accuracy check used to tune it. Does not own the RL loop, the reward (that is
-`cluster.demo.task`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
+and the transformers-based accuracy check used to tune it. Does not own the RL loop, the task and its reward
+(`cluster.demo.task`, which re-exports `rewards.verifiers.exact_match`) or any engine: the directory is a plain
+Hugging Face model dir, read like any other.
 
 The built model is right on ~97% of held-out problems greedily but on only ~25% when sampling at temperature
 1 (its output layer is scaled down to that target), like a pretrained base whose sampling RL then sharpens.
@@ -73,7 +74,9 @@ def tiny_qwen2_config(
 ) -> Qwen2Config:
     """A small Qwen2 config whose special-token ids match `build_char_tokenizer` (BOS = EOS, never prepended).
 
-    Untied embeddings by default: vLLM's CPU backend keeps a stale output head after a weight reload when tied.
+    Untied embeddings by default: the demo's calibration scales the output layer alone (`_calibrate_output_scale`,
+    `_fold_output_gain`), which a tied head would share with the input embedding. Engines reload a tied head
+    correctly too (docs/vllm-cpu.md, tied embeddings).
     """
     if hidden_size % num_heads != 0:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -302,9 +305,8 @@ def _fold_output_gain(model: Qwen2ForCausalLM, gain: float) -> None:
 
     logits = W (g * rmsnorm(h)) = (W / k)(k g * rmsnorm(h)). The small output layer (as muP's output
     multiplier, Yang et al. 2021) makes Adam's roughly lr-sized steps k times larger relative to it, so RL can
-    sharpen the flat T=1 distribution without moving the rest of the network much. Measured with a plain
-    GRPO (32 prompts x 8 samples, Adam, no KL): held-out T=1 accuracy 0.24 -> 0.89-0.93 in 50 steps for lr
-    1e-5 to 1e-4 at k=32; unfolded, a similar model reached only ~0.5-0.6 (higher lr broke it).
+    sharpen the flat T=1 distribution without moving the rest of the network much. Unfolded, RL learns far slower
+    and larger learning rates overshoot (docs/benchmarks.md, why the demo model looks the way it does).
     """
     model.model.norm.weight.mul_(gain)
     model.lm_head.weight.div_(gain)
@@ -360,7 +362,7 @@ def build_demo_model(
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     # One thread: the weights then do not depend on the core count, and a 2-core machine that is busy elsewhere
-    # slows the build ~1.7x instead of ~12x (measured: 2 threads spin-wait for a descheduled peer at every op).
+    # slows the build far less (two threads spin-wait for a descheduled peer at every op).
     torch.set_num_threads(BUILD_THREADS)
     try:
         tokenizer = build_char_tokenizer()
@@ -409,7 +411,7 @@ def demo_model_dir() -> Path:
 
 
 def ensure_demo_model(log: Callable[[str], object] = print) -> Path:
-    """Returns the demo model's directory, building it first (under a minute on 2 idle cores) if missing."""
+    """Returns the demo model's directory, building it first if missing (its build time: docs/benchmarks.md)."""
     path = demo_model_dir()
     if path.exists():  # complete if present: save_model_dir renames a finished directory into place
         return path

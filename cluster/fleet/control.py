@@ -2,9 +2,11 @@
 
 Owns: `RunControl`, the run's mailbox (the driver publishes the fleet after every step: the workers serving and those
 on their way in; `relay scale` leaves a request that the driver takes at the start of the next step), its name
-(`relay/<run_dir name>` in Ray namespace `relay`), and the client functions that find a run on a cluster and talk to it. Requests are checked here, against
-the fleet the driver last published, so a bad request fails in the user's terminal, not in the run.
-Does not own: applying a request (cluster/fleet/rollout_pool.py `resize`, called by the driver between steps).
+(`relay/<run_dir name>` in Ray namespace `relay`), starting it as a named actor (`start_control`), and the client
+functions that find a run on a cluster and talk to it. Requests are checked here, against the fleet the driver last
+published, so a bad request fails in the user's terminal, not in the run.
+Does not own: applying a request (`RolloutPool.resize` and `admit`, cluster/fleet/rollout_pool.py, called by the
+driver between steps).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ forming their torch.distributed group (rank 0's node address and a free port; th
 bounded by `timeouts.train`), and calling the ranks together under a deadline: every rank gets the whole batch
 (one object in the object store, read by each) and the same call, in the same order, because the calls run
 collectives. The first rank that fails ends the call (the others would wait in a collective until its timeout).
-With one rank it makes exactly the calls the single learner actor got before (no process group, no `ray.put`).
+With one rank the calls go to the one actor as they are (no process group, no `ray.put`).
 Does not own: placement groups or bundles (cluster/fleet/placement.py), what a step does (cluster/run/driver.py), or the
-data-parallel arithmetic (learner/distributed.py). Weight transports talk to `rank0` directly: rank 0 alone serves
-`export_weight_buckets`, `count_buckets` and `weights_fingerprint`.
+data-parallel arithmetic (learner/distributed.py). Weight transports and the pool's fingerprint check talk to `rank0`
+directly: rank 0 alone serves the `WeightPublisher` methods (sync/publisher.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class LearnerGroup:
 
     @property
     def names(self) -> list[str]:
-        """How errors name each rank ("learner" alone, as before, with one rank)."""
+        """How errors name each rank ("learner" alone with one rank)."""
         return ["learner"] if len(self.ranks) == 1 else [f"learner rank {i}" for i in range(len(self.ranks))]
 
     def connect(self) -> None:

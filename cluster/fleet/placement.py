@@ -1,10 +1,13 @@
-"""The one place where relay's plain worker classes become Ray actors, and where they are placed.
+"""Where the rollout, reference and reward-model workers become Ray actors, and where a run's workers are placed.
 
 Owns: placement (one placement group for the learner, reference and reward models; one per rollout worker, sized by
 its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
-also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), and `ray.remote`
-wrapping.
-Does not own: calling the actors (sync/calls.py) or what a step does (cluster/run/driver.py).
+also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote` wrapping
+of the rollout, reference and reward-model workers, starting and stopping the fleet (`start_fleet`, `stop_fleet`),
+and the Ray settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
+Does not own: the learner's ranks as actors (cluster/fleet/learner_group.py, started here in the shared placement
+group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py) or what a step does
+(cluster/run/driver.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class RolloutSlot:
 @dataclass(eq=False)
 class PendingWorker:
     """A rollout worker on its way into the fleet: its placement group waits for room (Ray's autoscaler may be adding
-    a node), then its engine starts; it joins at a step boundary once it is up (cluster/fleet/rollout_pool.py `admit`)."""
+    a node), then its engine starts; it joins at a step boundary once it is up (`RolloutPool.admit`,
+    cluster/fleet/rollout_pool.py)."""
 
     id: int
     placement: PlacementGroup
@@ -69,7 +73,7 @@ class Fleet:
     """Handles to every actor of a run. The learner, reference and reward models share one placement group; each
     rollout worker has its own, so the fleet grows and shrinks without touching the others."""
 
-    learner: Any  # rank 0's actor: weight export and the probe's reference logprobs
+    learner: Any  # rank 0's actor: the publisher the transports load from, and the learner's fingerprints
     reference: Any | None
     rollout: list[RolloutSlot]
     placement: PlacementGroup

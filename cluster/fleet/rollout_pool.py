@@ -10,7 +10,8 @@ the run stops naming the worker and the cause), and resizing (`resize`: removed 
 when they hold no prompts; new ones are placed and started in the background, and `admit` adds each at the first step
 boundary after its engine is up, with the current weights, probe-checked, before its first request: the step loop
 never waits for Ray to find room).
-Does not own: what a step does with the rollouts (cluster/run/driver.py) or placement (cluster/fleet/placement.py).
+Does not own: what a step does with the rollouts (cluster/run/driver.py), placement (cluster/fleet/placement.py),
+moving the weights (sync/transport.py) or the rules that decide a check (sync/verify.py).
 """
 
 from __future__ import annotations

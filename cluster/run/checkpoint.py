@@ -5,7 +5,8 @@ the `COMPLETE` marker last, rename into place, fsync the parent), so that a run 
 earlier checkpoint intact and never a half-written one under a `step_<N>` name; deleting checkpoints beyond the last
 `keep` and stale temporary directories; the driver's part (`driver_state.json`, JSON only, and `config.yaml`).
 Does not own: what the learner writes (`Learner.save_checkpoint`: `policy/`, `critic/`, `learner_state.pt`), when
-to checkpoint or how to resume (the driver). Pure filesystem: imports neither Ray nor torch.
+to checkpoint (cluster/run/driver.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
+imports neither Ray nor torch.
 
 Layout of a complete checkpoint:
     step_<N>/policy/            Hugging Face causal LM (safetensors + tokenizer): transformers and vLLM load it

@@ -1,10 +1,11 @@
 """Prompt sources for the driver: seeded, resumable iterators of (prompt, label) problems.
 
 Owns: which problems step k trains on, and reading a user's prompt dataset (JSONL, Parquet or a `datasets`
-directory) into problems: field checks, the chat template, the prompt-length filter. A batch depends only on
-(seed, cursor), so a resumed run draws exactly the batches an uninterrupted one would.
-Does not own: tokenization for generation (the engines do it; the tokenizer here only renders templates and
-counts prompt tokens) or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use only.
+directory) into problems: field checks, the chat template, the prompt-length filter, and the prompts' token ids
+(tokenised once, when the dataset loads; the engines get these ids). A batch depends only on (seed, cursor), so a
+resumed run draws exactly the batches an uninterrupted one would.
+Does not own: the arithmetic task (cluster/demo/task.py; its prompts go to the engines as text, which they tokenise)
+or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """The driver: one training run, step by step, over the actors that `cluster.fleet.placement` placed.
 
-Owns: the step of DESIGN.md (sample prompts -> generate -> score -> reference logprobs -> learn -> sync weights ->
-record), splitting prompts across rollout workers, the deadline on every remote call, and the verified weight sync
-(every worker must serve the learner's new version, and a probe must agree with the learner's logprobs).
-Does not own: the math (learner/), the engines (actors/), or placement (cluster/fleet/placement.py).
+Owns: `Trainer.step` (docs/architecture.md, one step: take `relay scale` requests -> sample prompts -> generate ->
+score -> reference logprobs -> learn -> sync weights -> record), DAPO's dynamic sampling and overlong shaping of a
+step's groups, writing and restoring checkpoints through the fleet, and a run from start to end (`run_training`:
+checking every input first, starting Ray, the control actor and the fleet, the step loop, cleaning up).
+Does not own: the math (learner/), the engines (actors/), placement (cluster/fleet/placement.py), balancing, recovery
+and the verified weight sync (cluster/fleet/rollout_pool.py), prompts (cluster/run/data.py), combining rewards
+(cluster/run/scoring.py), metrics (cluster/run/metrics.py), checkpoint files (cluster/run/checkpoint.py) or call
+deadlines (sync/calls.py).
 """
 
 from __future__ import annotations

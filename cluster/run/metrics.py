@@ -1,7 +1,7 @@
 """What a run shows and records: `metrics.jsonl` (one JSON object per step), TensorBoard event files, Weights &
 Biases (when enabled), the console display, and the Ray dashboard line printed at start.
 
-Owns: the metrics file's format (see DESIGN.md's contract), fanning each step's record out to every sink
+Owns: the metrics file's format (its keys: docs/operations.md), fanning each step's record out to every sink
 (`MetricsRecorder`), dropping records past the checkpoint on resume, the progress display (rich) and the final
 summary. Does not own: computing metrics (the driver and the learner do) or the charts (cluster/cli/plot.py).
 TensorBoard and wandb are imported only when a run writes to them.

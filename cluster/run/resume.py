@@ -1,9 +1,10 @@
-"""Resuming a run: which checkpoint, whether the new config can honour it, and trimming the metrics to it.
+"""Resuming a run: which checkpoint, and whether the resumed run's config can honour it.
 
 Owns: resolving `resume=auto|PATH` to a complete checkpoint (or to "start fresh" for `auto` in a run without one),
-and refusing a config that changed anything the checkpoint's state depends on (with a one-line message naming the
-keys). Does not own: writing checkpoints (cluster/run/checkpoint.py, the learner), restoring state (cluster/run/driver.py),
-or trimming the metrics back to the checkpoint (cluster/run/metrics.py).
+the run directory a `resume=PATH` without `run_dir` continues (`run_dir_for`), and refusing a config that changed
+anything the checkpoint's state depends on (with a one-line message naming the keys). Does not own: writing
+checkpoints (cluster/run/checkpoint.py, the learner), restoring state (cluster/run/driver.py), or trimming the
+metrics back to the checkpoint (cluster/run/metrics.py).
 """
 
 from __future__ import annotations
