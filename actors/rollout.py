@@ -8,6 +8,7 @@ Does not own: which prompts it gets, rewards, or where weights come from. A plai
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -63,10 +64,14 @@ class RolloutWorker:
     def load_weights(self, version: int, *buckets: Weights) -> Loaded:
         """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the
         learner's node), into the engine in place; return the version now served and the fingerprints of what the
-        engine was handed."""
+        engine was handed. `last_load` keeps the timings (fingerprint, reload)."""
+        started = time.perf_counter()
         with received(buckets) as named:  # fails if the learner rewrote its shared buffer meanwhile
+            fingerprinting = time.perf_counter()
             report = Loaded(version, fingerprints(named, self.fingerprint))
+            fingerprint_s = time.perf_counter() - fingerprinting
             self.engine.load_weights(named)
+        self.last_load = {"fingerprint_s": fingerprint_s, "reload_s": time.perf_counter() - started - fingerprint_s}
         self.weights_version = version
         return report
 

@@ -62,21 +62,7 @@ TRANSPORTS = {"object_store": ("object_store", []),
 
 
 class TimedWorker(RolloutWorker):
-    """Records the engine's own load time and the fingerprint's for the object store path too (the collective one
-    reports them itself)."""
-
-    def load_weights(self, version, *buckets):
-        started = time.perf_counter()
-        loaded = super().load_weights(version, *buckets)
-        self.last_load = {"reload_s": time.perf_counter() - started - self.fingerprint_s,
-                          "fingerprint_s": self.fingerprint_s}
-        return loaded
-
-    def _fingerprints(self, named):
-        started = time.perf_counter()
-        fingerprints = super()._fingerprints(named)
-        self.fingerprint_s = time.perf_counter() - started
-        return fingerprints
+    """Hands out the timings of the worker's last load (`last_load`: the fingerprint's and the engine's reload)."""
 
     def load_timings(self) -> dict[str, float]:
         return self.last_load
@@ -126,8 +112,8 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
     weights and checked by the probe: stale (before the load) and loaded (after it)."""
     from sync.transport import make_transport
 
-    transport = make_transport(pool)
-    indices = list(range(len(pool.workers)))
+    transport = make_transport(pool.config.sync, pool.fleet.learner, pool.config.timeouts.sync)
+    workers = dict(enumerate(pool.fleet.rollout))
     loads, engine, broadcast, stale, loaded, fingerprint = [], [], [], [], [], []
     first = 0.0
     try:
@@ -137,7 +123,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
             if attempt:
                 stale.append(probe_gap(pool))
             started = time.perf_counter()
-            done, failed = transport.load(indices)
+            done, failed = transport.load(workers, pool.weights_version)
             elapsed = time.perf_counter() - started
             if failed:
                 raise RuntimeError(f"{name}: load failed: {failed}")

@@ -5,7 +5,8 @@ zero-copy from the object store's arrays or from the learner's shared-memory buf
 rewritten meanwhile), `fingerprints` (of the tensors handed to an engine) and `Loaded` (what a worker reports after a
 load: the version and those fingerprints).
 Does not own: loading tensors into an engine (actors/engine.py) or comparing reports with the learner's
-(sync/verify.py). Imports only torch, numpy, sync/fingerprint.py and sync/shared_memory.py.
+(sync/verify.py). torch, numpy and the fingerprint are imported where they are used, so processes that only read
+reports (the driver, the benchmarks' stand-in engines) need none of them.
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Union
 
-import numpy as np
-import torch
-
-from sync.fingerprint import fingerprint
 from sync.shared_memory import SharedWeightsHandle, read_shared
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 # What an object-store or shared-memory load carries: buckets of (name, array), or one handle of the learner's
 # shared-memory buffer.
-Weights = list[tuple[str, np.ndarray | torch.Tensor]] | SharedWeightsHandle
+Weights = Union["list[tuple[str, np.ndarray | torch.Tensor]]", SharedWeightsHandle]
 
 
 class Loaded(NamedTuple):
@@ -49,10 +50,14 @@ def received(buckets: Sequence[Weights]) -> Iterator[list[tuple[str, torch.Tenso
 
 def fingerprints(named: list[tuple[str, torch.Tensor]], enabled: bool) -> tuple[dict[str, str], ...]:
     """The `Loaded.fingerprints` of tensors one engine process was handed (none when `sync.fingerprint` is off)."""
+    from sync.fingerprint import fingerprint
+
     return (fingerprint(named),) if enabled else ()
 
 
 def _as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    import torch
+
     if isinstance(array, torch.Tensor):
         return array
     with warnings.catch_warnings():
