@@ -52,7 +52,7 @@ def wait_all(refs: Sequence[Any], deadline: float, what: str, stop_on_failure: b
     if not refs:
         return []
     end = time.monotonic() + deadline
-    done: dict[int, Outcome] = {}
+    done: dict[Any, Outcome] = {}  # ref -> its outcome
     pending = list(refs)
     while pending:
         wanted = 1 if stop_on_failure else len(pending)
@@ -62,11 +62,10 @@ def wait_all(refs: Sequence[Any], deadline: float, what: str, stop_on_failure: b
         if pending:  # and whatever else has finished meanwhile, in the same round
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ready += more
-        for ref, outcome in zip(ready, settle(ready, what)):
-            done[refs.index(ref)] = outcome
+        done.update(zip(ready, settle(ready, what)))
         if stop_on_failure and any(not o.ok for o in done.values()):
             break
-    return [done.get(i) or Outcome(None, late(deadline, what), "late") for i in range(len(refs))]
+    return [done.get(ref) or Outcome(None, late(deadline, what), "late") for ref in refs]
 
 
 def settle(refs: Sequence[Any], what: str) -> list[Outcome]:

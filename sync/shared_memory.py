@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sync.layout import Bucket, plan_buckets, unpack_bucket
+from sync.layout import Bucket, engine_dtype, plan_buckets, unpack_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ class SharedWeights:
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
         import torch
 
-        [self.layout] = plan_buckets(((name, t.shape, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        [self.layout] = plan_buckets(((name, t.shape, t.dtype if dtype is None else engine_dtype(t, dtype))
                                       for name, t in tensors.items()), start=HEADER.size)
         self.nbytes = max(self.layout.nbytes, HEADER.size)
         self.token = uuid.uuid4().bytes
