@@ -12,15 +12,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from learner.algo.sequences import batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
+from learner.algo.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from learner.device import pick_device
 
 
 class ReferenceWorker:
     """Per-token logprobs of given sequences under the frozen initial policy."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1, micro_batch_size: int = 64,
-                 temperature: float = 1.0):
+    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
+                 batching: MicroBatching = MicroBatching(max_tokens=2048), temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)
@@ -28,14 +28,14 @@ class ReferenceWorker:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
-        self.micro_batch_size = micro_batch_size
+        self.batching = batching  # how a request's sequences are cut into forward passes
         self.temperature = temperature
 
     def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """log pi_ref of every response token: [B][T_resp_i] (float32 logprobs, computed on the model's device)."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
-        return unpad_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
+        return unpad_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
 
     def compute_flat_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                               response_ids: Sequence[Sequence[int]]) -> tuple[int, np.ndarray]:
@@ -43,5 +43,5 @@ class ReferenceWorker:
         `num_returns=2`, the driver reads the count (did it succeed, in time?) and hands the array's ref to the
         learner, so the logprobs go from this actor to the learner without passing through the driver."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
-        flat = flat_per_token(batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature), batch)
+        flat = flat_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
         return len(flat), flat.numpy()  # numpy: read zero-copy from the object store

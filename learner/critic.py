@@ -149,18 +149,13 @@ class Critic:
         """V of the state before each next token: [B, L-1], position j is V(tokens 0..j) (scores token j+1's state),
         the layout of `sequence_logprobs`. Gradients flow if enabled by the caller."""
         with compute_in(self.device, self.compute_dtype, self.master_dtype):
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
         return out[:, :-1, 0].float()
 
     @torch.no_grad()
-    def compute_values(self, batch: SequenceBatch, micro_batch_size: int) -> torch.Tensor:
-        """`values` without gradients, micro-batch by micro-batch: [B, L-1] float32 on the batch's device (the
-        model's; zeros past each sequence)."""
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-        for start in range(0, len(batch), micro_batch_size):
-            part = batch.select(slice(start, start + micro_batch_size))
-            out[start : start + micro_batch_size, : part.response_mask.shape[1]] = self.values(part)
-        return out
+    def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
+        """`values` without gradients: [B, L-1] float32 on the batch's device (the caller cuts passes)."""
+        return self.values(batch)
 
     def accumulate(self, mb: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor,
                    weight: float) -> dict[str, float]:

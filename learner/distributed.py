@@ -31,7 +31,6 @@ backward would help only the last micro-batch of each accumulated minibatch.
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from learner.algo.sequences import SequenceBatch
+from learner.algo.sequences import MicroBatching, SequenceBatch
 from learner.device import pick_device
 
 GRADIENT_BUCKET_BYTES = 64 * 2**20  # gradients are all-reduced in flat buckets of about this size
@@ -119,29 +118,28 @@ class DataParallel:
                 child.set_gradient_divide_factor(1.0)
                 child.set_force_sum_reduction_for_comms(True)
 
-    def share(self, rows: Tensor) -> Tensor:
-        """This rank's contiguous share of `rows` (sizes differ by at most one between ranks)."""
-        return rows.tensor_split(self.world_size)[self.rank] if self.world_size > 1 else rows
-
-    def micro_batches(self, rows: Tensor, size: int) -> list[tuple[Tensor, bool]]:
-        """This rank's micro-batches of `rows` (global row indices, one minibatch or the batch), each with whether it
-        is live. Every rank gets the same number: a rank with fewer rows adds dead passes (the first row, weighted
-        0), because under fsdp2 each forward and backward is a collective every rank must join. One rank: exactly
-        `rows.split(size)`."""
+    def micro_batches(self, rows: Tensor, lengths: Tensor, batching: MicroBatching) -> list[tuple[Tensor, bool]]:
+        """This rank's passes over `rows` (global row indices, one minibatch or the batch; `lengths` [B]: every row's
+        tokens, indexed by those), each with whether it is live: `batching` cuts this rank's share. Every rank gets
+        the same number (each rank can count every share's passes: all hold the whole batch): a rank with fewer adds
+        dead passes (the first row, weighted 0), because under fsdp2 each forward and backward is a collective every
+        rank must join. One rank: exactly `batching.split` of the rows."""
         if self.world_size == 1:
-            return [(part, True) for part in rows.split(size)]
-        mine = [(part, True) for part in self.share(rows).split(size) if len(part)]  # an empty share splits into [[]]
-        most = math.ceil(math.ceil(len(rows) / self.world_size) / size)  # rank 0's count: its share is the largest
+            return [(rows[part], True) for part in batching.split(lengths[rows])]
+        shares = list(rows.tensor_split(self.world_size))  # contiguous, sizes differ by at most one
+        mine = [(shares[self.rank][part], True) for part in batching.split(lengths[shares[self.rank]])]
+        most = max(len(batching.split(lengths[share])) for share in shares)
         return mine + [(rows[:1], False)] * (most - len(mine))
 
     def compute_rows(self, batch: SequenceBatch, compute: Callable[[SequenceBatch], Tensor],
-                     micro_batch_size: int) -> Tensor:
-        """`compute(part)` -> [B_part, L_part-1] per micro-batch of this rank's share of the rows, assembled into the
+                     batching: MicroBatching) -> Tensor:
+        """`compute(part)` -> [B_part, L_part-1] per pass of this rank's share of the rows, assembled into the
         whole batch's [B, L-1] float32 on every rank, on the batch's device (zeros past each sequence). Every other
         rank's rows are 0 here, so the all-reduce sum places each value exactly."""
         self._check_joined()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-        for mb_idx, live in self.micro_batches(torch.arange(len(batch), device=batch.device), micro_batch_size):
+        for mb_idx, live in self.micro_batches(torch.arange(len(batch), device=batch.device), batch.lengths,
+                                               batching):
             part = batch.select(mb_idx)
             values = compute(part)
             if live:

@@ -1,9 +1,11 @@
 """Learner: the trained policy (and, for PPO, the value model), their optimizers, and one update per step.
 
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
-`old_logprobs` (and `old_values`); per-token rewards (the outcome reward on the last response token, minus the KL
+`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from
+the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards (the outcome reward on the last response token, minus the KL
 penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
-of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss); skipping non-finite updates;
+of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget
+over length-sorted rows (`learner.algo.sequences.MicroBatching`); skipping non-finite updates;
 saving and restoring its whole state for checkpoints; the weights version (it counts the updates it made, and
 `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters,
 gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
@@ -33,10 +35,11 @@ from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (
+    MicroBatching,
     SequenceBatch,
-    batched_logprobs,
     pad_per_token,
     pad_sequences,
+    sequence_logprobs,
     sequence_logprobs_and_entropy,
     unpad_per_token,
 )
@@ -67,8 +70,9 @@ class StepTensors:
     """What every minibatch of one step reads, padded to the step's [B, L-1] token layout."""
 
     batch: SequenceBatch
-    old_logprobs: torch.Tensor  # [B, L-1] learner, before this step's update
+    old_logprobs: torch.Tensor | None  # [B, L-1] learner, before this step's update; None: the training forward's
     advantages: torch.Tensor  # [B, L-1]
+    behavior: torch.Tensor  # [B, L-1] the engines' logprobs of the sampled tokens
     ref_logprobs: torch.Tensor | None  # [B, L-1] when the KL goes in the loss
     old_values: torch.Tensor | None = None  # [B, L-1] critic, before this step's update (gae)
     returns: torch.Tensor | None = None  # [B, L-1] value targets (gae)
@@ -130,6 +134,12 @@ class Learner(WeightPublisher):
                        else None)
         if (self.critic is None) == (config.advantage == "gae"):
             raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
+        self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
+        # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward,
+        # no rollout correction): old_logprobs then equal the training forward's own, detached (ratio 1), so the
+        # separate no-grad pass over the batch is skipped and its metrics come from the training forward.
+        self.single_update = (config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
+                              and config.rollout_correction == "none")
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
@@ -159,14 +169,15 @@ class Learner(WeightPublisher):
         return unpad_per_token(self._policy_rows(batch), batch)
 
     def _policy_rows(self, batch: SequenceBatch) -> torch.Tensor:
-        """`batched_logprobs` of the whole batch, [B, L-1], each rank computing its share of the rows."""
-        mbs = self.config.micro_batch_size
+        """`sequence_logprobs` of the whole batch without gradients, [B, L-1], each rank computing its share of the
+        rows, pass by pass."""
 
+        @torch.no_grad()
         def compute(part: SequenceBatch) -> torch.Tensor:
             with self._compute():
-                return batched_logprobs(self.model, part, mbs, self.temperature)
+                return sequence_logprobs(self.model, part, self.temperature)
 
-        return self.dp.compute_rows(batch, compute, mbs)
+        return self.dp.compute_rows(batch, compute, self.batching)
 
     def _compute(self):
         """The context of every policy forward pass (`learner.device.compute_in`)."""
@@ -185,7 +196,7 @@ class Learner(WeightPublisher):
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device)
         mask = batch.response_mask
-        old_logprobs = self._policy_rows(batch)
+        old_logprobs = None if self.single_update else self._policy_rows(batch)
         ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
         ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
         metrics: dict[str, float] = {}
@@ -195,16 +206,19 @@ class Learner(WeightPublisher):
             token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
             token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
             metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
-        old_values = self.dp.compute_rows(batch, lambda part: self.critic.compute_values(part, cfg.micro_batch_size),
-                                          cfg.micro_batch_size) if self.critic else None
+        old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
         estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
             token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
             lam=cfg.lam, scale=cfg.group_scale))
         behavior = pad_per_token(data.behavior_logprobs, batch)
-        correction, correction_metrics = rollout_correction(old_logprobs, behavior, mask, cfg.rollout_correction,
-                                                            cfg.rollout_correction_cap, cfg.rollout_correction_level)
-        metrics.update({name: float(value) for name, value in correction_metrics.items()})
-        tensors = StepTensors(batch, old_logprobs, estimate.advantages, ref if cfg.kl_coef > 0 else None,
+        correction = None
+        if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)
+            correction, correction_metrics = rollout_correction(
+                old_logprobs, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap,
+                cfg.rollout_correction_level)
+            metrics.update({name: float(value) for name, value in correction_metrics.items()})
+            metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
+        tensors = StepTensors(batch, old_logprobs, estimate.advantages, behavior, ref if cfg.kl_coef > 0 else None,
                               old_values, estimate.returns,
                               correction if cfg.rollout_correction != "none" else None)
 
@@ -220,7 +234,6 @@ class Learner(WeightPublisher):
                     sums[key] = sums.get(key, 0.0) + value
         metrics.update({key: value / updates for key, value in sums.items()})  # means over the step's updates
         metrics["train/skipped_updates"] = sums["train/skipped_updates"]  # a count, not a mean
-        metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
         metrics["advantage/mean_abs"] = float(aggregate(estimate.advantages.abs(), mask, "token-mean"))
         if estimate.returns is not None:
             metrics["returns/mean"] = float(aggregate(estimate.returns, mask, "token-mean"))
@@ -246,7 +259,8 @@ class Learner(WeightPublisher):
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
-        for mb_idx, live in self.dp.micro_batches(b_idx, cfg.micro_batch_size):
+        lengths = step.batch.lengths
+        for mb_idx, live in self.dp.micro_batches(b_idx, lengths, self.batching):
             mb = step.batch.select(mb_idx)
             width = mb.response_mask.shape[1]
             mb_mask = mb.response_mask
@@ -254,11 +268,20 @@ class Learner(WeightPublisher):
             # every mode. A dead pass (ranks run equally many) weighs 0.
             weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
             token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
+            seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
             with self._compute():
                 logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
                                                                   cfg.entropy_coef > 0)
+            if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
+                old = logprobs.detach()
+                behavior = step.behavior[mb_idx, :width]
+                add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
+                _, mismatch = rollout_correction(old, behavior, mb_mask, "none", cfg.rollout_correction_cap)
+                add("mismatch/kl", mismatch["mismatch/kl"], token_share)
+            else:
+                old = step.old_logprobs[mb_idx, :width]
             policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
-                logprobs, step.old_logprobs[mb_idx, :width], step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
+                logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
                 cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length,
                 None if step.correction is None else step.correction[mb_idx, :width])
             loss = policy_loss
@@ -271,8 +294,8 @@ class Learner(WeightPublisher):
             (loss * weight).backward()
             add("loss/policy", policy_loss.detach(), weight)
             add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
-            for name, value in pg.items():  # the policy loss's own metrics (gspo adds sequence-level ones)
-                add(name, value, token_share)
+            for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
+                add(name, value, seq_share if name.startswith("seq_") else token_share)
             if self.critic:
                 for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
                                                           step.returns[mb_idx, :width], token_share).items():

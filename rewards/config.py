@@ -83,8 +83,11 @@ class ModelSource(_Section):
     """GPUs Ray reserves for the reward-model worker."""
     num_threads: int = Field(1, ge=1, le=1024)
     """Torch threads of the reward-model worker."""
-    micro_batch_size: int = Field(32, ge=1, le=1_000_000)
-    """Sequences per forward pass."""
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    """Sequences per forward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass."""
+    max_tokens_per_micro_batch: int | None = Field(2048, ge=1, le=1_000_000_000)
+    """Padded tokens per forward pass at most, as `learner.max_tokens_per_micro_batch` (texts sorted by token
+    count, each pass padded to its own longest); empty: no token limit."""
 
 
 def _source_type(value: Any) -> str:

@@ -235,6 +235,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
     from cluster.fleet.learner_group import launch_learner_group
+    from learner.algo.sequences import MicroBatching
     from rewards.config import ModelSource
 
     lc, rc, ro = config.learner, config.reference, config.rollout
@@ -260,11 +261,13 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     if config.uses_reference:
         reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
                                                                   rc.num_gpus)).remote(
-            model_path, config.model.dtype, rc.num_threads, rc.micro_batch_size, ro.temperature)
+            model_path, config.model.dtype, rc.num_threads, MicroBatching(rc.micro_batch_size,
+                                                                          rc.max_tokens_per_micro_batch),
+            ro.temperature)
         first += 1
     reward_models = {
         name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
-            s.path, config.model.dtype, s.num_threads, s.micro_batch_size)
+            s.path, config.model.dtype, s.num_threads, MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch))
         for i, (name, s) in enumerate(reward_sources.items())
     }
     launcher = RolloutLauncher(config, model_path, rollout_cls)

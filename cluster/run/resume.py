@@ -29,12 +29,14 @@ MAY_CHANGE = [
     "rollout.tensor_parallel_size", "learner.resources*", "reference.resources*", "learner.num_ranks",
     "learner.strategy",
     "reference.num_cpus", "reference.num_gpus", "reference.num_threads", "reference.micro_batch_size",
-    "learner.num_cpus", "learner.num_gpus", "learner.num_threads", "learner.micro_batch_size",
+    "reference.max_tokens_per_micro_batch", "learner.num_cpus", "learner.num_gpus", "learner.num_threads",
+    "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
     "learner.max_nonfinite_steps",
     "reward.sources.*.urls", "reward.sources.*.timeout", "reward.sources.*.max_retries", "reward.sources.*.backoff",
     "reward.sources.*.backoff_max", "reward.sources.*.max_concurrency", "reward.sources.*.batch_size",
     "reward.sources.*.token_env", "reward.sources.*.verify_tls", "reward.sources.*.num_cpus",
     "reward.sources.*.num_gpus", "reward.sources.*.num_threads", "reward.sources.*.micro_batch_size",
+    "reward.sources.*.max_tokens_per_micro_batch",
 ]
 
 

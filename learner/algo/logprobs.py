@@ -1,7 +1,9 @@
 """Token log-probabilities and entropies from a language model's logits.
 
 Owns the softmax arithmetic on logits: in float32 whatever the model's dtype (bf16 log-probabilities are too coarse
-for importance ratios), one sequence at a time so the float32 copy is [T, V], never [B, T, V]. Does not own running
+for importance ratios), a few sequences at a time so the float32 copy stays under `FLOAT32_CHUNK_ELEMENTS` (one
+sequence, [T, V], when a single one is larger), never a whole [B, T, V] of a large vocabulary; small models get
+one chunk, not a Python loop per sequence. Does not own running
 the model, shifting logits against labels (callers pass logits already aligned with the tokens they score), or
 masking padding (`losses.py`).
 
@@ -10,6 +12,14 @@ Notation: B: sequences, T: tokens, V: vocabulary.
 
 import torch
 from torch import Tensor
+
+FLOAT32_CHUNK_ELEMENTS = 2**24  # 64 MiB of float32 logits per chunk
+
+
+def _row_chunks(logits: Tensor) -> list[Tensor]:
+    """`logits` [B, T, V] as consecutive row blocks of at most FLOAT32_CHUNK_ELEMENTS elements (at least one row)."""
+    per_row = max(logits.shape[1] * logits.shape[2], 1)
+    return list(logits.split(max(1, FLOAT32_CHUNK_ELEMENTS // per_row)))
 
 
 def _check_temperature(temperature: float) -> None:
@@ -36,13 +46,16 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     if logits.dim() != 3 or labels.shape != logits.shape[:-1]:
         raise ValueError(f"need logits [B, T, V] and labels [B, T], got {tuple(logits.shape)}, {tuple(labels.shape)}")
     rows = []
-    for row_logits, row_labels in zip(logits, labels):  # per sequence: the float32 copy is [T, V]
-        scaled = row_logits.float() / temperature  # z / tau
-        label_logits = scaled.gather(-1, row_labels.long().unsqueeze(-1)).squeeze(-1)  # z_{t,y_t} / tau
+    start = 0
+    for chunk in _row_chunks(logits):  # the float32 copy is one chunk's
+        chunk_labels = labels[start : start + len(chunk)]
+        start += len(chunk)
+        scaled = chunk.float() / temperature  # z / tau
+        label_logits = scaled.gather(-1, chunk_labels.long().unsqueeze(-1)).squeeze(-1)  # z_{t,y_t} / tau
         rows.append(label_logits - torch.logsumexp(scaled, dim=-1))  # - log sum_v exp(z_{t,v} / tau)
     if not rows:
         return logits.new_zeros(labels.shape, dtype=torch.float32)
-    return torch.stack(rows)
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -63,10 +76,10 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     if logits.dim() != 3:
         raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
     rows = []
-    for row_logits in logits:  # per sequence: the float32 copies are [T, V]
-        scaled = row_logits.float() / temperature  # z = logits / tau
+    for chunk in _row_chunks(logits):  # the float32 copies are one chunk's
+        scaled = chunk.float() / temperature  # z = logits / tau
         probs = torch.softmax(scaled, dim=-1)  # p_{t,v}
         rows.append(torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1))  # H = lse(z) - sum_v p z
     if not rows:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    return torch.stack(rows)
+    return rows[0] if len(rows) == 1 else torch.cat(rows)

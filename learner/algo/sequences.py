@@ -4,17 +4,50 @@ Owns: the token layout every torch-side consumer shares (learner, reference work
 prompt + response, right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from
 tokens 0..j; `response_mask` marks the response tokens. Tensors are built in host memory and moved to the
 consumer's device in one copy; everything computed from a batch stays on the batch's device, and results for Python
-lists come back through the CPU. Does not own: models, optimizers, or choosing the device. Imports only torch.
+lists come back through the CPU. Also how a batch is cut into micro-batches (`MicroBatching`): rows sorted by
+length, each pass holding at most a token budget of padded tokens, so compute follows the real tokens (a pass is
+trimmed to its own longest sequence), not the batch's longest. Does not own: models, optimizers, or choosing the
+device. Imports only torch.
+
+Why sorted, padded passes rather than packed rows (several sequences in one row, attention kept within each): on
+CPU, transformers keeps packed sequences apart with a dense block-diagonal mask, whose cost grows with the square
+of the row; measured on the 25M-parameter model (docs/benchmarks.md, "Compute proportional to real tokens"),
+length-sorted passes were as fast or faster at every budget, and they need no layout of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How rows are cut into forward/backward passes: sorted longest first, a pass closes when one more row would
+    take it over `max_rows` rows or `max_tokens` padded tokens (rows x its longest sequence; a longer sequence
+    than that is a pass alone). None: no limit of that kind (both None: one pass)."""
+
+    max_rows: int | None = None
+    max_tokens: int | None = None
+
+    def split(self, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Passes over rows whose token counts are `lengths` [N]: each a tensor of positions into `lengths` (on its
+        device), every position exactly once, in a fixed order (a stable sort: ties keep their order)."""
+        host = lengths.detach().to("cpu", torch.long)
+        order = torch.sort(host, descending=True, stable=True).indices
+        cuts, rows, longest = [], 0, 0
+        for position, length in enumerate(host[order].tolist()):
+            longest = max(longest, length)
+            if rows and ((self.max_rows is not None and rows + 1 > self.max_rows)
+                         or (self.max_tokens is not None and (rows + 1) * longest > self.max_tokens)):
+                cuts.append(position)
+                rows, longest = 0, length
+            rows += 1
+        return [part.to(lengths.device) for part in order.tensor_split(cuts)] if len(host) else []
 
 
 @dataclass(frozen=True)
@@ -35,6 +68,11 @@ class SequenceBatch:
     def to(self, device: torch.device | str) -> SequenceBatch:
         """The same batch on `device` (no copy of tensors that are there already)."""
         return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens of each sequence (prompt + response), on the batch's device."""
+        return self.attention_mask.sum(dim=1)
 
     def select(self, index: torch.Tensor | slice) -> SequenceBatch:
         """A sub-batch, trimmed to its own longest sequence (saves compute on short micro-batches)."""
@@ -100,7 +138,7 @@ def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[flo
 
 def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
     """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     return logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:], temperature)
 
 
@@ -109,20 +147,26 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
     """`sequence_logprobs` plus the entropy of each position's next-token distribution at `temperature`:
     two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
     with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits, temperature)
     return logprobs_from_logits(logits, batch.input_ids[:, 1:], temperature), entropy
 
 
 @torch.no_grad()
-def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, micro_batch_size: int,
+def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, batching: MicroBatching,
                      temperature: float = 1.0) -> torch.Tensor:
-    """`sequence_logprobs` without gradients, micro-batch by micro-batch: [B, L-1] on the batch's device (the
+    """`sequence_logprobs` without gradients, pass by pass (`batching`): [B, L-1] on the batch's device (the
     model's; zeros past each sequence)."""
+    return per_pass(batch, batching, lambda part: sequence_logprobs(model, part, temperature))
+
+
+def per_pass(batch: SequenceBatch, batching: MicroBatching,
+             compute: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
+    """`compute(part)` -> [B_part, L_part-1] for each pass of `batching` over the batch, assembled into [B, L-1]
+    float32 on the batch's device (zeros past each sequence)."""
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-    for start in range(0, len(batch), micro_batch_size):
-        part = batch.select(slice(start, start + micro_batch_size))
-        out[start : start + micro_batch_size, : part.response_mask.shape[1]] = sequence_logprobs(
-            model, part, temperature).float()
+    for rows in batching.split(batch.lengths):
+        values = compute(batch.select(rows))
+        out[rows, : values.shape[1]] = values.float()
     return out

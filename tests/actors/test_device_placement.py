@@ -20,6 +20,7 @@ import learner.critic
 import learner.learner
 from actors.reference import ReferenceWorker
 from actors.reward_model import RewardModelWorker
+from learner.algo.sequences import MicroBatching
 from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, TrainBatch
 
@@ -81,8 +82,8 @@ def test_a_step_builds_every_tensor_beside_the_model(tiny_model_dir, advantage, 
 
 
 def test_reference_and_reward_model_build_every_tensor_beside_the_model(tiny_model_dir, tiny_reward_model_dir):
-    reference = ReferenceWorker(str(tiny_model_dir), micro_batch_size=3)
-    reward_model = RewardModelWorker(str(tiny_reward_model_dir), micro_batch_size=2)
+    reference = ReferenceWorker(str(tiny_model_dir), batching=MicroBatching(3))
+    reward_model = RewardModelWorker(str(tiny_reward_model_dir), batching=MicroBatching(2))
     expected = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS))
     with torch.device(META):
         got = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS))

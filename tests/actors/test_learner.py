@@ -179,14 +179,14 @@ def test_ppo_trains_a_value_model_towards_the_returns(tiny_model_dir):
     assert learner.num_trained_parameters()["critic"] > 0.9 * learner.num_trained_parameters()["policy"]
     batch = pad_sequences(PROMPTS, RESPONSES)
     mask = batch.response_mask.bool()
-    assert torch.all(learner.critic.compute_values(batch, 4)[mask] == 0)  # a new head starts at V = 0
+    assert torch.all(learner.critic.compute_values(batch)[mask] == 0)  # a new head starts at V = 0
     rewards = [1.0, 0.0, 0.0, 1.0]
     losses = [learner.train_step(batch_for(learner, rewards))["loss/value"] for _ in range(15)]
     # gamma = lam = 1, no KL: every token's return is its sequence's reward. V = 0 gives 1/2 x 5 rewarded tokens / 10
     # = 0.25. The first token's state is shared within each pair of sequences (one rewarded, one not), so the best
     # reachable loss is 4 tokens x 1/2 x 0.5^2 / 10 = 0.05.
     assert losses[0] == pytest.approx(0.25) and losses[-1] < 0.4 * losses[0]
-    last = [row[m][-1] for row, m in zip(learner.critic.compute_values(batch, 4), mask)]
+    last = [row[m][-1] for row, m in zip(learner.critic.compute_values(batch), mask)]
     assert min(last[0], last[3]) > 0.5 > max(last[1], last[2])  # each sequence's last state sits near its reward
 
 

@@ -8,13 +8,14 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from actors.reward_model import RewardModelWorker
+from learner.algo.sequences import MicroBatching
 
 PROMPTS = ["37+45=", "1+2=", "99+99=", "5+5="]
 COMPLETIONS = ["82", "3", "1", "10 and then some more text"]
 
 
 def test_scores_equal_a_plain_forward_pass(tiny_reward_model_dir):
-    worker = RewardModelWorker(str(tiny_reward_model_dir), micro_batch_size=4)
+    worker = RewardModelWorker(str(tiny_reward_model_dir), batching=MicroBatching(4))
     scores = worker.score(PROMPTS, COMPLETIONS)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_reward_model_dir)
@@ -27,9 +28,13 @@ def test_scores_equal_a_plain_forward_pass(tiny_reward_model_dir):
 
 
 def test_batching_and_padding_do_not_change_scores(tiny_reward_model_dir):
-    whole = RewardModelWorker(str(tiny_reward_model_dir), micro_batch_size=4).score(PROMPTS, COMPLETIONS)
-    single = RewardModelWorker(str(tiny_reward_model_dir), micro_batch_size=1).score(PROMPTS, COMPLETIONS)
+    whole = RewardModelWorker(str(tiny_reward_model_dir), batching=MicroBatching(4)).score(PROMPTS, COMPLETIONS)
+    single = RewardModelWorker(str(tiny_reward_model_dir), batching=MicroBatching(1)).score(PROMPTS, COMPLETIONS)
     assert whole == pytest.approx(single, abs=1e-5)
+    for batching in (MicroBatching(max_tokens=12), MicroBatching(2, 30), MicroBatching()):  # sorted passes, in order
+        assert RewardModelWorker(str(tiny_reward_model_dir), batching=batching).score(PROMPTS, COMPLETIONS) == \
+            pytest.approx(single, abs=1e-5)
+    assert RewardModelWorker(str(tiny_reward_model_dir)).score([], []) == []
 
 
 def test_model_is_frozen_and_rejects_mismatched_inputs(tiny_reward_model_dir):

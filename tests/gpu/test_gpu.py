@@ -112,14 +112,15 @@ def test_reference_and_reward_model_on_cuda_match_the_cpu(tiny_model_dir, tiny_r
                                                           dtype):
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
+    from learner.algo.sequences import MicroBatching
 
     texts = (["37+45=", "1+2=", "99+99="], ["82", "3", "198 and some more"])
-    gpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, micro_batch_size=3)
-    gpu_rm = RewardModelWorker(str(tiny_reward_model_dir), dtype=dtype, micro_batch_size=2)
+    gpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, batching=MicroBatching(3))
+    gpu_rm = RewardModelWorker(str(tiny_reward_model_dir), dtype=dtype, batching=MicroBatching(2))
     assert gpu_ref.device.type == "cuda" and next(gpu_rm.model.parameters()).is_cuda
     on_cpu(monkeypatch)
-    cpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, micro_batch_size=3)
-    cpu_rm = RewardModelWorker(str(tiny_reward_model_dir), dtype=dtype, micro_batch_size=2)
+    cpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, batching=MicroBatching(3))
+    cpu_rm = RewardModelWorker(str(tiny_reward_model_dir), dtype=dtype, batching=MicroBatching(2))
     assert max_diff(gpu_ref.compute_logprobs(PROMPTS, RESPONSES),
                     cpu_ref.compute_logprobs(PROMPTS, RESPONSES)) < TOLERANCES[dtype]
     assert max_diff(gpu_rm.score(*texts), cpu_rm.score(*texts)) < TOLERANCES[dtype]

@@ -9,12 +9,16 @@ import time
 import pytest
 import torch
 
+from learner.algo.sequences import MicroBatching
 from learner.distributed import DataParallel, _buckets, tied_names
+
+
+EVEN = torch.ones(8, dtype=torch.long)  # every row one token: the passes are cut by the row limit alone
 
 
 def test_one_rank_splits_like_the_single_learner():
     rows = torch.tensor([4, 0, 3, 1, 2])
-    assert [(p.tolist(), live) for p, live in DataParallel().micro_batches(rows, 2)] == [
+    assert [(p.tolist(), live) for p, live in DataParallel().micro_batches(rows, EVEN, MicroBatching(2))] == [
         ([4, 0], True), ([3, 1], True), ([2], True)]
 
 
@@ -22,7 +26,8 @@ def test_one_rank_splits_like_the_single_learner():
 @pytest.mark.parametrize("num_rows", [1, 5, 6, 7])
 def test_ranks_partition_the_rows_and_run_equally_many_passes(world_size, num_rows):
     rows = torch.randperm(num_rows, generator=torch.Generator().manual_seed(num_rows))
-    per_rank = [DataParallel(rank, world_size).micro_batches(rows, 2) for rank in range(world_size)]
+    per_rank = [DataParallel(rank, world_size).micro_batches(rows, EVEN, MicroBatching(2))
+                for rank in range(world_size)]
     live = [i for passes in per_rank for part, is_live in passes if is_live for i in part.tolist()]
     assert live == rows.tolist()  # every row exactly once, each rank a contiguous share
     assert len({len(passes) for passes in per_rank}) == 1  # fsdp2: each pass is a collective every rank joins

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from learner.algo import logprobs as logprobs_module
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
 
 
@@ -115,3 +116,17 @@ def test_labels_must_match_logits():
     logits, labels = _random_inputs()
     with pytest.raises(ValueError, match="labels"):
         logprobs_from_logits(logits, labels[:, :2])
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 3 * 11 * 2, 3 * 11 * 5])  # one row, two rows, all in one chunk
+def test_chunked_rows_give_the_values_and_gradients_of_one_pass(monkeypatch, chunk_elements):
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(5, 3, 11, generator=generator) * 4).requires_grad_()
+    labels = torch.randint(0, 11, (5, 3), generator=generator)
+    whole_lp, whole_h = logprobs_from_logits(logits, labels, 0.7), entropy_from_logits(logits, 0.7)
+    whole_grad = torch.autograd.grad((whole_lp.sum() + whole_h.sum()), logits)[0]
+    monkeypatch.setattr(logprobs_module, "FLOAT32_CHUNK_ELEMENTS", chunk_elements)
+    lp, h = logprobs_from_logits(logits, labels, 0.7), entropy_from_logits(logits, 0.7)
+    assert_close(lp, _naive_logprobs(logits.detach(), labels, 0.7).float())
+    assert torch.equal(lp, whole_lp) and torch.equal(h, whole_h)
+    assert torch.equal(torch.autograd.grad((lp.sum() + h.sum()), logits)[0], whole_grad)

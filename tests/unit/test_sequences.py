@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algo.sequences import flat_per_token, pad_per_token, pad_sequences, unpad_per_token
+from learner.algo.sequences import (
+    MicroBatching,
+    flat_per_token,
+    pad_per_token,
+    pad_sequences,
+    per_pass,
+    unpad_per_token,
+)
 
 
 def test_layout_marks_the_positions_that_predict_response_tokens():
@@ -44,3 +51,42 @@ def test_a_flat_array_of_per_token_values_pads_like_its_rows_and_flattens_back()
     assert torch.equal(flat_per_token(pad_per_token(rows, batch), batch), torch.from_numpy(flat))
     with pytest.raises(ValueError, match="3 values for 4 response tokens"):
         pad_per_token(flat[:3], batch)
+
+
+def split(lengths, max_rows=None, max_tokens=None) -> list[list[int]]:
+    return [part.tolist() for part in MicroBatching(max_rows, max_tokens).split(torch.tensor(lengths))]
+
+
+def test_passes_are_cut_by_the_token_budget_over_rows_sorted_longest_first():
+    lengths = [3, 9, 2, 9, 5, 1, 4]
+    # sorted: 9 (1), 9 (3), 5 (4), 4 (6), 3 (0), 2 (2), 1 (5); padded tokens = rows x the pass's longest
+    assert split(lengths, max_tokens=18) == [[1, 3], [4, 6, 0], [2, 5]]
+    assert split(lengths, max_tokens=8) == [[1], [3], [4], [6, 0], [2, 5]]  # 9 > 8: a pass alone
+    assert split(lengths, max_rows=3) == [[1, 3, 4], [6, 0, 2], [5]]
+    assert split(lengths, max_rows=2, max_tokens=100) == [[1, 3], [4, 6], [0, 2], [5]]
+    assert split(lengths) == [[1, 3, 4, 6, 0, 2, 5]]  # no limit: one pass
+    assert split([]) == [] and split([4, 4, 4], max_tokens=8) == [[0, 1], [2]]  # ties keep their order
+
+
+@pytest.mark.parametrize("max_rows", [None, 1, 3])
+@pytest.mark.parametrize("max_tokens", [None, 1, 7, 40])
+def test_every_row_is_in_exactly_one_pass_within_both_limits(max_rows, max_tokens):
+    lengths = torch.randint(1, 20, (37,), generator=torch.Generator().manual_seed(7))
+    passes = MicroBatching(max_rows, max_tokens).split(lengths)
+    assert sorted(i for part in passes for i in part.tolist()) == list(range(37))
+    for part in passes:
+        assert max_rows is None or len(part) <= max_rows
+        assert max_tokens is None or len(part) == 1 or len(part) * int(lengths[part].max()) <= max_tokens
+
+
+def test_each_pass_computes_on_its_rows_only_and_lands_in_the_batch_layout():
+    batch = pad_sequences([[7, 8], [9], [4, 5, 6]], [[3, 4, 1], [5], [2]])
+    widths = []
+
+    def compute(part):  # value = the token id each position predicts, from the pass's own trimmed tensors
+        widths.append(part.input_ids.shape[1])
+        return part.input_ids[:, 1:].float()
+
+    out = per_pass(batch, MicroBatching(max_tokens=5), compute)
+    assert torch.equal(out, torch.where(batch.attention_mask[:, 1:].bool(), batch.input_ids[:, 1:], 0).float())
+    assert widths == [5, 4, 2]  # one row per pass, each trimmed to its own sequence (lengths 5, 4, 2)
