@@ -54,6 +54,7 @@ class Trainer:
         self.weights_version = 0
         self.timings: dict[str, float] = {}
         self.control = control  # the run's RunControl actor (`relay scale`), if any
+        self.request = None  # its pending `relay scale` request, asked for after the last step (`publish`)
         # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
         self.learner_node = node_of(fleet.placement) if control is not None else None
 
@@ -153,18 +154,22 @@ class Trainer:
         without a reference. The driver reads only their count: the array goes to the learner by ref."""
         if self.fleet.reference is None:
             return None
+        from learner.algo.sequences import Rows
+
         count, logprobs = self.fleet.reference.compute_flat_logprobs.options(num_returns=2).remote(
-            [r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts])
+            Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
         get([count], self.config.timeouts.reference, ["reference"], "reference")
         return logprobs
 
     def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> dict:
         """One update; the learner's metrics, and `weights_version` becomes the version it reports it produced."""
+        from learner.algo.sequences import Rows
         from learner.learner import TrainBatch
 
-        batch = TrainBatch(prompt_ids=[r.prompt_ids for r in rollouts], response_ids=[r.response_ids for r in rollouts],
-                           behavior_logprobs=[r.behavior_logprobs for r in rollouts], rewards=rewards,
-                           group_size=self.config.rollout.group_size)
+        batch = TrainBatch(prompt_ids=Rows(r.prompt_ids for r in rollouts),
+                           response_ids=Rows(r.response_ids for r in rollouts),
+                           behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
+                           group_size=self.config.rollout.group_size)  # Rows: packed across Ray
         metrics = self.fleet.learner_group.train_step(batch, ref_logprobs)
         self.weights_version = int(metrics["weights/version"])
         return metrics
@@ -191,7 +196,8 @@ class Trainer:
         new workers placed in the background), and let in the new workers whose engines are up."""
         if self.control is None:
             return
-        request = get([self.control.take_request.remote()], self.config.timeouts.sync, ["run control"], "sync")[0]
+        asked, self.request = self.request or self.control.take_request.remote(), None  # answered while we trained
+        request = get([asked], self.config.timeouts.sync, ["run control"], "sync")[0]
         if request is not None:
             self.rollouts.resize(request["num_workers"], request["remove"])
         self.rollouts.admit()
@@ -208,6 +214,9 @@ class Trainer:
                                 for p in self.fleet.pending],
             "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
             "scale_failures": self.rollouts.scale_failures, "last_scale_error": self.rollouts.last_scale_error})
+        # Ask for the next `relay scale` request now: the answer is there when the next step starts (no round trip in
+        # it); a request made after this is taken one step later.
+        self.request = self.control.take_request.remote()
 
     def sync_weights(self) -> float:
         """Every rollout worker serves the learner's new weights, checked by the probe; returns the probe's gap."""

@@ -7,7 +7,7 @@ consumer's device in one copy; everything computed from a batch stays on the bat
 lists come back through the CPU. Also how a batch is cut into micro-batches (`MicroBatching`): rows sorted by
 length, each pass holding at most a token budget of padded tokens, so compute follows the real tokens (a pass is
 trimmed to its own longest sequence), not the batch's longest. Does not own: models, optimizers, or choosing the
-device. Imports only torch.
+device. Imports only torch and numpy.
 
 Why sorted, padded passes rather than packed rows (several sequences in one row, attention kept within each): on
 CPU, transformers keeps packed sequences apart with a dense block-diagonal mask, whose cost grows with the square
@@ -20,9 +20,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
+
+
+class Rows(list):
+    """A list of 1-D rows (a batch's token ids, or per-token values) that travels between processes (Ray) as one
+    flat array and the rows' lengths, not as an object per row; it arrives as numpy arrays (read-write copies),
+    which `pad_sequences` and `pad_per_token` take as they take lists. Every row has the first row's dtype."""
+
+    def __reduce__(self):
+        arrays = [np.asarray(row) for row in self]
+        dtype = arrays[0].dtype if arrays else np.int64
+        lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
+        flat = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+        return (_unpack_rows, (lengths, flat))
+
+
+def _unpack_rows(lengths: np.ndarray, flat: np.ndarray) -> Rows:
+    # Zero-copy arrays from Ray's object store are read-only: one copy of the whole, then views of it.
+    return Rows(np.split(np.array(flat), np.cumsum(lengths)[:-1]) if len(lengths) else [])
 
 
 @dataclass(frozen=True)
@@ -85,23 +104,32 @@ class SequenceBatch:
 def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                   pad_id: int = 0, device: torch.device | str = "cpu") -> SequenceBatch:
     """Concatenate each prompt with its response and right-pad to a [B, L] batch on `device` (filled in host
-    memory row by row, then moved in one copy)."""
+    memory with a few array operations, not a loop over rows, then moved in one copy)."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    length = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    batch = len(prompt_ids)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long, device="cpu")
-    attention_mask = torch.zeros((batch, length), dtype=torch.long, device="cpu")
-    response_mask = torch.zeros((batch, max(length - 1, 1)), dtype=torch.float32, device="cpu")
-    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
-        if not prompt:
-            raise ValueError(f"sequence {i} has an empty prompt; every prompt needs at least one token")
-        n_prompt, n_total = len(prompt), len(prompt) + len(response)
-        input_ids[i, :n_prompt] = torch.as_tensor(prompt, dtype=torch.long, device="cpu")
-        input_ids[i, n_prompt:n_total] = torch.as_tensor(response, dtype=torch.long, device="cpu")
-        attention_mask[i, :n_total] = 1
-        response_mask[i, n_prompt - 1 : n_total - 1] = 1.0  # position j scores token j+1
-    return SequenceBatch(input_ids, attention_mask, response_mask).to(device)
+    prompt_lengths = np.fromiter(map(len, prompt_ids), np.int64, len(prompt_ids))
+    response_lengths = np.fromiter(map(len, response_ids), np.int64, len(response_ids))
+    if (prompt_lengths == 0).any():
+        raise ValueError(f"sequence {int(np.argmin(prompt_lengths))} has an empty prompt; every prompt needs at least "
+                         "one token")
+    lengths = prompt_lengths + response_lengths
+    length = int(lengths.max()) if len(lengths) else 1
+    position = np.arange(length)[None, :]
+    in_prompt = position < prompt_lengths[:, None]  # [B, L]; row-major order is the rows' tokens one after another
+    in_response = ~in_prompt & (position < lengths[:, None])
+    input_ids = np.full((len(lengths), length), pad_id, dtype=np.int64)
+    input_ids[in_prompt] = _concatenate(prompt_ids)
+    input_ids[in_response] = _concatenate(response_ids)
+    # position j scores token j+1: the response mask is the response tokens' mask shifted left by one
+    response_mask = in_response[:, 1:] if length > 1 else np.zeros((len(lengths), 1), dtype=bool)
+    return SequenceBatch(torch.from_numpy(input_ids), torch.from_numpy((in_prompt | in_response).astype(np.int64)),
+                         torch.from_numpy(response_mask.astype(np.float32))).to(device)
+
+
+def _concatenate(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """Every row's tokens, one after another, as one int64 array."""
+    arrays = [np.asarray(row, dtype=np.int64) for row in rows]
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
 
 
 def pad_per_token(values: Sequence[Sequence[float]] | torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
@@ -110,17 +138,17 @@ def pad_per_token(values: Sequence[Sequence[float]] | torch.Tensor, batch: Seque
     copy)."""
     response_mask = batch.response_mask.cpu()
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device="cpu")
-    if getattr(values, "ndim", 2) == 1:  # a flat array: the mask's row-major order is the rows one after another
-        keep = response_mask.bool()
-        if values.size != int(keep.sum()):
-            raise ValueError(f"{values.size} values for {int(keep.sum())} response tokens")
-        out[keep] = torch.as_tensor(values, dtype=torch.float32)
-        return out.to(batch.device)
-    for i, row in enumerate(values):
-        positions = response_mask[i].nonzero().squeeze(-1)
-        if len(row) != len(positions):
-            raise ValueError(f"sequence {i}: {len(row)} values for {len(positions)} response tokens")
-        out[i, positions] = torch.as_tensor(row, dtype=torch.float32, device="cpu")
+    keep = response_mask.bool()
+    if getattr(values, "ndim", 2) != 1:  # rows: checked row by row, then one flat array
+        counts = keep.sum(dim=1).tolist()
+        for i, row in enumerate(values):
+            if len(row) != counts[i]:
+                raise ValueError(f"sequence {i}: {len(row)} values for {counts[i]} response tokens")
+        values = np.concatenate([np.asarray(row, dtype=np.float32) for row in values]) if len(values) else \
+            np.zeros(0, np.float32)
+    if values.size != int(keep.sum()):  # the mask's row-major order is the rows one after another
+        raise ValueError(f"{values.size} values for {int(keep.sum())} response tokens")
+    out[keep] = torch.as_tensor(values, dtype=torch.float32, device="cpu")
     return out.to(batch.device)
 
 
