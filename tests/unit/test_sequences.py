@@ -8,6 +8,7 @@ import torch
 
 from learner.algo.sequences import (
     MicroBatching,
+    Rows,
     flat_per_token,
     pad_per_token,
     pad_sequences,
@@ -90,3 +91,18 @@ def test_each_pass_computes_on_its_rows_only_and_lands_in_the_batch_layout():
     out = per_pass(batch, MicroBatching(max_tokens=5), compute)
     assert torch.equal(out, torch.where(batch.attention_mask[:, 1:].bool(), batch.input_ids[:, 1:], 0).float())
     assert widths == [5, 4, 2]  # one row per pass, each trimmed to its own sequence (lengths 5, 4, 2)
+
+
+def test_rows_travel_as_one_flat_array_and_arrive_as_writable_arrays():
+    import pickle
+
+    rows = Rows([np.asarray([3, 4, 1], np.int32), np.asarray([5], np.int32), np.asarray([], np.int32)])
+    reduced = rows.__reduce__()
+    assert reduced[1][0].tolist() == [3, 1, 0] and reduced[1][1].tolist() == [3, 4, 1, 5]  # lengths, values
+    back = pickle.loads(pickle.dumps(rows))
+    assert isinstance(back, Rows) and [r.tolist() for r in back] == [[3, 4, 1], [5], []]
+    assert all(r.dtype == np.int32 and r.flags.writeable for r in back)
+    assert pickle.loads(pickle.dumps(Rows([[0.5, 0.25]])))[0].dtype == np.float64  # lists keep numpy's dtype
+    assert pickle.loads(pickle.dumps(Rows())) == []
+    batch = pad_sequences(back[:2], [[7], [8, 9]])
+    assert batch.input_ids.tolist() == [[3, 4, 1, 7], [5, 8, 9, 0]]
