@@ -82,6 +82,6 @@ class ReferenceConfig(_Section):
     """Custom Ray resources the reference worker needs (e.g. `{learner_node: 1}`)."""
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per reference forward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass."""
-    max_tokens_per_micro_batch: int | None = Field(2048, ge=1, le=1_000_000_000)
+    max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per reference forward pass at most, as `learner.max_tokens_per_micro_batch` (sequences sorted
     by length, each pass padded to its own longest); empty: no token limit."""

@@ -20,7 +20,7 @@ class ReferenceWorker:
     """Per-token logprobs of given sequences under the frozen initial policy."""
 
     def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
-                 batching: MicroBatching = MicroBatching(max_tokens=2048), temperature: float = 1.0):
+                 batching: MicroBatching = MicroBatching(max_tokens=1024), temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)

@@ -22,7 +22,7 @@ class RewardModelWorker:
     """`score(prompts, completions)` -> one float per pair: the model's output on the concatenated text."""
 
     def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
-                 batching: MicroBatching = MicroBatching(max_tokens=2048)):
+                 batching: MicroBatching = MicroBatching(max_tokens=1024)):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         torch.set_num_threads(num_threads)

@@ -64,11 +64,11 @@ class LearnerConfig(_Section):
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per forward/backward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass.
     Gradients accumulate over a minibatch's micro-batches (the loss is the same however they are cut)."""
-    max_tokens_per_micro_batch: int | None = Field(2048, ge=1, le=1_000_000_000)
+    max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per forward/backward pass at most (sequences x the pass's longest; a longer sequence is a pass
     alone): each rank's rows are sorted by length and cut into passes under this budget, each padded only to its
     own longest sequence, so compute follows the real tokens. Larger uses more memory (activations, logits);
-    2048 was fastest on CPU (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
+    on CPU 512-1024 were fastest (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)

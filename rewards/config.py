@@ -85,7 +85,7 @@ class ModelSource(_Section):
     """Torch threads of the reward-model worker."""
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per forward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass."""
-    max_tokens_per_micro_batch: int | None = Field(2048, ge=1, le=1_000_000_000)
+    max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per forward pass at most, as `learner.max_tokens_per_micro_batch` (texts sorted by token
     count, each pass padded to its own longest); empty: no token limit."""
 
