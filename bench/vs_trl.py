@@ -40,7 +40,7 @@ Same work on both sides, read from relay's resolved config (learner/config.py, a
 - threads: TRL uses `--trl-threads` (2: `learner.num_threads`) torch threads in one process, data loading in-process;
 - no dropout (Qwen2 has none; TRL `disable_dropout=True`); no logging or saving on the TRL side (`report_to="none"`,
   `save_strategy="no"`, `logging_strategy="no"`); TRL's gradient checkpointing (on by default) off, as relay does
-  not recompute activations.
+  not recompute activations (`--trl-gradient-checkpointing` turns it back on: TRL's defaults, slower).
 The runner checks that every TRL step got relay's prompts for that step and relay's learning rate, and stops if not.
 Not the same, by design or because one side cannot express it:
 - sampling: relay's vLLM engines (2 rollout workers x 1 thread, paged KV cache) draw with per-prompt seeds; TRL runs
@@ -289,9 +289,10 @@ def trl_micro_batch(section: Any, batch: int, width: int) -> int:
 
 
 def trl_spec(config: Any, model_dir: Path, steps: int, threads: int, out: Path,
-             micro_batch: int | None = None) -> dict[str, Any]:
+             micro_batch: int | None = None, checkpointing: bool = False) -> dict[str, Any]:
     """Everything the TRL runner needs, from relay's resolved config; writes the prompts file into `out`.
-    `micro_batch`: TRL's per-device batch (a divisor of the batch), else `trl_micro_batch`'s."""
+    `micro_batch`: TRL's per-device batch (a divisor of the batch), else `trl_micro_batch`'s; `checkpointing`: TRL's
+    gradient checkpointing (its default; off here unless asked, as relay keeps activations)."""
     from transformers import AutoTokenizer
 
     lc, ro = config.learner, config.rollout
@@ -311,6 +312,7 @@ def trl_spec(config: Any, model_dir: Path, steps: int, threads: int, out: Path,
         "max_grad_norm": lc.max_grad_norm, "beta": lc.kl_coef, "epsilon": lc.clip_low, "epsilon_high": lc.clip_high,
         "temperature": ro.temperature, "top_p": ro.top_p, "num_generations": ro.group_size,
         "max_completion_length": ro.max_new_tokens, "micro_batch_size": micro, "grad_accum": batch // micro,
+        "gradient_checkpointing": checkpointing,
     }
 
 
@@ -403,7 +405,7 @@ def table_row(work: str, relay: list[dict], trl: list[dict]) -> str:
 
 
 def run_work(work: str, steps: int, threads: int, extra: list[str], trl_python: Path,
-             trl_micro: int | None = None) -> dict[str, Any]:
+             trl_micro: int | None = None, checkpointing: bool = False) -> dict[str, Any]:
     """Both sides of one configuration, relay first; returns their records, wall seconds and the cores other
     processes kept busy during each side."""
     from cluster.config import load_config
@@ -413,13 +415,14 @@ def run_work(work: str, steps: int, threads: int, extra: list[str], trl_python: 
     check_mirrorable(config)
     out = CACHE / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{work}"
     (out / "trl").mkdir(parents=True)
-    spec = trl_spec(config, model_dir, steps, threads, out / "trl", trl_micro)
+    spec = trl_spec(config, model_dir, steps, threads, out / "trl", trl_micro, checkpointing)
     print(f"vs_trl: {work}: relay, {steps} steps (log: {out / 'relay.log'})", file=sys.stderr, flush=True)
     relay, relay_wall, relay_busy = run_relay(overrides, out / "relay")
     print(f"vs_trl: {work}: TRL, {steps} steps (log: {out / 'trl' / 'trl.log'})", file=sys.stderr, flush=True)
     trl, trl_wall, trl_busy = run_trl(trl_python, spec, out / "trl")
     return {"work": work, "relay": relay, "trl": trl, "wall": {"relay": relay_wall, "trl": trl_wall},
-            "busy": {"relay": relay_busy, "trl": trl_busy}, "dir": out, "trl_micro": spec["micro_batch_size"]}
+            "busy": {"relay": relay_busy, "trl": trl_busy}, "dir": out, "trl_micro": spec["micro_batch_size"],
+            "trl_checkpointing": checkpointing}
 
 
 def report(results: list[dict[str, Any]]) -> None:
@@ -443,7 +446,8 @@ def report(results: list[dict[str, Any]]) -> None:
               f"{means[0]:.3f} / {means[1]:.3f} | {tokens[0]:.2f} / {tokens[1]:.2f} | "
               f"{r['busy']['relay']:.2f} / {r['busy']['trl']:.2f} |")
     for r in results:
-        print(f"\nreward, {r['work']} (runs in {r['dir']}; TRL per-device batch {r['trl_micro']})")
+        print(f"\nreward, {r['work']} (runs in {r['dir']}; TRL per-device batch {r['trl_micro']}, gradient "
+              f"checkpointing {'on' if r['trl_checkpointing'] else 'off'})")
         print("\n".join(reward_curve(r["relay"], r["trl"])))
 
 
@@ -454,6 +458,8 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--trl-micro-batch", type=int, help="TRL's per_device_train_batch_size (default: the largest "
                         "divisor of the batch within relay's micro-batch limits, `trl_micro_batch`)")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL recomputes activations in backward (its default; off unless given)")
     parser.add_argument("--trl-runner", metavar="SPEC.json", help=argparse.SUPPRESS)  # the TRL venv's entry point
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every relay run (and mirrored by TRL)")
     args = parser.parse_args()
@@ -465,7 +471,7 @@ def main() -> None:
     set_cache_env()
     trl_python = ensure_trl_venv()
     results = [run_work(work, args.steps or DEFAULT_STEPS[work], args.trl_threads, args.overrides, trl_python,
-                       args.trl_micro_batch)
+                       args.trl_micro_batch, args.trl_gradient_checkpointing)
                for work in args.configs]
     report(results)
 
@@ -550,7 +556,7 @@ def make_trl_trainer(spec: dict[str, Any], rows: list[dict[str, str]], clock: Ph
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
     args = GRPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], seed=spec["seed"], use_cpu=True, bf16=False,
-        fp16=False, gradient_checkpointing=False, disable_dropout=True, report_to="none", save_strategy="no",
+        fp16=False, gradient_checkpointing=spec["gradient_checkpointing"], disable_dropout=True, report_to="none", save_strategy="no",
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False,
         per_device_train_batch_size=spec["micro_batch_size"], gradient_accumulation_steps=spec["grad_accum"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
