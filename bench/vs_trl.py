@@ -556,8 +556,8 @@ def make_trl_trainer(spec: dict[str, Any], rows: list[dict[str, str]], clock: Ph
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
     args = GRPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], seed=spec["seed"], use_cpu=True, bf16=False,
-        fp16=False, gradient_checkpointing=spec["gradient_checkpointing"], disable_dropout=True, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False,
+        fp16=False, gradient_checkpointing=spec["gradient_checkpointing"], disable_dropout=True, report_to="none",
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False,
         per_device_train_batch_size=spec["micro_batch_size"], gradient_accumulation_steps=spec["grad_accum"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         temperature=spec["temperature"], top_p=spec["top_p"], top_k=0, num_iterations=1, loss_type="dapo",

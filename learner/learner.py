@@ -2,8 +2,8 @@
 
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
 `old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from
-the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards (the outcome reward on the last response token, minus the KL
-penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
+the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
+(the outcome reward on the last response token, minus the KL penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
 of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget
 over length-sorted rows (`learner.algo.sequences.MicroBatching`); skipping non-finite updates;
 saving and restoring its whole state for checkpoints; the weights version (it counts the updates it made, and

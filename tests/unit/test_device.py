@@ -10,8 +10,15 @@ import torch
 
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards, masked_whiten
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from learner.algo.losses import (AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES, aggregate, kl, micro_batch_weight,
-                                 value_loss)
+from learner.algo.losses import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    kl,
+    micro_batch_weight,
+    value_loss,
+)
 from learner.algo.sequences import pad_per_token, pad_sequences, unpad_per_token
 from learner.device import pick_device, to_cpu
 

@@ -12,7 +12,6 @@ import torch
 from learner.algo.sequences import MicroBatching
 from learner.distributed import DataParallel, _buckets, tied_names
 
-
 EVEN = torch.ones(8, dtype=torch.long)  # every row one token: the passes are cut by the row limit alone
 
 
