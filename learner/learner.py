@@ -3,11 +3,12 @@
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
 `old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from
 the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
-(the outcome reward on the last response token, minus the KL penalty when it goes in the reward); advantages (looked up by the config's name); epochs x minibatches x micro-batches
-of the configured policy loss (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget
-over length-sorted rows (`learner.algo.sequences.MicroBatching`); skipping non-finite updates;
-saving and restoring its whole state for checkpoints; the weights version (it counts the updates it made, and
-`train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters,
+(the outcome reward on the last response token, minus the KL penalty when it goes in the reward); advantages (looked
+up by the config's name); epochs x minibatches x micro-batches of the configured policy loss (+ KL in the loss,
+- entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
+(`learner.algo.sequences.MicroBatching`); skipping non-finite updates; saving and restoring its whole state for
+checkpoints; the weights version (it counts the updates it made, and `train_step` and `load_checkpoint` return it:
+everyone else reads it from there). Mixed precision: parameters,
 gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
 (autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
 `model.dtype`, once per sync.
