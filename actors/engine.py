@@ -85,14 +85,21 @@ class VllmEngine:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:
-        """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n]."""
+        """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n].
+
+        vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
+        would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
+        batched call of the tokenizer instead, the same text (tests/actors/test_rollout_worker.py)."""
         from vllm import SamplingParams, TokensPrompt
 
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 seed=seed, skip_special_tokens=True) for seed in seeds]
+                                 seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True)
+                  for seed in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[_completion(c, out.num_cached_tokens) for c in out.outputs] for out in outputs]
+        texts = iter(self.tokenizer.batch_decode([c.token_ids for out in outputs for c in out.outputs],
+                                                 skip_special_tokens=True))
+        return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive."""
@@ -151,11 +158,11 @@ class VllmEngine:
             del self.llm
 
 
-def _completion(output, cached_prompt_tokens: int | None) -> SampledCompletion:
+def _completion(output, text: str, cached_prompt_tokens: int | None) -> SampledCompletion:
     token_ids = list(output.token_ids)
-    # With logprobs=0 each position holds the sampled token's Logprob (and nothing else).
-    logprobs = [step[tok].logprob for tok, step in zip(token_ids, output.logprobs or [])]
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-    return SampledCompletion(token_ids, logprobs, output.text, "stop" if output.finish_reason == "stop" else "length",
-                             cached_prompt_tokens)
+    flat = output.logprobs  # FlatLogprobs: with logprobs=0, one entry per position, the sampled token's
+    if flat is None or flat.token_ids != token_ids:
+        raise RuntimeError(f"engine returned logprobs of tokens {None if flat is None else flat.token_ids}, not of "
+                           f"the {len(token_ids)} sampled tokens {token_ids}")
+    return SampledCompletion(token_ids, list(flat.logprobs), text, "stop" if output.finish_reason == "stop" else
+                             "length", cached_prompt_tokens)

@@ -44,21 +44,24 @@ class RolloutWorker:
         self.last_load: dict[str, float] = {}
 
     def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
-                 version: int | None = None, *buckets: Weights) -> RolloutGroups:
+                 version: int | None = None, *buckets: Weights, probe: tuple | None = None) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
-        report comes back as the result's `loaded`."""
+        report comes back as the result's `loaded`; given `probe` (the `probe` method's arguments), the probe then
+        runs on the new weights before anything else can fill the prefix cache, and comes back as the result's
+        `probe`."""
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         loaded = self.load_weights(version, *buckets) if version is not None else None
+        probed = self.probe(*probe) if probe is not None else None
         # Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are.
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
                       for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
         result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
-        result.loaded = loaded
+        result.loaded, result.probe = loaded, probed
         return result
 
     def load_weights(self, version: int, *buckets: Weights) -> Loaded:

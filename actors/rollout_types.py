@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,9 +47,11 @@ class RolloutGroups(list):
     every completion's token ids and logprobs in two flat arrays, so the driver decodes one buffer per request rather
     than a Python object per token (docs/benchmarks.md, scale simulation). On the receiving side
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
-    float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one."""
+    float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one, and `probe`
+    the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to."""
 
     loaded: Loaded | None = None
+    probe: Any = None
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -60,11 +62,11 @@ class RolloutGroups(list):
             np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
                            or [np.zeros(0, np.float32)]),
             [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
-            self.loaded))
+            self.loaded, self.probe))
 
 
 def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
-                   loaded=None) -> RolloutGroups:
+                   loaded=None, probe=None) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
     ends = np.cumsum(lengths).tolist()
@@ -74,5 +76,5 @@ def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reas
         groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
                                finish_reasons[j], versions[j]) for j in range(k, k + size)])
         k += size
-    groups.loaded = loaded
+    groups.loaded, groups.probe = loaded, probe
     return groups

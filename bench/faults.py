@@ -45,11 +45,11 @@ class KilledOnceWorker(RolloutWorker):
     marker = ""
     kill_on = 2
 
-    def generate(self, prompts, seeds, sampling, *load):
+    def generate(self, prompts, seeds, sampling, *load, **probe):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == self.kill_on and _first(self.marker):
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().generate(prompts, seeds, sampling, *load)
+        return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
 def main() -> None:

@@ -32,10 +32,10 @@ class SyncConfig(_Section):
     over the bits: sync/fingerprint.py) and the run stops if one differs from the learner's or is missing: exact in
     every dtype. Costs one pass over the weights per worker and load (docs/benchmarks.md, weight sync)."""
     probe: bool = True
-    """After every sync, compare each engine's logprobs on a fixed probe sequence with the learner's. Off, an
-    `object_store` sync only exports the weights and each worker loads them at the start of its next generate request
-    (one call per worker per step instead of two: for large fleets); rollouts' weights versions are checked either
-    way."""
+    """After every load, compare each engine's logprobs on a fixed probe sequence with the learner's (with
+    `object_store`, in the same request as the load: the start of the worker's next generate request). Off, a worker
+    makes one call per step instead of a load, a probe and its request under `collective`; rollouts' weights versions
+    are checked either way."""
     probe_tolerance: float | None = Field(None, gt=0)
     """Largest allowed max |engine - learner| logprob on the probe. Empty: derived from the noise floor the first
     probe measures, before any update (engines and learner on the same weights): 5x it, at least 1e-4 (float32: 1e-4;

@@ -63,9 +63,12 @@ class RolloutPool:
         self.last_scale_error = ""
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(config.sync, fleet.learner, config.timeouts.sync)
-        # Without the probe, a sync only exports the weights: each worker loads them at the start of its next
-        # `generate` (one call per worker per step instead of two). slot id -> the `version, *buckets` to send.
+        # With a transport that allows it, a sync only exports the weights: each worker loads them at the start of
+        # its next `generate`, and runs the probe right after (one call per worker per step instead of three).
+        # slot id -> the `version, *buckets` to send; `probing`: slot ids whose next request also runs the probe.
         self.deferred: dict[int, list] = {}
+        self.probing: set[int] = set()
+        self.gaps: list[float] = []  # the probes' largest gaps since `take_gap`
         # Slot ids of workers whose engine is new or loaded weights since it was last probed: its next probe must find
         # nothing of the probe's prompt in the prefix cache. Tracked here, not by the workers being checked.
         self.unprobed: set[int] = {slot.id for slot in fleet.rollout}
@@ -73,7 +76,7 @@ class RolloutPool:
         self.tolerance: float | None = config.sync.probe_tolerance
         self.noise: float | None = None  # the first probe's largest gap: engines and learner on the same weights
         self.probes: dict[int, ProbeRecord] = {}  # slot id -> its engine's probe when its output last changed
-        self.expected: tuple[int, dict[str, str]] | None = None  # (version, the learner's fingerprints of it)
+        self.expected: tuple[int, Any] | None = None  # (version, the learner's fingerprints of it, or their ref)
 
     @property
     def workers(self) -> list[Any]:
@@ -92,12 +95,16 @@ class RolloutPool:
         todo = deque((i, (starts[i], starts[i + 1])) for i in range(len(shares)) if shares[i])
         running: dict[Any, tuple[int, tuple[int, int], float]] = {}  # ref -> (worker index, chunk, dispatched at)
         results: dict[int, list[list[Any]]] = {}  # chunk start -> groups
+        loaded: dict[int, Loaded | None] = {}  # worker index -> the report of the deferred load its request made
+        probed: dict[int, ProbeSample] = {}  # worker index -> the probe its request ran after that load
         timeout = self.config.timeouts.generate
         while todo or running:
             while todo:
                 worker, (a, b) = todo.popleft()
-                load = self.deferred.get(self.fleet.rollout[worker].id, [])
-                ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load)
+                slot_id = self.fleet.rollout[worker].id
+                load = self.deferred.get(slot_id, [])
+                probe = {"probe": self.probe_args()} if slot_id in self.probing else {}
+                ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load, **probe)
                 running[ref] = (worker, (a, b), time.monotonic())
             first_deadline = min(started for _, _, started in running.values()) + timeout
             ray.wait(list(running), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
@@ -110,8 +117,13 @@ class RolloutPool:
                 if outcome.ok:
                     results[a] = value = outcome.value
                     self._record_speed(worker, b - a, now - started)
-                    if self.deferred.pop(self.fleet.rollout[worker].id, None) is not None:  # it loaded them first
-                        self.check_loaded(worker, value.loaded)
+                    slot_id = self.fleet.rollout[worker].id
+                    if self.deferred.pop(slot_id, None) is not None:  # it loaded them first
+                        loaded[worker] = value.loaded
+                        self.unprobed.add(slot_id)
+                    if slot_id in self.probing:
+                        self.probing.discard(slot_id)
+                        probed[worker] = value.probe
                 else:
                     errored.append(worker)
                     failed[worker] = outcome.error
@@ -126,6 +138,10 @@ class RolloutPool:
                 self.transport.check_learner()
             for worker, cause in failed.items():
                 self.replace(worker, cause)  # its request then goes to the replacement (deferred load dropped)
+        for worker in sorted(loaded):  # checked before anything is trained on the rollouts, workers in order
+            self.check_loaded(worker, loaded[worker])
+        if probed:
+            self.verify(sorted(probed), probed)
         groups = [group for start in sorted(results) for group in results[start]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
@@ -184,6 +200,7 @@ class RolloutPool:
             fleet.rollout = [slot for slot in fleet.rollout if slot not in removed]
             for slot in removed:
                 self.deferred.pop(slot.id, None)
+                self.probing.discard(slot.id)
             fleet.launcher.stop(removed)
             self.transport.fleet_changed(self.workers)
             self.scale_events += len(removed)
@@ -246,26 +263,42 @@ class RolloutPool:
             print(f"relay: {self.last_scale_error}; it was dropped, the run goes on with the workers it has",
                   file=sys.stderr, flush=True)
 
-    def sync(self, version: int) -> float:
-        """Load the learner's weights (version `version`) into every worker and verify them; returns the probe's
-        largest gap (NaN without the probe).
+    def sync(self, version: int, now: bool = False) -> None:
+        """Load the learner's weights (version `version`) into every worker and verify them (the probe's gaps go to
+        `take_gap`).
 
-        Without the probe (`sync.probe=false`) and with a transport that allows it (`object_store`), the weights are
-        only exported here: every worker loads them at the start of its next `generate` request, which Ray runs after
-        any earlier call from this driver, and every rollout's weights version is still checked."""
+        With a transport that allows it (`object_store`), and unless `now`, the weights are only exported here:
+        every worker loads them at the start of its next `generate` request, which Ray runs after any earlier call
+        from this driver, runs the probe right after the load (`sync.probe`), and the request's result carries both
+        back; `generate` checks them before it returns, so nothing is trained on rollouts of unverified weights, and
+        every rollout's weights version is still checked. `now` loads and probes at once (the end of a run)."""
         self.weights_version = version
-        loads = None if self.config.sync.probe else self.transport.defer(
-            {slot.id: slot for slot in self.fleet.rollout}, version)
+        if self.config.sync.fingerprint:  # computed by the learner while the workers load
+            self.expected = (version, self.fleet.learner.weights_fingerprint.remote())
+        loads = None if now else self.transport.defer({slot.id: slot for slot in self.fleet.rollout}, version)
         if loads is not None:
             self.deferred = loads
-            return float("nan")
-        self.deferred = {}
+            self.probing = set(loads) if self.config.sync.probe else set()
+            return
+        self.deferred, self.probing = {}, set()
         failed = self._load(list(range(len(self.workers))))
         for i, cause in failed.items():
             self.replace(i, cause)  # the replacement is loaded and probed on its own
-        return self.verify() if self.config.sync.probe else float("nan")
+        if self.config.sync.probe:
+            self.verify()
 
-    def verify(self, indices: list[int] | None = None) -> float:
+    def take_gap(self) -> float:
+        """The largest probe gap since the last call (the sync's probes and any new or replaced worker's); NaN when
+        nothing was probed."""
+        gaps, self.gaps = self.gaps, []
+        return max(gaps, default=float("nan"))
+
+    def probe_args(self) -> tuple:
+        """The arguments of `RolloutWorker.probe`: the same seeded sample every time."""
+        cfg = self.config
+        return cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED
+
+    def verify(self, indices: list[int] | None = None, samples: dict[int, ProbeSample] | None = None) -> float:
         """Compare engines' logprobs of a seeded probe sample with the learner's; return the largest gap, or raise
         SyncError naming the first worker whose gap exceeds `sync.probe_tolerance`, whose first probe since its last
         load took prompt tokens from the prefix cache (KV entries of the previous weights survived the load: a stale
@@ -275,9 +308,10 @@ class RolloutPool:
         hides a step's change from the gap, this still sees it).
 
         The first call (before any update, the engines on the weights the learner started from) measures the noise
-        floor; without `sync.probe_tolerance` it sets the tolerance from it (`probe_tolerance_from`)."""
+        floor; without `sync.probe_tolerance` it sets the tolerance from it (`probe_tolerance_from`). `samples`: the
+        probes the workers already ran (by index), else they are asked for them now."""
         indices = list(range(len(self.workers))) if indices is None else indices
-        gaps = self.probe_gaps(indices)
+        gaps = self.probe_gaps(indices, samples)
         if self.noise is None:
             self.noise = max((gap for gap, _ in gaps), default=0.0)
         if self.tolerance is None:
@@ -310,7 +344,9 @@ class RolloutPool:
                     f"(more than the noise floor {self.noise:.3g}) since: the engine did not apply the loads after "
                     f"version {earlier}")
             self.probes[slot_id] = next_probe_record(self.probes.get(slot_id), record)
-        return max((gap for gap, _ in gaps), default=0.0)
+        largest = max((gap for gap, _ in gaps), default=0.0)
+        self.gaps.append(largest)
+        return largest
 
     def _weights_digest(self) -> str:
         """What identifies the learner's current weights: the digest of its fingerprints, or without them the
@@ -322,9 +358,10 @@ class RolloutPool:
     def learner_fingerprint(self) -> dict[str, str]:
         """The learner's fingerprints of its current weights (version `weights_version`), asked once per version."""
         if self.expected is None or self.expected[0] != self.weights_version:
-            learner = self.fleet.learner
-            fingerprints = get([learner.weights_fingerprint.remote()], self.config.timeouts.sync, ["learner"], "sync")
-            self.expected = (self.weights_version, fingerprints[0])
+            self.expected = (self.weights_version, self.fleet.learner.weights_fingerprint.remote())
+        if isinstance(self.expected[1], ray.ObjectRef):  # asked for by `sync`
+            [fingerprints] = get([self.expected[1]], self.config.timeouts.sync, ["learner"], "sync")
+            self.expected = (self.weights_version, fingerprints)
         return self.expected[1]
 
     def check_loaded(self, index: int, loaded: Loaded | None) -> None:
@@ -338,17 +375,19 @@ class RolloutPool:
             return "sync.probe_tolerance"
         return "derived from the noise floor before the first update; set sync.probe_tolerance to override"
 
-    def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
+    def probe_gaps(self, indices: list[int], samples: dict[int, ProbeSample] | None = None
+                   ) -> list[tuple[float, ProbeSample]]:
         """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample with the
-        learner's logprobs filled in).
+        learner's logprobs filled in); `samples` (by index) are probes the workers already ran.
 
         The learner scores each distinct sample alone, so that its logprobs of the same tokens and weights are the
         same bits whichever other samples the probe had (batched, padding changes them in bfloat16)."""
-        cfg = self.config
-        names = [self.fleet.rollout_names[i] for i in indices]
-        args = (cfg.sync.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED)
-        probes = values(call_all([self.workers[i] for i in indices], "probe", args, cfg.timeouts.sync, "sync",
-                                 stop_on_failure=True), names, "sync")
+        if samples is not None:
+            probes = [samples[i] for i in indices]
+        else:
+            names = [self.fleet.rollout_names[i] for i in indices]
+            probes = values(call_all([self.workers[i] for i in indices], "probe", self.probe_args(),
+                                     self.config.timeouts.sync, "sync", stop_on_failure=True), names, "sync")
         learner_lps: dict[tuple, list[float]] = {}
         samples = []
         for p in probes:
@@ -368,7 +407,8 @@ class RolloutPool:
         started = time.perf_counter()
         self.restarts += 1
         slot = self.fleet.rollout[index]
-        self.deferred.pop(slot.id, None)  # the replacement is loaded here
+        self.deferred.pop(slot.id, None)  # the replacement is loaded (and probed) here
+        self.probing.discard(slot.id)
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed(self.workers)

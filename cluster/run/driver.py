@@ -59,7 +59,8 @@ class Trainer:
         self.learner_node = node_of(fleet.placement) if control is not None else None
 
     def step(self, step: int) -> dict[str, Any]:
-        """One on-policy step; the weights are synced to every rollout worker before it returns."""
+        """One on-policy step; the weights are synced to every rollout worker before the next step samples (loaded and
+        probed at the start of its requests) or, at the last step, before it returns."""
         self.timings = {"time/generate": 0.0, "time/score": 0.0}
         started = time.perf_counter()
         recovering = self.rollouts.recovery_seconds
@@ -72,9 +73,10 @@ class Trainer:
         with self.timed("train"):
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
         with self.timed("sync"):
-            probe_diff = self.sync_weights()
+            self.sync_weights(now=step == self.config.max_steps)
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering  # inside generate and sync
-        return self.record(step, rollouts, learner_metrics, probe_diff, time.perf_counter() - started, sampling)
+        return self.record(step, rollouts, learner_metrics, self.rollouts.take_gap(), time.perf_counter() - started,
+                           sampling)
 
     @contextmanager
     def timed(self, phase: str):
@@ -189,6 +191,9 @@ class Trainer:
         self.data.load_state(point.state["data"])
         self.weights_version = version
         self.rollouts.sync(version)
+        # The start's probe checked the model's weights, not the checkpoint's the next step samples with (that step's
+        # requests probe those): its gap is not that step's, which must match the uninterrupted run's.
+        self.rollouts.take_gap()
         return point.step
 
     def apply_scale_request(self) -> None:
@@ -218,9 +223,11 @@ class Trainer:
         # it); a request made after this is taken one step later.
         self.request = self.control.take_request.remote()
 
-    def sync_weights(self) -> float:
-        """Every rollout worker serves the learner's new weights, checked by the probe; returns the probe's gap."""
-        return self.rollouts.sync(self.weights_version)
+    def sync_weights(self, now: bool = False) -> None:
+        """Every rollout worker gets the learner's new weights, checked by the probe: at the start of its next request
+        (`RolloutPool.sync`), or at once with `now` (the last step: the run ends with every engine verified on the
+        final weights)."""
+        self.rollouts.sync(self.weights_version, now)
 
     def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
                step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:

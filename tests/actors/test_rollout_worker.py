@@ -63,6 +63,24 @@ def test_generate_returns_g_completions_with_engine_logprobs(worker, tiny_model_
             torch.testing.assert_close(torch.tensor(r.behavior_logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_texts_and_logprobs_are_what_vllm_itself_detokenizes_and_reports(worker):
+    """The adapter skips vLLM's per-token detokenizer and Logprob objects (detokenize=False, flat logprobs) and decodes
+    the texts in one batch: the same texts, tokens and logprobs as vLLM's own path with the same seeds."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts, seeds = ["37+45=", "1+2=", "99+99="], [3, 4, 5]
+    ours = worker.generate(prompts, seeds, SamplingSettings(group_size=4, max_new_tokens=8))
+    ids = [worker.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    params = [SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=8, logprobs=0, seed=s,
+                             skip_special_tokens=True) for s in seeds]
+    theirs = worker.engine.llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], params, use_tqdm=False)
+    got = [[(r.response_ids, r.behavior_logprobs, r.text) for r in g] for g in ours]
+    want = [[(list(c.token_ids), [p[t].logprob for t, p in zip(c.token_ids, c.logprobs)], c.text) for c in o.outputs]
+            for o in theirs]
+    assert got == want
+    assert any(r.text for g in ours for r in g) and any(r.finish_reason == "stop" for g in ours for r in g)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(worker):
     sampling = SamplingSettings(group_size=3, max_new_tokens=6)
     alone = worker.generate(["12+34="], [7], sampling)[0]

@@ -31,12 +31,12 @@ class OneSlowWorker(RolloutWorker):
         except FileExistsError:
             self.speed = "fast"
 
-    def generate(self, prompts, seeds, sampling):
+    def generate(self, prompts, seeds, sampling, *load, **probe):
         if self.speed == "slow":
             time.sleep(1.0)
         with open(self.log, "a") as out:
             out.write(f"{self.speed} {len(prompts)}\n")
-        return super().generate(prompts, seeds, sampling)
+        return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
 def run(tmp_path, model_dir, name, balance):

@@ -42,13 +42,13 @@ class OnceFaultyWorker(RolloutWorker):
     fail_on = 2
     mode = "kill"
 
-    def generate(self, prompts, seeds, sampling, *load):
+    def generate(self, prompts, seeds, sampling, *load, **probe):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == self.fail_on and _first(self.marker):
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-generation, as an OOM kill would
             time.sleep(3600)  # a hung engine
-        return super().generate(prompts, seeds, sampling, *load)
+        return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
 def faulty(tmp_path, mode):

@@ -66,10 +66,32 @@ class NoCacheResetWorker(RolloutWorker):
         return super().load_weights(version, *buckets)
 
 
+class CallLogWorker(RolloutWorker):
+    """Logs each call it gets and each load and probe it makes, to the file `log`."""
+
+    log = ""
+
+    def _note(self, line: str) -> None:
+        with open(self.log, "a") as out:
+            out.write(f"{id(self)} {line}\n")
+
+    def generate(self, prompts, seeds, sampling, *load, **probe):
+        self._note(f"generate load={bool(load)} probe={bool(probe)}")
+        return super().generate(prompts, seeds, sampling, *load, **probe)
+
+    def load_weights(self, version, *buckets):
+        self._note(f"load {version}")
+        return super().load_weights(version, *buckets)
+
+    def probe(self, prompt, max_tokens, temperature, seed):
+        self._note("probe")
+        return super().probe(prompt, max_tokens, temperature, seed)
+
+
 class HangingWorker(RolloutWorker):
     """Generation never returns in time."""
 
-    def generate(self, prompts, seeds, sampling):
+    def generate(self, prompts, seeds, sampling, *load, **probe):
         time.sleep(3600)
 
 
@@ -92,6 +114,31 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
     first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (lines[:5], lines[-5:]))
     assert last > first + 0.25, f"the demo did not learn: reward {first:.2f} -> {last:.2f}"
     assert load_config(tmp_path / "run" / "config.yaml") == config.model_copy(update={"run_dir": str(tmp_path / "run")})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_worker_loads_and_probes_inside_its_next_request(ray_local, tmp_path, demo_model_dir, dtype):
+    """With `object_store` a sync only exports: each worker's next generate request loads the weights and runs the
+    probe before it samples (one call per worker per step), and the last step loads and probes at once."""
+    log = tmp_path / "calls.log"
+    config = config_for(tmp_path, demo_model_dir, "max_steps=3", f"model.dtype={dtype}")
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False,
+                           rollout_cls=type("Logged", (CallLogWorker,), {"log": str(log)}))
+    calls: dict[str, list[str]] = {}
+    for line in log.read_text().splitlines():
+        worker, call = line.split(" ", 1)
+        calls.setdefault(worker, []).append(call)
+    in_request = ["generate load=True probe=True", "load {}", "probe"]
+    assert len(calls) == 2 and all(c == [
+        "probe",  # before step 1: the noise floor, on the weights both started from
+        "generate load=False probe=False",  # step 1
+        *(line.format(1) for line in in_request),  # step 2 loads version 1
+        *(line.format(2) for line in in_request),  # step 3 loads version 2
+        "load 3", "probe",  # the last step's sync, at once
+    ] for c in calls.values()), calls
+    assert [r["weights/version"] for r in records] == [1, 2, 3]
+    assert all(0 <= r["sync/probe_max_diff"] <= (1e-4 if dtype == "float32" else 0.1) for r in records)
+    assert all(r["logprob/mismatch"] < (1e-4 if dtype == "float32" else 0.05) for r in records)
 
 
 @pytest.mark.parametrize("lr", ["2e-3", "default"])

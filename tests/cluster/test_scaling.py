@@ -41,9 +41,9 @@ class ThirdStartFails(RolloutWorker):
             raise RuntimeError("injected: this engine cannot start")
         super().__init__(settings, num_threads, fingerprint)
 
-    def generate(self, prompts, seeds, sampling, *load):
+    def generate(self, prompts, seeds, sampling, *load, **probe):
         time.sleep(0.3)
-        return super().generate(prompts, seeds, sampling, *load)
+        return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
 def read(run_dir) -> list[dict]:
