@@ -3,7 +3,7 @@
 Usage: python bench/scale_sim.py [--workers 1,2,4,8,16,32,64] [--steps 5] [--prompts-per-worker 8] [--calibrate]
 
 Real: the driver's code (RolloutPool: prompts split by measured worker speed, deadlines, the version check, the
-object-store weight sync to every worker, which without the probe rides on each worker's next generate request), Ray
+object-store weight sync to every worker, which rides on each worker's next generate request; no probe here), Ray
 actors in their own placement groups (RolloutLauncher), started with the Ray settings `relay train` uses, and real
 Rollout payloads (G completions x `--tokens` token ids and logprobs each).
 Simulated: the engine. `SimulatedEngine.generate` sleeps for the time a vLLM engine takes for that many prompts,
