@@ -140,6 +140,10 @@ class RolloutPool:
                 self.replace(worker, cause)  # its request then goes to the replacement (deferred load dropped)
         for worker in sorted(loaded):  # checked before anything is trained on the rollouts, workers in order
             self.check_loaded(worker, loaded[worker])
+            if worker in probed and probed[worker] is None:
+                raise SyncError(f"weight sync check failed: {self.fleet.rollout_names[worker]} (version "
+                                f"{self.weights_version}) was asked to run the probe with its request but returned "
+                                "none")
         if probed:
             self.verify(sorted(probed), probed)
         groups = [group for start in sorted(results) for group in results[start]]

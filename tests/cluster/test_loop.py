@@ -88,6 +88,13 @@ class CallLogWorker(RolloutWorker):
         return super().probe(prompt, max_tokens, temperature, seed)
 
 
+class NoProbeWorker(RolloutWorker):
+    """Loads the weights its request carries but never runs the probe it is asked for."""
+
+    def generate(self, prompts, seeds, sampling, *load, **probe):
+        return super().generate(prompts, seeds, sampling, *load)
+
+
 class HangingWorker(RolloutWorker):
     """Generation never returns in time."""
 
@@ -139,6 +146,13 @@ def test_each_worker_loads_and_probes_inside_its_next_request(ray_local, tmp_pat
     assert [r["weights/version"] for r in records] == [1, 2, 3]
     assert all(0 <= r["sync/probe_max_diff"] <= (1e-4 if dtype == "float32" else 0.1) for r in records)
     assert all(r["logprob/mismatch"] < (1e-4 if dtype == "float32" else 0.05) for r in records)
+
+
+def test_a_request_that_skips_the_probe_stops_the_run(ray_local, tmp_path, demo_model_dir):
+    config = config_for(tmp_path, demo_model_dir, "max_steps=2")
+    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) was asked to run the "
+                                        r"probe with its request but returned none"):
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=NoProbeWorker)
 
 
 @pytest.mark.parametrize("lr", ["2e-3", "default"])
