@@ -126,10 +126,10 @@ class DataParallel:
         rank must join. One rank: exactly `batching.split` of the rows."""
         if self.world_size == 1:
             return [(rows[part], True) for part in batching.split(lengths[rows])]
-        shares = list(rows.tensor_split(self.world_size))  # contiguous, sizes differ by at most one
-        mine = [(shares[self.rank][part], True) for part in batching.split(lengths[shares[self.rank]])]
-        most = max(len(batching.split(lengths[share])) for share in shares)
-        return mine + [(rows[:1], False)] * (most - len(mine))
+        shares = rows.tensor_split(self.world_size)  # contiguous, sizes differ by at most one
+        passes = [batching.split(lengths[share]) for share in shares]
+        mine = [(shares[self.rank][part], True) for part in passes[self.rank]]
+        return mine + [(rows[:1], False)] * (max(map(len, passes)) - len(mine))
 
     def compute_rows(self, batch: SequenceBatch, compute: Callable[[SequenceBatch], Tensor],
                      batching: MicroBatching) -> Tensor:

@@ -64,10 +64,9 @@ class RolloutPool:
         self.next_id = max((slot.id for slot in fleet.rollout), default=-1) + 1
         self.transport = make_transport(config.sync, fleet.learner, config.timeouts.sync)
         # With a transport that allows it, a sync only exports the weights: each worker loads them at the start of
-        # its next `generate`, and runs the probe right after (one call per worker per step instead of three).
-        # slot id -> the `version, *buckets` to send; `probing`: slot ids whose next request also runs the probe.
+        # its next `generate`, and runs the probe right after with `sync.probe` (one call per worker per step
+        # instead of three). slot id -> the `version, *buckets` to send.
         self.deferred: dict[int, list] = {}
-        self.probing: set[int] = set()
         self.gaps: list[float] = []  # the probes' largest gaps since `take_gap`
         # Slot ids of workers whose engine is new or loaded weights since it was last probed: its next probe must find
         # nothing of the probe's prompt in the prefix cache. Tracked here, not by the workers being checked.
@@ -103,7 +102,7 @@ class RolloutPool:
                 worker, (a, b) = todo.popleft()
                 slot_id = self.fleet.rollout[worker].id
                 load = self.deferred.get(slot_id, [])
-                probe = {"probe": self.probe_args()} if slot_id in self.probing else {}
+                probe = {"probe": self.probe_args()} if load and self.config.sync.probe else {}
                 ref = self.workers[worker].generate.remote(prompts[a:b], seeds[a:b], sampling, *load, **probe)
                 running[ref] = (worker, (a, b), time.monotonic())
             first_deadline = min(started for _, _, started in running.values()) + timeout
@@ -121,9 +120,8 @@ class RolloutPool:
                     if self.deferred.pop(slot_id, None) is not None:  # it loaded them first
                         loaded[worker] = value.loaded
                         self.unprobed.add(slot_id)
-                    if slot_id in self.probing:
-                        self.probing.discard(slot_id)
-                        probed[worker] = value.probe
+                        if self.config.sync.probe:
+                            probed[worker] = value.probe
                 else:
                     errored.append(worker)
                     failed[worker] = outcome.error
@@ -204,7 +202,6 @@ class RolloutPool:
             fleet.rollout = [slot for slot in fleet.rollout if slot not in removed]
             for slot in removed:
                 self.deferred.pop(slot.id, None)
-                self.probing.discard(slot.id)
             fleet.launcher.stop(removed)
             self.transport.fleet_changed(self.workers)
             self.scale_events += len(removed)
@@ -282,9 +279,8 @@ class RolloutPool:
         loads = None if now else self.transport.defer({slot.id: slot for slot in self.fleet.rollout}, version)
         if loads is not None:
             self.deferred = loads
-            self.probing = set(loads) if self.config.sync.probe else set()
             return
-        self.deferred, self.probing = {}, set()
+        self.deferred = {}
         failed = self._load(list(range(len(self.workers))))
         for i, cause in failed.items():
             self.replace(i, cause)  # the replacement is loaded and probed on its own
@@ -412,7 +408,6 @@ class RolloutPool:
         self.restarts += 1
         slot = self.fleet.rollout[index]
         self.deferred.pop(slot.id, None)  # the replacement is loaded (and probed) here
-        self.probing.discard(slot.id)
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed(self.workers)
