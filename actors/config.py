@@ -63,6 +63,12 @@ class RolloutConfig(_Section):
     until `data.prompts_per_step` groups are kept."""
     max_restarts: int = Field(5, ge=0, le=10_000)
     """Rollout workers the run may replace (after a death or a missed deadline) before it stops."""
+    max_staleness: int = Field(0, ge=0, le=64)
+    """Asynchronous training: the batch step t trains on is sampled with weights version exactly max(c, t - 1 - k)
+    (k this value; c the latest checkpoint step before t, where the pipeline drains), so the next k batches are
+    generated, scored and reference-scored while the learner trains. 0: on-policy, generation waits for each step's
+    weights. With k >= 1 the loss is decoupled PPO (`learner.rollout_correction` defaults to `tis`);
+    docs/operations.md, asynchronous training."""
     max_sampling_rounds: int = Field(4, ge=1, le=1000)
     """Generation rounds per step with dynamic sampling; if the batch is still short after them, it is topped up
     with dropped groups (counted in `sampling/filler_groups`)."""

@@ -101,6 +101,19 @@ class VllmEngine:
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
+    def score(self, prompt_ids: Sequence[int]) -> list[float]:
+        """log pi of every token of `prompt_ids` after the first, given the ones before it (vLLM's prompt logprobs:
+        raw logits, no temperature; such a request never reads the prefix cache, vLLM recomputes it)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
+        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
+        flat = out.prompt_logprobs
+        if flat is None or list(flat.token_ids) != list(prompt_ids[1:]):
+            raise RuntimeError(f"engine returned prompt logprobs of tokens {None if flat is None else flat.token_ids},"
+                               f" not of the prompt's {list(prompt_ids[1:])}")
+        return list(flat.logprobs)
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive."""
         if self._in_process:

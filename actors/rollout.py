@@ -2,7 +2,8 @@
 
 Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, the
 fingerprints of the weights it hands its engine (sync/fingerprint.py), and the sync probe (a seeded sample from a
-fixed prompt whose logprobs the driver compares with the learner's).
+fixed prompt whose logprobs the driver compares with the learner's; asynchronously, a sample the learner made,
+scored).
 Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
 """
 
@@ -44,24 +45,28 @@ class RolloutWorker:
         self.last_load: dict[str, float] = {}
 
     def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
-                 version: int | None = None, *buckets: Weights, probe: tuple | None = None) -> RolloutGroups:
+                 version: int | None = None, *buckets: Weights, probe: tuple | None = None,
+                 score_probe: tuple | None = None) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
         report comes back as the result's `loaded`; given `probe` (the `probe` method's arguments), the probe then
         runs on the new weights before anything else can fill the prefix cache, and comes back as the result's
-        `probe`."""
+        `probe`; given `score_probe` instead (asynchronous training: `score_probe`'s arguments, from the learner's
+        export), that probe runs."""
+        started = time.time()
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         loaded = self.load_weights(version, *buckets) if version is not None else None
-        probed = self.probe(*probe) if probe is not None else None
+        probed = (self.probe(*probe) if probe is not None else
+                  self.score_probe(*score_probe) if score_probe is not None else None)
         # Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are.
         prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
                       for p in prompts]
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
         result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
-        result.loaded, result.probe = loaded, probed
+        result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
         return result
 
     def load_weights(self, version: int, *buckets: Weights) -> Loaded:
@@ -103,6 +108,17 @@ class RolloutWorker:
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         [[c]] = self.engine.generate([prompt_ids], 1, temperature, 1.0, max_tokens, [seed])
         return ProbeSample(prompt_ids, c.response_ids, c.logprobs, self.weights_version, c.cached_prompt_tokens)
+
+    def score_probe(self, prompt_ids: list[int], response_ids: list[int], learner_logprobs: list[float],
+                    seed: int) -> ProbeSample:
+        """The asynchronous sync probe: the learner sampled `response_ids` from `prompt_ids` when it exported the
+        weights (it has moved on by the time this comes back, so it cannot score a sample of the engine's); the
+        engine scores the same tokens (prompt logprobs: temperature 1, as `learner_logprobs`), after a one-token
+        seeded sample of the prompt that reports the prefix cache's hits (prompt-logprob requests never read it)."""
+        [[c]] = self.engine.generate([prompt_ids], 1, 1.0, 1.0, 1, [seed])
+        logprobs = self.engine.score([*prompt_ids, *response_ids])[len(prompt_ids) - 1:]
+        return ProbeSample(list(prompt_ids), list(response_ids), logprobs, self.weights_version,
+                           c.cached_prompt_tokens, list(learner_logprobs))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

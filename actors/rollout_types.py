@@ -48,10 +48,12 @@ class RolloutGroups(list):
     than a Python object per token (docs/benchmarks.md, scale simulation). On the receiving side
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
     float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one, and `probe`
-    the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to."""
+    the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to; `clock` the worker's wall clock
+    (time.time()) when the request started running and when it finished (the engines' idle time between requests)."""
 
     loaded: Loaded | None = None
     probe: Any = None
+    clock: tuple[float, float] | None = None
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -62,11 +64,11 @@ class RolloutGroups(list):
             np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
                            or [np.zeros(0, np.float32)]),
             [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
-            self.loaded, self.probe))
+            self.loaded, self.probe, self.clock))
 
 
 def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
-                   loaded=None, probe=None) -> RolloutGroups:
+                   loaded=None, probe=None, clock=None) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
     ends = np.cumsum(lengths).tolist()
@@ -76,5 +78,5 @@ def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reas
         groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
                                finish_reasons[j], versions[j]) for j in range(k, k + size)])
         k += size
-    groups.loaded, groups.probe = loaded, probe
+    groups.loaded, groups.probe, groups.clock = loaded, probe, clock
     return groups

@@ -1,6 +1,7 @@
 """SIMULATION: the driver's own overhead as the rollout fleet grows to 64 workers.
 
-Usage: python bench/scale_sim.py [--workers 1,2,4,8,16,32,64] [--steps 5] [--prompts-per-worker 8] [--calibrate]
+Usage: python bench/scale_sim.py [--workers 1,2,4,8,16,32,64] [--steps 5] [--prompts-per-worker 8] [--pipeline 1,64]
+       [--calibrate]
 
 Real: the driver's code (RolloutPool: prompts split by measured worker speed, deadlines, the version check, the
 object-store weight sync to every worker, which rides on each worker's next generate request; no probe here), Ray
@@ -17,6 +18,8 @@ Throughput fraction of ideal = (completions/s at N workers) / (N x completions/s
 A second table gives a fleet where every other worker is 2x slower: prompts split by measured speed (the default,
 `rollout.balance=speed`) against an even split (`balance=even`), as a fraction of the fleet's capacity (0.75 x the
 rate of the same number of fast workers).
+A third table runs the asynchronous pipeline (`rollout.max_staleness=1`: RolloutPool.export/dispatch/collect) against
+on-policy steps, with the learner's update simulated as a sleep as long as one request: the ideal ratio is 2x.
 """
 
 from __future__ import annotations
@@ -142,6 +145,56 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     return steps * len(prompts) * 8 / seconds, cpu / steps
 
 
+def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens: int, staleness: int,
+                     update_seconds: float) -> tuple[float, float]:
+    """(completions per second, driver CPU seconds per step) of `steps` steps in which the learner's update takes
+    `update_seconds` (a sleep in the driver, which waits for it): on-policy (`staleness` 0: generate, update, sync)
+    or asynchronous (`rollout.max_staleness` = staleness: the pool's dispatch/collect pipeline, each batch sent out
+    after the update `staleness` steps before it, as `Trainer.async_step` does)."""
+    from collections import deque
+
+    from cluster.config import load_config
+    from cluster.fleet.placement import Fleet, RolloutLauncher, start_rollout_slots
+    from cluster.fleet.rollout_pool import RolloutPool
+
+    config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
+                                "sync.fingerprint=false", "rollout.group_size=8", f"rollout.max_staleness={staleness}"])
+    launcher = RolloutLauncher(config, "unused", SimulatedEngine)
+    launcher.settings = None
+    launcher.rollout_cls = type("Engine", (SimulatedEngine,), {"latency": latency, "tokens": tokens})
+    slots = [start_rollout_slots(launcher, [i], [])[0] for i in range(n)]
+    learner = ray.remote(SimulatedLearner).options(num_cpus=0).remote()
+    fleet = Fleet(learner, None, slots, None, launcher)
+    pool = RolloutPool(config, fleet)
+    sampling = SamplingSettings(8, tokens)
+    prompts = ["1+1="] * (n * per_worker)
+    seeds = list(range(len(prompts)))
+    if staleness:
+        pool.export(0)
+        for _ in range(2):  # warm-up, as below
+            pool.collect(pool.dispatch(prompts, seeds, sampling, 0))
+        started, cpu = time.perf_counter(), time.process_time()
+        in_flight = deque(pool.dispatch(prompts, seeds, sampling, 0) for _ in range(staleness + 1))
+        for step in range(1, steps + 1):
+            assert len(pool.collect(in_flight.popleft())) == len(prompts)
+            time.sleep(update_seconds)
+            pool.export(step)
+            in_flight.append(pool.dispatch(prompts, seeds, sampling, step))
+    else:
+        pool.sync(0)
+        for _ in range(2):
+            pool.generate(prompts, seeds, sampling)
+        started, cpu = time.perf_counter(), time.process_time()
+        for step in range(1, steps + 1):
+            assert len(pool.generate(prompts, seeds, sampling)) == len(prompts)
+            time.sleep(update_seconds)
+            pool.sync(step)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    launcher.stop(fleet.rollout)
+    ray.kill(learner)
+    return steps * len(prompts) * 8 / seconds, cpu / steps
+
+
 def calibrate() -> tuple[float, float, float]:
     """Fit `a + tokens * (d + e * sequences)` to the real engine's generate time: the demo model, one engine thread,
     every sequence decoding exactly `tokens` tokens (EOS ignored), for 8..128 sequences and 8..40 tokens."""
@@ -179,6 +232,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-worker", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256, help="response tokens per completion (GSM8K-like: 256)")
     parser.add_argument("--mixed", default="4,16,64", help="fleet sizes of the mixed-speed table")
+    parser.add_argument("--pipeline", default="1,64", help="fleet sizes of the asynchronous (k=1) table")
     parser.add_argument("--calibrate", action="store_true", help="measure the real engine's latency model first")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -213,6 +267,15 @@ def main() -> None:
         even, _ = measure(n, args.steps, args.prompts_per_worker, "even", True, latency, args.tokens)
         capacity = 0.75 * fast
         print(f"| {n} | {speed:.0f}/s | {speed / capacity:.1%} | {even:.0f}/s | {even / capacity:.1%} |", flush=True)
+    print(f"\nAsynchronous (rollout.max_staleness=1) against on-policy, the learner's update as long as a request "
+          f"({request:.2f} s, a sleep): ideal k=1 / k=0 = 2x")
+    print("| workers | k=0 completions/s | k=1 completions/s | k=1 / k=0 | driver CPU per step, k=1 |")
+    print("|---|---|---|---|---|")
+    for n in [int(c) for c in args.pipeline.split(",")]:
+        sync_rate, _ = measure_pipeline(n, args.steps, args.prompts_per_worker, latency, args.tokens, 0, request)
+        async_rate, cpu = measure_pipeline(n, args.steps, args.prompts_per_worker, latency, args.tokens, 1, request)
+        print(f"| {n} | {sync_rate:.0f} | {async_rate:.0f} | {async_rate / sync_rate:.2f}x | {cpu * 1e3:.0f} ms |",
+              flush=True)
     ray.shutdown()
 
 

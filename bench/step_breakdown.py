@@ -21,11 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PHASES = ["scale", "generate", "score", "reference", "train", "sync"]  # in the order a step runs them
 NESTED = ["recovery"]  # seconds counted inside the phases above
+IDLE = ["learner_wait", "rollout_idle"]  # seconds the learner, and the engines, waited: not phases of the step
 
 
 def check_phases(record: dict) -> None:
     """Stop if the record has a `time/*` key that is neither a phase, nor nested, nor the step."""
-    known = {f"time/{name}" for name in [*PHASES, *NESTED, "step"]}
+    known = {f"time/{name}" for name in [*PHASES, *NESTED, *IDLE, "step"]}
     unknown = sorted(key for key in record if key.startswith("time/") and key not in known)
     if unknown:
         raise SystemExit(f"{', '.join(unknown)}: not a phase this script knows; add it to PHASES (or NESTED)")

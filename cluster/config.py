@@ -163,6 +163,24 @@ class RunConfig(_Section):
         """Whether the run starts a reference worker: only when some KL penalty reads its logprobs."""
         return self.reference.enabled and (self.learner.kl_coef > 0 or self.learner.kl_reward_coef > 0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _decoupled_by_default(cls, data: Any) -> Any:
+        """Asynchronous training corrects for its stale behaviour policy unless told otherwise: with
+        `rollout.max_staleness` >= 1 an unset `learner.rollout_correction` is `tis` (decoupled PPO)."""
+        if not isinstance(data, dict):
+            return data
+        rollout, learner = data.get("rollout"), data.get("learner")
+        staleness = rollout.get("max_staleness", 0) if isinstance(rollout, dict) else getattr(rollout, "max_staleness",
+                                                                                              0)
+        if not isinstance(staleness, int) or staleness < 1:
+            return data  # too: a malformed value, which the field's own check reports
+        if learner is None:
+            return {**data, "learner": {"rollout_correction": "tis"}}
+        if isinstance(learner, dict) and "rollout_correction" not in learner:
+            return {**data, "learner": {**learner, "rollout_correction": "tis"}}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         for problem in _inconsistencies(self):
@@ -202,6 +220,12 @@ def _inconsistencies(config: RunConfig):
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
     if config.data.task == "dataset" and not config.data.path:
         yield "data.task=dataset needs data.path (a .jsonl or .parquet file, or a datasets directory)"
+    if rollout.max_staleness and config.sync.transport != "object_store":
+        yield ("rollout.max_staleness >= 1 needs sync.transport=object_store (each engine loads the weights between "
+               "its own requests; the collective transport loads every engine at once); set it or max_staleness=0")
+    if rollout.max_staleness and rollout.dynamic_sampling:
+        yield ("rollout.dynamic_sampling with rollout.max_staleness >= 1 is not supported yet (its extra rounds would "
+               "sample with an older version); set one of them off")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

@@ -136,11 +136,11 @@ class Learner(WeightPublisher):
         if (self.critic is None) == (config.advantage == "gae"):
             raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
-        # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward,
-        # no rollout correction): old_logprobs then equal the training forward's own, detached (ratio 1), so the
-        # separate no-grad pass over the batch is skipped and its metrics come from the training forward.
-        self.single_update = (config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
-                              and config.rollout_correction == "none")
+        # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
+        # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
+        # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
+        # is never split across passes) come from the training forward.
+        self.single_update = config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
@@ -162,21 +162,40 @@ class Learner(WeightPublisher):
             self.critic.distribute(self.dp)
         self._gathered = self.dp.gather_weights(self.model)
 
-    def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
-                         response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+    def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                         temperature: float | None = None) -> list[list[float]]:
         """log pi of every response token under the current weights: [B][T_resp_i] (every rank computes its share
-        of the rows and gets all of them)."""
+        of the rows and gets all of them). `temperature`: the logits' divisor, the sampling temperature unless given
+        (the asynchronous sync probe scores at 1, as vLLM's prompt logprobs are)."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
-        return unpad_per_token(self._policy_rows(batch), batch)
+        return unpad_per_token(self._policy_rows(batch, temperature), batch)
 
-    def _policy_rows(self, batch: SequenceBatch) -> torch.Tensor:
+    def probe_sample(self, prompt_ids: list[int], max_tokens: int, temperature: float,
+                     seed: int) -> tuple[list[int], list[int], list[float], int]:
+        """A seeded sample of up to `max_tokens` tokens continuing `prompt_ids` from the current weights, with its
+        tokens' logprobs at temperature 1: `RolloutWorker.score_probe`'s arguments (asynchronous training's sync
+        probe, asked for when the weights are exported). Every rank draws the same tokens (same seed and logits);
+        the learner's own random state is left as it was."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self._compute():
+            torch.manual_seed(seed)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
+                                      pad_token_id=self.pad_id)
+        response = out[0, len(prompt_ids):].tolist()
+        [logprobs] = self.compute_logprobs([prompt_ids], [response], temperature=1.0)
+        return list(prompt_ids), response, logprobs, seed
+
+    def _policy_rows(self, batch: SequenceBatch, temperature: float | None = None) -> torch.Tensor:
         """`sequence_logprobs` of the whole batch without gradients, [B, L-1], each rank computing its share of the
         rows, pass by pass."""
+        temperature = self.temperature if temperature is None else temperature
 
         @torch.no_grad()
         def compute(part: SequenceBatch) -> torch.Tensor:
             with self._compute():
-                return sequence_logprobs(self.model, part, self.temperature)
+                return sequence_logprobs(self.model, part, temperature)
 
         return self.dp.compute_rows(batch, compute, self.batching)
 
@@ -277,14 +296,18 @@ class Learner(WeightPublisher):
                 old = logprobs.detach()
                 behavior = step.behavior[mb_idx, :width]
                 add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
-                _, mismatch = rollout_correction(old, behavior, mb_mask, "none", cfg.rollout_correction_cap)
-                add("mismatch/kl", mismatch["mismatch/kl"], token_share)
+                correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
+                                                           cfg.rollout_correction_cap, cfg.rollout_correction_level)
+                for name, value in corrected.items():  # token means
+                    add(name, value, token_share)
+                if cfg.rollout_correction == "none":
+                    correction = None
             else:
                 old = step.old_logprobs[mb_idx, :width]
+                correction = None if step.correction is None else step.correction[mb_idx, :width]
             policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
                 logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
-                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length,
-                None if step.correction is None else step.correction[mb_idx, :width])
+                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
             loss = policy_loss
             if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
                 token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)

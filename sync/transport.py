@@ -97,12 +97,19 @@ class ObjectStoreTransport:
             self.exported.append(self.publisher.share_weights.remote(version))
             loads.update((key, [version, *self.exported[:1]]) for key in local)
         if len(local) < len(workers):
-            export = self.publisher.export_weight_buckets.options(num_returns=self.num_buckets)
-            buckets = export.remote(self.bucket_bytes)
-            buckets = list(buckets) if self.num_buckets > 1 else [buckets]
-            self.exported += buckets
-            loads.update((key, [version, *buckets]) for key in workers if key not in local)
+            shared, load = self.exported, self.export(version)
+            self.exported = shared + self.exported
+            loads.update((key, load) for key in workers if key not in local)
         return loads
+
+    def export(self, version: int) -> list:
+        """The learner's current weights as one object-store object per bucket: `[version, *bucket refs]`, what any
+        worker on any node loads them from for as long as the caller holds the refs (asynchronous training keeps
+        every version still in flight; the shared-memory buffer holds only the latest)."""
+        export = self.publisher.export_weight_buckets.options(num_returns=self.num_buckets)
+        buckets = export.remote(self.bucket_bytes)
+        self.exported = list(buckets) if self.num_buckets > 1 else [buckets]
+        return [version, *self.exported]
 
     def check_learner(self) -> None:
         """After loads failed: the workers' fault, or the learner's? Raises a RunError naming the learner when it

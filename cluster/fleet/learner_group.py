@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from sync.calls import RunError, call_all, get, values
+from sync.calls import RunError, call_all, get, values, wait_all
 
 if TYPE_CHECKING:
     from cluster.config import TimeoutConfig
@@ -55,12 +55,30 @@ class LearnerGroup:
         """One update over every rank; rank 0's metrics (the same on every rank: they are summed over ranks), with
         `weights/version`, the version it produced. `ref_logprobs`: the ref of the reference's flat logprobs, which
         Ray hands each rank without the driver reading them."""
-        shared = batch if len(self.ranks) == 1 else ray.put(batch)  # one copy, each rank reads all of it
-        return self._call_all("train_step", (shared, ref_logprobs), self.timeouts.train, "train")[0]
+        return self.finish(self.submit_train(batch, ref_logprobs), self.timeouts.train, "train")[0]
 
-    def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """The learner's logprobs of the given sequences (every rank computes its share; rank 0's answer)."""
-        return self._call_all("compute_logprobs", (prompt_ids, response_ids), self.timeouts.sync, "sync")[0]
+    def submit_train(self, batch: TrainBatch, ref_logprobs: Any = None) -> list[Any]:
+        """`train_step` sent to every rank and not waited for (asynchronous training generates meanwhile): the refs
+        for `finish`."""
+        shared = batch if len(self.ranks) == 1 else ray.put(batch)  # one copy, each rank reads all of it
+        return self.submit("train_step", (shared, ref_logprobs))
+
+    def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                         temperature: float | None = None) -> list[list[float]]:
+        """The learner's logprobs of the given sequences (every rank computes its share; rank 0's answer), at the
+        sampling temperature unless `temperature` is given."""
+        return self._call_all("compute_logprobs", (prompt_ids, response_ids, temperature), self.timeouts.sync,
+                              "sync")[0]
+
+    def submit(self, method: str, args: tuple) -> list[Any]:
+        """`method(*args)` on every rank, not waited for: the refs, for `finish` (every rank's, so that a rank's
+        failure is not lost)."""
+        return [getattr(rank, method).remote(*args) for rank in self.ranks]
+
+    def finish(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """The results of a `submit`, in rank order, within `timeout` seconds from now; RunError naming the rank
+        that failed or missed it."""
+        return values(wait_all(refs, timeout, what, stop_on_failure=True), self.names, what)
 
     def save_checkpoint(self, directory: str) -> None:
         """Every rank joins; rank 0 writes the learner's part of the checkpoint into `directory`."""

@@ -20,13 +20,14 @@ import statistics
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, PendingWorker, RolloutSlot, node_of
-from sync.calls import RunError, call_all, get, late, settle, values
+from sync.calls import Outcome, RunError, call_all, get, late, settle, values
 from sync.fingerprint import digest
 from sync.transport import make_transport
 from sync.verify import (
@@ -46,6 +47,41 @@ if TYPE_CHECKING:
 
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
+
+
+@dataclass(eq=False)
+class Export:
+    """Asynchronous training: one weights version the learner exported, kept while requests that sample with it may
+    still run (a replaced worker loads it again)."""
+
+    version: int
+    load: list  # `[version, *bucket refs]`: RolloutWorker.generate's load arguments
+    fingerprints: Any = None  # the learner's fingerprints of it (a ref until read), with `sync.fingerprint`
+    probe: Any = None  # rank 0's ref of the learner's probe sample (`Learner.probe_sample`), with `sync.probe`
+
+
+@dataclass(eq=False)
+class Request:
+    """One worker's share of a batch in flight."""
+
+    batch: Batch
+    slot: RolloutSlot
+    chunk: tuple[int, int]  # prompts [a, b) of the batch
+    load: bool = False  # it loads the batch's version first (its worker's previous request sampled another)
+    ref: Any = None
+    started: float | None = None  # when its deadline began: dispatched to an idle worker, or its predecessor ended
+    result: Outcome | None = None
+
+
+@dataclass(eq=False)
+class Batch:
+    """One step's prompts in flight (`RolloutPool.dispatch`), sampled with weights version `version`."""
+
+    prompts: list
+    seeds: list[int]
+    sampling: Any
+    version: int
+    requests: list[Request] = field(default_factory=list)
 
 
 class RolloutPool:
@@ -76,6 +112,14 @@ class RolloutPool:
         self.noise: float | None = None  # the first probe's largest gap: engines and learner on the same weights
         self.probes: dict[int, ProbeRecord] = {}  # slot id -> its engine's probe when its output last changed
         self.expected: tuple[int, Any] | None = None  # (version, the learner's fingerprints of it, or their ref)
+        # Asynchronous training (`rollout.max_staleness` >= 1): requests queue on the workers, several batches deep.
+        self.probe_prompt: list[int] | None = None  # the probe prompt's tokens, once a worker ran the probe
+        self.queues: dict[int, deque[Request]] = {}  # slot id -> its requests in flight, in the order it runs them
+        # slot id -> the version its engine has once its queue ran (engines start on the model's own: version 0)
+        self.serving: dict[int, int] = {slot.id: 0 for slot in fleet.rollout}
+        self.exports: dict[int, Export] = {}  # version -> its export, while requests may need it
+        self.clock_end: dict[int, float] = {}  # slot id -> its worker's clock when its last request ended
+        self.idle: dict[int, float] = {}  # slot id -> seconds its engine waited between requests, since `take_idle`
 
     @property
     def workers(self) -> list[Any]:
@@ -117,6 +161,7 @@ class RolloutPool:
                     results[a] = value = outcome.value
                     self._record_speed(worker, b - a, now - started)
                     slot_id = self.fleet.rollout[worker].id
+                    self._note_clock(slot_id, value)
                     if self.deferred.pop(slot_id, None) is not None:  # it loaded them first
                         loaded[worker] = value.loaded
                         self.unprobed.add(slot_id)
@@ -174,11 +219,156 @@ class RolloutPool:
             shares[i] += 1
         return [floor + share for share in shares]
 
-    def _record_speed(self, worker: int, prompts: int, seconds: float) -> None:
-        """Prompts per second of worker `worker`'s last request, averaged over steps (half-life of one step)."""
-        slot_id = self.fleet.rollout[worker].id
+    def _record_speed(self, worker: int, prompts: int, seconds: float, slot_id: int | None = None) -> None:
+        """Prompts per second of worker `worker`'s (or slot `slot_id`'s) last request, averaged over steps (half-life
+        of one step)."""
+        slot_id = self.fleet.rollout[worker].id if slot_id is None else slot_id
         rate = prompts / max(seconds, 1e-6)
         self.speeds[slot_id] = rate if slot_id not in self.speeds else 0.5 * self.speeds[slot_id] + 0.5 * rate
+
+    def _note_clock(self, slot_id: int, groups: Any) -> None:
+        """Add the time worker `slot_id`'s engine waited between its previous request and this one (its own clock:
+        waiting for the request, or for the weights it loads first) to `idle`."""
+        if groups.clock is None:
+            return
+        if slot_id in self.clock_end:
+            self.idle[slot_id] = self.idle.get(slot_id, 0.0) + max(0.0, groups.clock[0] - self.clock_end[slot_id])
+        self.clock_end[slot_id] = groups.clock[1]
+
+    def take_idle(self) -> float:
+        """Seconds the engines waited between requests since the last call, the mean over workers that ran one."""
+        idle, self.idle = self.idle, {}
+        return statistics.fmean(idle.values()) if idle else 0.0
+
+    # ------------------------------------------------------------------ asynchronous training (max_staleness >= 1)
+
+    def export(self, version: int) -> None:
+        """Asynchronous training: the learner's weights as of its calls so far become version `version`, exported
+        for the requests that will sample with it, with the learner's fingerprints of them and its probe sample
+        (`Learner.probe_sample`, which the requests that load the version hand their engine to score), asked for now:
+        the learner computes them before its next update."""
+        self.weights_version = version
+        fingerprints = self.fleet.learner.weights_fingerprint.remote() if self.config.sync.fingerprint else None
+        self.expected = (version, fingerprints) if fingerprints is not None else None
+        probe = None
+        if self.config.sync.probe and self.probe_prompt is not None:
+            cfg = self.config
+            args = (self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED)
+            probe = self.fleet.learner_group.submit("probe_sample", args)[0]  # rank 0's (every rank must join)
+        self.exports[version] = Export(version, self.transport.export(version), fingerprints, probe)
+
+    def restored(self, version: int) -> None:
+        """Asynchronous training: the learner was restored to weights version `version` (nothing in flight); every
+        worker's next request loads it (and runs the probe), as after the drain the checkpoint was written at."""
+        self.weights_version = version
+        self.serving = {}
+
+    def dispatch(self, prompts: list[str | Any], seeds: list[int], sampling: Any, version: int) -> Batch:
+        """Asynchronous training: queue a batch on the workers (split as `generate` splits one), to be sampled with
+        weights version `version` (exported by `export`; a worker whose previous request sampled another version
+        loads it first, and runs the probe after). Returns at once; `collect` waits for it."""
+        shares = self._shares(len(prompts))
+        starts = [sum(shares[:i]) for i in range(len(shares) + 1)]
+        batch = Batch(prompts, seeds, sampling, version)
+        for i, slot in enumerate(self.fleet.rollout):
+            if shares[i]:
+                batch.requests.append(Request(batch, slot, (starts[i], starts[i + 1])))
+                self._submit(batch.requests[-1])
+        return batch
+
+    def _submit(self, request: Request) -> None:
+        """Send `request` to its slot's worker, behind the requests it already holds."""
+        batch, slot = request.batch, request.slot
+        queue = self.queues.setdefault(slot.id, deque())
+        request.load = self.serving.get(slot.id) != batch.version
+        export = self.exports[batch.version]
+        load = export.load if request.load else []
+        probe = {"score_probe": export.probe} if request.load and export.probe is not None else {}
+        a, b = request.chunk
+        request.ref = slot.actor.generate.remote(batch.prompts[a:b], batch.seeds[a:b], batch.sampling, *load, **probe)
+        request.started = None if queue else time.monotonic()
+        request.result = None
+        queue.append(request)
+        self.serving[slot.id] = batch.version
+
+    def collect(self, batch: Batch) -> list[list[Any]]:
+        """Wait for `batch` ([prompts][G] rollouts in prompt order), replacing workers that die or miss
+        `timeouts.generate` (counted from when a request reached the front of its worker's queue): the replacement
+        runs every request the worker held again, in order, each loading its version first, with the same seeds.
+        Every load is checked (version, fingerprints, probe) before this returns, and every rollout's version."""
+        timeout = self.config.timeouts.generate
+        while any(r.result is None or not r.result.ok for r in batch.requests):
+            waiting = [r for queue in self.queues.values() for r in queue]
+            first_deadline = min(q[0].started for q in self.queues.values() if q) + timeout
+            ray.wait([r.ref for r in waiting], num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
+            ready = set(ray.wait([r.ref for r in waiting], num_returns=len(waiting), timeout=0)[0])
+            now = time.monotonic()
+            failed: dict[int, str] = {}  # slot id -> cause
+            for slot_id, queue in self.queues.items():
+                while queue and queue[0].ref in ready:  # a worker runs its requests in order
+                    request = queue[0]
+                    [request.result] = settle([request.ref], "generate")
+                    if not request.result.ok:
+                        failed[slot_id] = request.result.error
+                        break
+                    queue.popleft()
+                    a, b = request.chunk
+                    self._record_speed(-1, b - a, now - request.started, slot_id)
+                    self._note_clock(slot_id, request.result.value)
+                    if queue:
+                        queue[0].started = now
+                if slot_id not in failed and queue and queue[0].started + timeout <= now:
+                    failed[slot_id] = late(timeout, "generate")
+            if any(r.load for sid in failed for r in self.queues[sid]):
+                self.transport.check_learner()  # a dead learner fails every request that loads its weights
+            for slot_id, cause in failed.items():
+                self._restart_queue(slot_id, cause)
+        self._check_batch(batch)
+        in_flight = {r.batch.version for queue in self.queues.values() for r in queue}
+        oldest = min(in_flight | {max(self.exports)})
+        self.exports = {v: e for v, e in self.exports.items() if v >= oldest}  # the rest cannot be asked for again
+        groups = [group for r in sorted(batch.requests, key=lambda r: r.chunk) for group in r.result.value]
+        stale = {r.weights_version for g in groups for r in g} - {batch.version}
+        if stale:
+            raise SyncError(f"rollouts came from weights version {sorted(stale)} but the batch was to be sampled with "
+                            f"{batch.version}: a worker missed a load")
+        return groups
+
+    def _check_batch(self, batch: Batch) -> None:
+        """Check the loads `batch`'s requests made (workers in order) and the probes they ran."""
+        checks = []
+        for request in batch.requests:
+            if not request.load:
+                continue
+            value, slot, export = request.result.value, request.slot, self.exports[batch.version]
+            expected = None
+            if self.config.sync.fingerprint:
+                if isinstance(export.fingerprints, ray.ObjectRef):
+                    [export.fingerprints] = get([export.fingerprints], self.config.timeouts.sync, ["learner"], "sync")
+                expected = export.fingerprints
+            check_loaded(slot.name, value.loaded, batch.version, expected)
+            self.unprobed.add(slot.id)
+            if export.probe is None:
+                continue
+            if value.probe is None:
+                raise SyncError(f"weight sync check failed: {slot.name} (version {batch.version}) was asked to run "
+                                "the probe with its request but returned none")
+            sample = value.probe  # it carries the learner's logprobs, from the export
+            gap = max((abs(x - y) for x, y in zip(sample.logprobs, sample.learner_logprobs)), default=0.0)
+            weights = digest(expected) if expected is not None else f"version {batch.version}"
+            checks.append((slot, gap, sample, weights))
+        if checks:
+            self._check_probes(checks)
+
+    def _restart_queue(self, slot_id: int, cause: str) -> None:
+        """Replace the worker of slot `slot_id` and send it every request the old one held, in order."""
+        index = next(i for i, slot in enumerate(self.fleet.rollout) if slot.id == slot_id)
+        self._restart(index, cause)
+        requests = list(self.queues.pop(slot_id))
+        self.serving.pop(slot_id, None)  # a new engine: each request loads its version
+        self.clock_end.pop(slot_id, None)
+        for request in requests:
+            self._submit(request)
 
     def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:
         """Between steps: stop the workers `remove_ids` (serving or pending), then drop workers (pending ones first,
@@ -200,11 +390,17 @@ class RolloutPool:
             fleet.launcher.stop(cancelled, timeout=2)  # an engine still starting is killed, not waited for
         if removed:
             fleet.rollout = [slot for slot in fleet.rollout if slot not in removed]
+            moved = []  # asynchronous training: requests the removed workers still held go to the others
             for slot in removed:
                 self.deferred.pop(slot.id, None)
+                moved += self.queues.pop(slot.id, ())
+                self.serving.pop(slot.id, None)
             fleet.launcher.stop(removed)
             self.transport.fleet_changed(self.workers)
             self.scale_events += len(removed)
+            for n, request in enumerate(moved):  # each loads its version on its new worker (`_submit`)
+                request.slot = fleet.rollout[n % len(fleet.rollout)]
+                self._submit(request)
         busy = [slot.node_id for slot in fleet.rollout]
         for _ in range(num_workers - len(fleet.rollout) - len(fleet.pending)):
             placement = fleet.launcher.place(busy)
@@ -312,16 +508,22 @@ class RolloutPool:
         probes the workers already ran (by index), else they are asked for them now."""
         indices = list(range(len(self.workers))) if indices is None else indices
         gaps = self.probe_gaps(indices, samples)
+        weights = self._weights_digest()
+        return self._check_probes([(self.fleet.rollout[i], gap, sample, weights) for i, (gap, sample) in
+                                   zip(indices, gaps)])
+
+    def _check_probes(self, checks: list[tuple[RolloutSlot, float, ProbeSample, str]]) -> float:
+        """`verify`'s rules over (worker, gap, probe with the learner's logprobs, what identifies the learner's
+        weights it was compared with) of each probe; returns the largest gap."""
         if self.noise is None:
-            self.noise = max((gap for gap, _ in gaps), default=0.0)
+            self.noise = max((gap for _, gap, _, _ in checks), default=0.0)
         if self.tolerance is None:
             self.tolerance = probe_tolerance_from(self.noise, self.fleet.rollout_names)
             print(f"relay: sync probe tolerance {self.tolerance:.3g} (5x the engine-learner noise floor, at least "
                   f"{PROBE_TOLERANCE_MIN:g})", file=sys.stderr, flush=True)
         tolerance = self.tolerance
-        weights = self._weights_digest()
-        for i, (gap, sample) in zip(indices, gaps):
-            name, version, slot_id = self.fleet.rollout_names[i], sample.weights_version, self.fleet.rollout[i].id
+        for slot, gap, sample, weights in checks:
+            name, version, slot_id = slot.name, sample.weights_version, slot.id
             if not gap <= tolerance:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "
@@ -344,7 +546,7 @@ class RolloutPool:
                     f"(more than the noise floor {self.noise:.3g}) since: the engine did not apply the loads after "
                     f"version {earlier}")
             self.probes[slot_id] = next_probe_record(self.probes.get(slot_id), record)
-        largest = max((gap for gap, _ in gaps), default=0.0)
+        largest = max((gap for _, gap, _, _ in checks), default=0.0)
         self.gaps.append(largest)
         return largest
 
@@ -394,11 +596,25 @@ class RolloutPool:
             key = (tuple(p.prompt_ids), tuple(p.response_ids))
             if key not in learner_lps:
                 [learner_lps[key]] = self.fleet.learner_group.compute_logprobs([p.prompt_ids], [p.response_ids])
+            self.probe_prompt = list(p.prompt_ids)
             samples.append(p._replace(learner_logprobs=learner_lps[key]))
         return [(max((abs(a - b) for a, b in zip(s.logprobs, s.learner_logprobs)), default=0.0), s) for s in samples]
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""
+        started = time.perf_counter()
+        self._restart(index, cause)
+        failed = self._load([index])
+        if failed:
+            raise RunError(f"{self.fleet.rollout_names[index]} was replaced after it {cause}, but its replacement "
+                           f"{failed[index]} while loading the weights")
+        if self.config.sync.probe:
+            self.verify([index])
+        self.recovery_seconds += time.perf_counter() - started
+
+    def _restart(self, index: int, cause: str) -> None:
+        """Kill worker `index` and start a new one in its bundle (counted against `rollout.max_restarts`); the new
+        engine serves the model's own weights until it loads others."""
         name = self.fleet.rollout_names[index]
         limit = self.config.rollout.max_restarts
         if self.restarts >= limit:
@@ -406,18 +622,13 @@ class RolloutPool:
                            f"(rollout.max_restarts={limit}); the engines keep failing, check the Ray logs")
         started = time.perf_counter()
         self.restarts += 1
+        print(f"relay: {name} {cause}; replacing it", file=sys.stderr, flush=True)
         slot = self.fleet.rollout[index]
-        self.deferred.pop(slot.id, None)  # the replacement is loaded (and probed) here
+        self.deferred.pop(slot.id, None)  # the replacement is loaded (and probed) by the caller
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self.fleet.launcher.start(slot.placement)
         self.transport.fleet_changed(self.workers)
         get([self.workers[index].__ray_ready__.remote()], self.config.timeouts.start, [name], "start")
-        failed = self._load([index])
-        if failed:
-            raise RunError(f"{name} was replaced after it {cause}, but its replacement {failed[index]} while loading "
-                           "the weights")
-        if self.config.sync.probe:
-            self.verify([index])
         self.recovery_seconds += time.perf_counter() - started
 
     def _load(self, indices: list[int]) -> dict[int, str]:
@@ -425,6 +636,7 @@ class RolloutPool:
         {index: cause} of the workers that died, raised or missed the deadline."""
         done, failed = self.transport.load({i: self.fleet.rollout[i] for i in indices}, self.weights_version)
         self.unprobed.update(self.fleet.rollout[i].id for i in done)
+        self.serving.update((self.fleet.rollout[i].id, self.weights_version) for i in done)
         for i, loaded in done.items():
             self.check_loaded(i, loaded)
         return failed

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from cluster.config import ConfigError, RunConfig, dump_config
 from cluster.demo.task import Problem
 from cluster.fleet.control import start_control
 from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, check_reachable, node_of, start_fleet, stop_fleet
-from cluster.fleet.rollout_pool import RolloutPool
+from cluster.fleet.rollout_pool import Batch, RolloutPool
 from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
@@ -35,6 +36,33 @@ from cluster.run.scoring import Scorer
 from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
 from sync.calls import RunError, get
+
+
+@dataclass
+class Tally:
+    """A step's scored groups so far, over its generation rounds (`Trainer.add_round`)."""
+
+    sources: Any  # the reward sources' names
+    kept: list[tuple[list[Any], list[float]]] = field(default_factory=list)
+    uninformative: list[tuple[list[Any], list[float]]] = field(default_factory=list)  # set aside (dynamic sampling)
+    scored: list[float] = field(default_factory=list)  # every reward of the step, uninformative groups included
+    counters: dict[str, float] = field(default_factory=dict)
+    per_source: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.per_source = {name: [] for name in self.sources}
+
+
+@dataclass
+class Prepared:
+    """Asynchronous training: one step's batch, collected and scored, its reference logprobs asked for."""
+
+    version: int  # the weights version that sampled it
+    groups: list[list[Any]]
+    rewards: list[float]
+    stats: dict[str, Any]
+    reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
+    timings: dict[str, float]  # its time/generate and time/score
 
 
 class Trainer:
@@ -57,10 +85,18 @@ class Trainer:
         self.request = None  # its pending `relay scale` request, asked for after the last step (`publish`)
         # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
         self.learner_node = node_of(fleet.placement) if control is not None else None
+        self.updated: float | None = None  # time.monotonic() when the learner's last update was done
+        # Asynchronous training (`rollout.max_staleness` = k >= 1): batches in flight and batches ready, by step.
+        self.staleness = ro.max_staleness
+        self.in_flight: dict[int, tuple[Batch, list[Problem]]] = {}
+        self.prepared: dict[int, Prepared] = {}
 
     def step(self, step: int) -> dict[str, Any]:
-        """One on-policy step; the weights are synced to every rollout worker before the next step samples (loaded and
-        probed at the start of its requests) or, at the last step, before it returns."""
+        """One step; on-policy, the weights are synced to every rollout worker before the next step samples (loaded
+        and probed at the start of its requests) or, at the last step, before it returns. Asynchronous with
+        `rollout.max_staleness` >= 1 (`async_step`)."""
+        if self.staleness:
+            return self.async_step(step)
         self.timings = {"time/generate": 0.0, "time/score": 0.0}
         started = time.perf_counter()
         recovering = self.rollouts.recovery_seconds
@@ -75,8 +111,95 @@ class Trainer:
         with self.timed("sync"):
             self.sync_weights(now=step == self.config.max_steps)
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering  # inside generate and sync
+        self.timings["time/rollout_idle"] = self.rollouts.take_idle()
+        sampling.update({"rollout/version": self.weights_version - 1, "async/staleness": 0})
         return self.record(step, rollouts, learner_metrics, self.rollouts.take_gap(), time.perf_counter() - started,
                            sampling)
+
+    def async_step(self, step: int) -> dict[str, Any]:
+        """One step of asynchronous training (docs/operations.md): the batch of step t was sampled with weights
+        version exactly max(c, t - 1 - k), c the latest step where the pipeline drained (a checkpoint step, or where
+        the run or its resume started). While the learner trains on it, the engines sample the next batches (each
+        worker loads a new version between its requests), and the driver collects, scores and asks the reference
+        for the next one; after the update the next batch goes out, carrying the new weights."""
+        self.timings = {}
+        started = time.perf_counter()
+        recovering = self.rollouts.recovery_seconds
+        with self.timed("scale"):
+            self.apply_scale_request()
+        self.fill(step)
+        ready = self.prepared.pop(step, None) or self.prepare(step)
+        self.timings.update(ready.timings)  # its generate and score times: overlapped with the last update if early
+        with self.timed("reference"):
+            ref_logprobs = self.reference_result(ready.reference)
+        rollouts = [r for group in ready.groups for r in group]
+        drains = step == self.boundary(step)
+        with self.timed("train"):
+            submitted = time.monotonic()
+            self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
+            refs, done = self.submit_train(rollouts, ready.rewards, ref_logprobs)
+            version = self.weights_version + 1
+            if step < self.config.max_steps:
+                self.rollouts.export(version)  # queued behind the update on the learner
+            if not drains:
+                if step + 1 + self.staleness <= self.boundary(step):
+                    self.dispatch(step + 1 + self.staleness, version)
+                self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
+            remaining = self.config.timeouts.train - (time.monotonic() - submitted)
+            learner_metrics = self.fleet.learner_group.finish(refs, max(0.0, remaining), "train")[0]
+            self.updated = done[0] if done else time.monotonic()
+        self.timings["time/train"] = self.updated - submitted  # the update itself, whatever overlapped it
+        self.weights_version = int(learner_metrics["weights/version"])
+        if self.weights_version != version:
+            raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
+                           f"{version}: its updates and the driver's steps are out of step")
+        if step == self.config.max_steps:
+            with self.timed("sync"):
+                self.sync_weights(now=True)  # the run ends with every engine verified on the final weights
+        self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
+        self.timings["time/rollout_idle"] = self.rollouts.take_idle()
+        ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
+        return self.record(step, rollouts, learner_metrics, self.rollouts.take_gap(), time.perf_counter() - started,
+                           ready.stats)
+
+    def boundary(self, step: int) -> int:
+        """The first step from `step` on where the pipeline drains: a checkpoint step, or the last. No batch after
+        it is sampled before its update, so a checkpoint there holds everything the run's continuation needs."""
+        every = self.config.checkpoint.every
+        return min(self.config.max_steps, -(-step // every) * every) if every else self.config.max_steps
+
+    def fill(self, step: int) -> None:
+        """Send out the batches of steps `step` .. `step + k` (up to the next drain) not yet in flight: at the start
+        and after a drain, all sampled with the current weights."""
+        if self.weights_version not in self.rollouts.exports:
+            self.rollouts.export(self.weights_version)  # what a replaced worker loads for these batches
+        for s in range(step, min(step + self.staleness, self.boundary(step)) + 1):
+            if s not in self.in_flight and s not in self.prepared:
+                self.dispatch(s, self.weights_version)
+
+    def dispatch(self, step: int, version: int) -> None:
+        """Draw step `step`'s prompts and queue them on the workers, to be sampled with weights version `version`."""
+        problems = self.data.next_batch()
+        seeds = sampling_seeds(self.config.seed, step, len(problems))
+        prompts = [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]
+        self.in_flight[step] = (self.rollouts.dispatch(prompts, seeds, self.sampling, version), problems)
+
+    def prepare(self, step: int) -> Prepared:
+        """Step `step`'s batch, collected and scored, its reference logprobs asked for (not waited for)."""
+        batch, problems = self.in_flight.pop(step)
+        outer, self.timings = self.timings, {}
+        try:
+            with self.timed("generate"):
+                groups = self.rollouts.collect(batch)
+            with self.timed("score"):
+                result = self.scorer.score(problems, groups)
+            tally = Tally(self.config.reward.sources)
+            self.add_round(tally, groups, result)
+            groups, rewards, stats = self.choose(step, tally, rounds=1)
+            rollouts = [r for group in groups for r in group]
+            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings)
+        finally:
+            self.timings = outer
 
     @contextmanager
     def timed(self, phase: str):
@@ -96,38 +219,47 @@ class Trainer:
         never hidden). Overlong shaping is added after that choice, as in DAPO, so length alone does not make a
         group informative."""
         ro, want = self.config.rollout, self.config.data.prompts_per_step
-        kept: list[tuple[list[Any], list[float]]] = []
-        uninformative: list[tuple[list[Any], list[float]]] = []
-        scored: list[float] = []  # every reward of the step, uninformative groups included
-        per_source: dict[str, list[float]] = {name: [] for name in self.config.reward.sources}
-        counters: dict[str, float] = {}
+        tally = Tally(self.config.reward.sources)
         rounds = 0
-        while len(kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
+        while len(tally.kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
             problems = self.data.next_batch()
             with self.timed("generate"):
                 groups = self.generate(problems, step, rounds)
             with self.timed("score"):
                 result = self.scorer.score(problems, groups)
-            for key, value in result.metrics.items():
-                counters[key] = counters.get(key, 0.0) + value if "latency" not in key else max(
-                    counters.get(key, 0.0), value)
-            for name, values in result.per_source.items():
-                per_source[name] += values
-            for group, group_rewards, lost in zip(groups, result.rewards, result.dropped):
-                if lost:
-                    continue
-                informative = not ro.dynamic_sampling or len(set(group_rewards)) > 1
-                shaped = self.shape(group_rewards, group)
-                scored += shaped
-                (kept if informative else uninformative).append((group, shaped))
+            self.add_round(tally, groups, result)
             rounds += 1
+        return self.choose(step, tally, rounds)
+
+    def add_round(self, tally: Tally, groups: list[list[Any]], result: Any) -> None:
+        """Count one generation round's scored groups into `tally`: dropped groups (`on_failure=drop`) left out,
+        the uninformative ones (dynamic sampling) set aside, overlong shaping added."""
+        dynamic = self.config.rollout.dynamic_sampling
+        for key, value in result.metrics.items():
+            tally.counters[key] = tally.counters.get(key, 0.0) + value if "latency" not in key else max(
+                tally.counters.get(key, 0.0), value)
+        for name, values in result.per_source.items():
+            tally.per_source[name] += values
+        for group, group_rewards, lost in zip(groups, result.rewards, result.dropped):
+            if lost:
+                continue
+            informative = not dynamic or len(set(group_rewards)) > 1
+            shaped = self.shape(group_rewards, group)
+            tally.scored += shaped
+            (tally.kept if informative else tally.uninformative).append((group, shaped))
+
+    def choose(self, step: int, tally: Tally, rounds: int) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
+        """The step's groups from `tally` (kept ones first, topped up with set-aside ones), their rewards, stats."""
+        ro, want = self.config.rollout, self.config.data.prompts_per_step
+        kept, uninformative, counters = tally.kept, tally.uninformative, tally.counters
         if not kept and not uninformative:
             raise RunError(f"step {step}: every group was dropped because a remote verifier could not score it "
                            f"({counters.get('verifier/failures', 0):.0f} failed samples); check the service")
         filler = uninformative[:max(0, want - len(kept))]
         chosen = kept[:want] + filler
-        stats: dict[str, Any] = {"reward/mean": statistics.fmean(scored), "reward/std": statistics.pstdev(scored),
-                                 **{f"reward/{name}": statistics.fmean(v) for name, v in per_source.items() if v},
+        stats: dict[str, Any] = {"reward/mean": statistics.fmean(tally.scored),
+                                 "reward/std": statistics.pstdev(tally.scored),
+                                 **{f"reward/{name}": statistics.fmean(v) for name, v in tally.per_source.items() if v},
                                  **counters}
         if ro.dynamic_sampling:
             stats.update({"sampling/rounds": rounds, "sampling/kept_groups": min(len(kept), want),
@@ -154,17 +286,41 @@ class Trainer:
     def reference_logprobs(self, rollouts: list[Any]) -> Any:
         """The ref of the reference's logprobs of every response token (one flat array), once it has them; None
         without a reference. The driver reads only their count: the array goes to the learner by ref."""
+        return self.reference_result(self.submit_reference(rollouts))
+
+    def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
+        """Ask the reference for the logprobs of every response token: (the ref of their count, the ref of the
+        flat array, when asked), or None without a reference."""
         if self.fleet.reference is None:
             return None
         from learner.algo.sequences import Rows
 
         count, logprobs = self.fleet.reference.compute_flat_logprobs.options(num_returns=2).remote(
             Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
-        get([count], self.config.timeouts.reference, ["reference"], "reference")
+        return count, logprobs, time.monotonic()
+
+    def reference_result(self, asked: tuple[Any, Any, float] | None) -> Any:
+        """The ref of the reference's logprobs once it has them (`timeouts.reference` from when they were asked
+        for); None without a reference."""
+        if asked is None:
+            return None
+        count, logprobs, since = asked
+        get([count], max(0.0, self.config.timeouts.reference - (time.monotonic() - since)), ["reference"], "reference")
         return logprobs
 
     def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> dict:
         """One update; the learner's metrics, and `weights_version` becomes the version it reports it produced."""
+        submitted = time.monotonic()
+        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
+        refs, done = self.submit_train(rollouts, rewards, ref_logprobs)
+        metrics = self.fleet.learner_group.finish(refs, self.config.timeouts.train, "train")[0]
+        self.updated = done[0] if done else time.monotonic()
+        self.weights_version = int(metrics["weights/version"])
+        return metrics
+
+    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> tuple[list[Any], list]:
+        """Send the update to the learner without waiting: its refs, and a list that gets the time.monotonic() at
+        which the update was done (for the learner's idle time between updates, `time/learner_wait`)."""
         from learner.algo.sequences import Rows
         from learner.learner import TrainBatch
 
@@ -172,9 +328,10 @@ class Trainer:
                            response_ids=Rows(r.response_ids for r in rollouts),
                            behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
                            group_size=self.config.rollout.group_size)  # Rows: packed across Ray
-        metrics = self.fleet.learner_group.train_step(batch, ref_logprobs)
-        self.weights_version = int(metrics["weights/version"])
-        return metrics
+        refs = self.fleet.learner_group.submit_train(batch, ref_logprobs)
+        done: list[float] = []
+        refs[0].future().add_done_callback(lambda _: done.append(time.monotonic()))
+        return refs, done
 
     def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:
         """Write `checkpoints/step_<step>` atomically: the learner's state, the data cursor, the resolved config."""
@@ -190,7 +347,10 @@ class Trainer:
         version = self.fleet.learner_group.load_checkpoint(str(point.path))
         self.data.load_state(point.state["data"])
         self.weights_version = version
-        self.rollouts.sync(version)
+        if self.staleness:  # the first batches load it, as in the run that drained at this checkpoint
+            self.rollouts.restored(version)
+        else:
+            self.rollouts.sync(version)  # the first step's requests load it
         # The start's probe checked the model's weights, not the checkpoint's the next step samples with (that step's
         # requests probe those): its gap is not that step's, which must match the uninterrupted run's.
         self.rollouts.take_gap()

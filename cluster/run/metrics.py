@@ -243,7 +243,8 @@ class ProgressDisplay:
         self.progress.update(self.task, advance=1, status=status)
         self.progress.console.print(f"step {record['step']:>4}  {status}  "
                                     f"mismatch {record.get('logprob/mismatch', math.nan):.1e}  "
-                                    f"[dim]{phase_breakdown(record)}[/dim]", soft_wrap=True)  # one line in logs
+                                    f"[dim]{phase_breakdown(record)}{idle_breakdown(record)}[/dim]",
+                                    soft_wrap=True)  # one line in logs
 
     def summary(self) -> None:
         """A final table: reward at the start and the end, mean step time and its phases."""
@@ -271,6 +272,16 @@ def phase_breakdown(record: dict[str, Any]) -> str:
     out)."""
     parts = [f"{_PHASE_LABELS[key]} {record[key]:.2f}" for key in PHASES if key in record]
     return " ".join(parts) + " s" if parts else ""
+
+
+def idle_breakdown(record: dict[str, Any]) -> str:
+    """`  v3 stale 1  wait 0.01 idle 0.02 s`: the version the batch was sampled with, how many versions behind the
+    learner it was, and the seconds the learner waited for it and the engines waited between requests (empty for a
+    record without them)."""
+    if "time/learner_wait" not in record:
+        return ""
+    return (f"  v{record.get('rollout/version', 0)} stale {record.get('async/staleness', 0)}  "
+            f"wait {record['time/learner_wait']:.2f} idle {record.get('time/rollout_idle', 0.0):.2f} s")
 
 
 def _mean(values: list[float]) -> float:

@@ -312,3 +312,16 @@ def test_the_references_flat_logprobs_train_exactly_like_its_rows_and_the_learne
     assert by_ref["weights/version"] == learners[1].weights_version == 1
     for a, b in zip(learners[0].model.state_dict().values(), learners[1].model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_probe_sample_is_seeded_scored_at_temperature_one_and_leaves_the_random_state(tiny_model_dir, dtype):
+    learner = Learner(str(tiny_model_dir), LearnerConfig(num_threads=2), dtype=dtype, temperature=0.7)
+    state = torch.get_rng_state()
+    prompt, response, logprobs, seed = learner.probe_sample([5, 9, 12], 6, 0.7, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)  # exact resume: the update's random state is not touched
+    assert (prompt, seed) == ([5, 9, 12], 3) and 1 <= len(response) <= 6 and len(logprobs) == len(response)
+    assert learner.probe_sample([5, 9, 12], 6, 0.7, seed=3)[1] == response  # the same seed, the same tokens
+    assert any(learner.probe_sample([5, 9, 12], 6, 0.7, seed=s)[1] != response for s in range(4, 8))
+    assert logprobs == learner.compute_logprobs([prompt], [response], temperature=1.0)[0]
+    assert logprobs != learner.compute_logprobs([prompt], [response])[0]  # not at the sampling temperature

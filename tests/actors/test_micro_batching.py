@@ -5,6 +5,8 @@ on how their passes are cut."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -107,9 +109,30 @@ def test_one_update_per_batch_takes_old_logprobs_from_the_training_forward(tiny_
 
 def test_the_general_path_is_kept_whenever_pi_old_is_needed_before_or_across_updates(tiny_model_dir):
     assert make(tiny_model_dir, "float32").single_update
-    for settings in (dict(ppo_epochs=2), dict(num_minibatches=2), dict(kl_coef=0.0, kl_reward_coef=0.1),
-                     dict(rollout_correction="tis")):
+    for settings in (dict(ppo_epochs=2), dict(num_minibatches=2), dict(kl_coef=0.0, kl_reward_coef=0.1)):
         assert not make(tiny_model_dir, "float32", **settings).single_update, settings
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("correction", [("tis", "token"), ("mis", "sequence"), ("tis", "sequence")])
+def test_one_update_per_batch_takes_the_rollout_correction_from_the_training_forward(tiny_model_dir, dtype,
+                                                                                     correction):
+    """Decoupled PPO's weights pi_proximal / pi_behavior (asynchronous training) need no pass of their own either:
+    per token, and per sequence (a row is never split across passes)."""
+    mode, level = correction
+    settings = dict(rollout_correction=mode, rollout_correction_level=level, rollout_correction_cap=math.exp(0.1),
+                    max_tokens_per_micro_batch=BUDGET)
+    behavior, ref = inputs(tiny_model_dir, dtype)
+    # log rho = -0.2, ~0 or +0.2 per row (by i % 3): beyond the cap (e^0.1) both ways, or well inside it.
+    behavior = [[lp + 0.2 * ((i + 1) % 3 - 1) for lp in row] for i, row in enumerate(behavior)]
+    fused, separate = make(tiny_model_dir, dtype, **settings), make(tiny_model_dir, dtype, **settings)
+    assert fused.single_update
+    separate.single_update = False
+    ours, theirs = update(fused, behavior, ref), update(separate, behavior, ref)
+    assert theirs[2] == 2 * ours[2]
+    assert_same_update(ours, theirs, dtype)
+    name = "capped_fraction" if mode == "tis" else "masked_fraction"
+    assert 0 < ours[1][f"rollout_correction/{name}"] < 1  # the cap bites on some tokens (or sequences), not all
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

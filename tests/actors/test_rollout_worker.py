@@ -176,6 +176,27 @@ def test_prefix_cache_is_reset_on_load(worker, tiny_model_dir, monkeypatch):
     assert stale.abs().max() > 1e-3
 
 
+def test_score_probe_scores_the_learners_sample_and_reports_cache_hits(worker, tiny_model_dir, monkeypatch):
+    """The asynchronous probe: the engine's logprobs of a given sequence (vLLM prompt logprobs, raw logits) are the
+    model's, and the one-token sample before them still sees a stale prefix cache."""
+    ids = worker.tokenizer.encode(PROBE, add_special_tokens=False)
+    response = worker.tokenizer.encode("8+8=16", add_special_tokens=False)
+    first = perturbed_state(tiny_model_dir, seed=6)
+    worker.load_weights(10, *buckets_of(first))
+    sample = worker.score_probe(ids, response, [0.5] * len(response), seed=1)
+    assert (sample.prompt_ids, sample.response_ids, sample.cached_prompt_tokens) == (ids, response, 0)
+    assert list(sample.learner_logprobs) == [0.5] * len(response)  # handed through, for the driver to compare
+    torch.testing.assert_close(torch.tensor(sample.logprobs), hf_logprobs(first, ids, response), atol=1e-4, rtol=0)
+    assert worker.score_probe(ids, response, [], seed=1).cached_prompt_tokens == 32  # the sample reads the cache
+    second = perturbed_state(tiny_model_dir, seed=7)
+    monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda: None)
+    worker.load_weights(11, *buckets_of(second))
+    stale = worker.score_probe(ids, response, [], seed=1)
+    assert stale.cached_prompt_tokens == 32  # what the sync check stops the run for
+    # The scored sequence itself is recomputed (vLLM skips the cache for prompt logprobs): the new weights'.
+    torch.testing.assert_close(torch.tensor(stale.logprobs), hf_logprobs(second, ids, response), atol=1e-4, rtol=0)
+
+
 def _mark_head_kernel(vllm_worker) -> None:
     vllm_worker.model_runner.get_model().lm_head.cpu_linear.relay_mark = True
 

@@ -111,7 +111,7 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
         assert CONTRACT_KEYS <= record.keys()
         # bench/step_breakdown.py lists every phase: none lands in its "overhead" unnoticed.
         assert {k for k in record if k.startswith("time/")} == {
-            f"time/{name}" for name in [*step_breakdown.PHASES, *step_breakdown.NESTED, "step"]}
+            f"time/{name}" for name in [*step_breakdown.PHASES, *step_breakdown.NESTED, *step_breakdown.IDLE, "step"]}
         assert record["logprob/mismatch"] < 1e-4  # engines sampled with exactly the learner's weights
         assert 0 <= record["mismatch/kl"] < 1e-8
         assert record["sync/probe_max_diff"] < 1e-4

@@ -115,3 +115,23 @@ def test_resuming_with_a_changed_computation_is_refused(uninterrupted):
     assert result.returncode == 2
     assert "cannot resume" in result.stderr and "learner.lr" in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def test_asynchronous_run_killed_with_batches_in_flight_resumes_exactly(tmp_path):
+    """`rollout.max_staleness=1`: the pipeline drains at checkpoint steps, so a run killed with batches in flight
+    (after step 3: step 4's batch is out) and resumed from step_2 samples every batch with the same version as an
+    uninterrupted run, and ends with the same metrics and bitwise the same weights."""
+    args = [*ARGS, "rollout.max_staleness=1"]
+    whole = tmp_path / "whole"
+    result = relay(*TRAIN, f"run_dir={whole}", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["rollout/version"] for r in records(whole)] == [0, 0, 2, 2, 4, 4]  # drains at 2 and 4
+    run_dir = tmp_path / "run"
+    process = relay_process(*TRAIN, f"run_dir={run_dir}", *args)
+    kill_when(process, lambda: len(records(run_dir)) >= 3, "step 3")
+    assert checkpoint.latest(run_dir).name == "step_2"
+    result = relay(*TRAIN, f"run_dir={run_dir}", "resume=auto", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert records(run_dir) == records(whole)
+    ours, theirs = final_weights(run_dir), final_weights(whole)
+    assert ours.keys() == theirs.keys() and all((ours[name] == theirs[name]).all() for name in ours)

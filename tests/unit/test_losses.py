@@ -516,3 +516,30 @@ def test_micro_batches_weighted_by_micro_batch_weight_give_the_whole_batch_gradi
     assert_close(weighted, whole_grad)
     # A plain mean of the micro-batch losses weighs the 1-row batch like the 3-row one: the test can fail.
     assert not torch.allclose(unweighted, whole_grad)
+
+
+# ---------------------------------------------------------------- decoupled PPO (asynchronous training)
+
+
+def test_decoupled_ppo_takes_the_ratio_against_the_proximal_policy_and_weighs_by_the_capped_behaviour_ratio():
+    """Hilton et al. 2022: r_t = pi / pi_prox (clipped as PPO's), each term weighed by w_t = min(pi_prox / pi_behav,
+    C), the rollout correction's `tis` weight. Four tokens sampled by a stale engine; C = 2."""
+    from learner.algo.correction import rollout_correction
+
+    logprobs, proximal, advantages, mask = _hand_inputs()  # r = 1.5, 0.5, 0.5, 1.5 against pi_prox; A = 1, 1, -1, -1
+    # pi_prox / pi_behav = 2, .25, 1, 1.25
+    behaviour = t([[math.log(0.5), math.log(4.0), math.log(1.0), math.log(0.8)]])
+    weights, metrics = rollout_correction(proximal, behaviour, mask, "tis", cap=2.0)
+    assert_close(weights, t([[2.0, 0.25, 1.0, 1.25]]))
+    assert float(metrics["rollout_correction/capped_fraction"]) == 0.0  # 2 is at the cap, not above
+    loss, _ = clipped_policy_loss(logprobs, proximal, advantages, mask, **CLIP, weights=weights)
+    # PPO's per-token losses at these ratios (CLIP: 0.2 / 0.28): -1.28, -0.5, 0.8, 1.5; weighed: -2.56, -0.125, 0.8,
+    # 1.875; token mean 0.0025 (the unweighed loss is 0.13, test above).
+    assert_close(loss, t((-2.56 - 0.125 + 0.8 + 1.875) / 4))
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[0.0, -0.5 * 0.25 / 4, 0.0, 1.5 * 1.25 / 4]]))  # clipped tokens still get none
+    # In step with the engine (k = 0, no numerics gap) every weight is 1 and the loss is PPO's exactly.
+    same, _ = rollout_correction(proximal, proximal, mask, "tis", cap=2.0)
+    assert torch.equal(same, torch.ones_like(same))
+    assert torch.equal(clipped_policy_loss(logprobs, proximal, advantages, mask, **CLIP, weights=same)[0],
+                       clipped_policy_loss(logprobs, proximal, advantages, mask, **CLIP)[0])

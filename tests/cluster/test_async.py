@@ -1,0 +1,156 @@
+"""Asynchronous training (`rollout.max_staleness` >= 1) through the real loop, real Ray and real vLLM engines: each
+batch is sampled with exactly the weights version the rule names (the pipeline drains at checkpoint steps), the
+engines' logprobs show it (they match the learner's only where the batch is fresh), two runs give the same metrics
+and bitwise the same weights in float32 and bfloat16, a worker killed with requests queued behind the one it dies
+in is replaced, its requests run again with the same seeds and versions, and a worker removed by `relay scale` with
+a request queued hands it on: neither changes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from actors.rollout import RolloutWorker
+from cluster.config import load_config
+from cluster.run.driver import run_training
+
+pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting worker travels by value
+
+STEPS = 5
+# checkpoint.every=3: the pipeline drains at step 3 (and 5, the last). k = 1: B1, B2 with v0 (the start), B3 with
+# v1, B4 and B5 with v3 (after the drain).
+VERSIONS = [0, 0, 1, 3, 3]
+STALENESS = [0, 1, 1, 0, 1]  # versions behind the learner's when it trained on the batch
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def run(tmp_path, model_dir, name, dtype="float32", rollout_cls=None, *overrides):
+    config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", f"max_steps={STEPS}",
+                                "data.prompts_per_step=8", "rollout.num_workers=2", "learner.lr=2e-3",
+                                "rollout.max_staleness=1", "checkpoint.every=3", f"model.dtype={dtype}", *overrides])
+    records = run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=rollout_cls)
+    weights = load_file(tmp_path / name / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors")
+    return records, weights
+
+
+def stable(records):
+    """What two runs must agree on (NaN as None: NaN != NaN)."""
+    return [{k: None if v != v else v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_local, tmp_path_factory, demo_model_dir):
+    return {dtype: run(tmp_path_factory.mktemp(dtype), demo_model_dir, "first", dtype)
+            for dtype in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_batch_is_sampled_with_exactly_the_version_the_rule_names_and_runs_repeat(
+        first_run, tmp_path, demo_model_dir, dtype):
+    records, weights = first_run[dtype]
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    assert [r["async/staleness"] for r in records] == STALENESS
+    assert [r["weights/version"] for r in records] == [1, 2, 3, 4, 5]
+    # The engines' logprobs are the sampling version's: equal to the learner's (the proximal policy) only for fresh
+    # batches; a batch one update old differs by that update (lr 2e-3 moves them by ~1e-2).
+    fresh_floor, stale_floor = (1e-4, 1e-3) if dtype == "float32" else (2e-2, 2e-2)
+    for r, staleness in zip(records, STALENESS):
+        assert (r["logprob/mismatch"] < fresh_floor) if staleness == 0 else (r["logprob/mismatch"] > stale_floor), r
+        assert "rollout_correction/weight_mean" in r  # decoupled PPO: tis by default with max_staleness >= 1
+        assert r["time/learner_wait"] >= 0 and r["time/rollout_idle"] >= 0
+    # Probes are checked when their batch is collected (NaN: none in that step, e.g. a drain step collects nothing).
+    gaps = [r["sync/probe_max_diff"] for r in records]
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    assert sum(gap == gap for gap in gaps) >= 4 and not any(gap >= tolerance for gap in gaps)
+    again, again_weights = run(tmp_path, demo_model_dir, "again", dtype)
+    assert stable(again) == stable(records)
+    assert all((again_weights[name] == weights[name]).all() for name in weights)
+
+
+class KilledWithQueueWorker(RolloutWorker):
+    """Dies (SIGKILL, as an OOM kill) in its 2nd generate call (step 2's batch), once in the run (a marker file),
+    after waiting long enough for step 3's batch to be queued behind it (sent right after step 1's update)."""
+
+    marker = ""
+
+    def generate(self, prompts, seeds, sampling, *load, **probe):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                time.sleep(3)
+                os.kill(os.getpid(), signal.SIGKILL)
+            except FileExistsError:
+                pass
+        return super().generate(prompts, seeds, sampling, *load, **probe)
+
+
+def test_a_worker_killed_with_requests_queued_is_replaced_and_the_run_is_unchanged(first_run, tmp_path,
+                                                                                  demo_model_dir):
+    worker_cls = type("Killed", (KilledWithQueueWorker,), {"marker": str(tmp_path / "killed.marker")})
+    records, weights = run(tmp_path, demo_model_dir, "killed", "float32", worker_cls)
+    assert (tmp_path / "killed.marker").exists()  # the fault happened
+    assert records[-1]["rollout/restarts"] == 1
+    clean, clean_weights = first_run["float32"]
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    drop = ("rollout/restarts",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in stable(records)] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in stable(clean)]
+    assert all((weights[name] == clean_weights[name]).all() for name in weights)
+    metrics = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["time/recovery"] > 0 for r in metrics) == 1
+
+
+class PacedWorker(RolloutWorker):
+    """Each request takes at least 2 s (marker files tell the test when the first one started), so that a
+    `relay scale` request lands while the next batch is queued."""
+
+    markers = ""
+
+    def generate(self, prompts, seeds, sampling, *load, **probe):
+        open(self.markers, "a").close()
+        time.sleep(2)
+        return super().generate(prompts, seeds, sampling, *load, **probe)
+
+
+def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unchanged(first_run, tmp_path,
+                                                                                     demo_model_dir):
+    """`relay scale` removes worker 0 at step 2's boundary, when step 3's batch is already queued on it: its request
+    goes to worker 1, and a new worker joins once its engine is up. Completions depend on the prompt's seed and the
+    batch's version only, so the run is the clean one, metric for metric and weight for weight."""
+    from cluster.fleet.control import NAMESPACE, control_name
+
+    run_dir, started = tmp_path / "scaled", tmp_path / "started"
+    worker_cls = type("Paced", (PacedWorker,), {"markers": str(started)})
+    seen: dict = {}
+
+    def operator() -> None:
+        try:
+            while not started.exists():  # step 1's batches are out: the request is taken at step 2's start
+                time.sleep(0.05)
+            control = ray.get_actor(control_name(str(run_dir)), namespace=NAMESPACE)
+            seen["reply"] = ray.get(control.request_scale.remote(2, [0]), timeout=30)
+        except Exception as err:  # reported by the assertions below
+            seen["error"] = repr(err)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    records, weights = run(tmp_path, demo_model_dir, "scaled", "float32", worker_cls)
+    thread.join(timeout=60)
+    assert "error" not in seen and seen["reply"]["remove"] == [0], seen
+    assert records[0]["rollout/workers"] == 2 and records[1]["rollout/workers"] == 1  # removed at step 2's start
+    assert records[-1]["rollout/scale_events"] >= 1
+    fleet = ("rollout/workers", "rollout/workers_pending", "rollout/scale_events")
+    clean, clean_weights = first_run["float32"]
+    assert [{k: v for k, v in r.items() if k not in fleet} for r in stable(records)] == \
+        [{k: v for k, v in r.items() if k not in fleet} for r in stable(clean)]
+    assert all((weights[name] == clean_weights[name]).all() for name in weights)
