@@ -147,10 +147,10 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
 
 def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens: int, staleness: int,
                      update_seconds: float) -> tuple[float, float]:
-    """(completions per second, driver CPU seconds per step) of `steps` steps in which the learner's update takes
-    `update_seconds` (a sleep in the driver, which waits for it): on-policy (`staleness` 0: generate, update, sync)
-    or asynchronous (`rollout.max_staleness` = staleness: the pool's dispatch/collect pipeline, each batch sent out
-    after the update `staleness` steps before it, as `Trainer.async_step` does)."""
+    """(completions per second, driver CPU seconds per step) of `steps` steps (after a first one) in which the
+    learner's update takes `update_seconds` (a sleep in the driver, which waits for it): on-policy (`staleness` 0:
+    generate, update, sync) or asynchronous (`rollout.max_staleness` = staleness: the pool's dispatch/collect
+    pipeline, each batch sent out after the update `staleness` steps before it, as `Trainer.async_step` does)."""
     from collections import deque
 
     from cluster.config import load_config
@@ -169,26 +169,29 @@ def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens
     sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
-    if staleness:
+    started = cpu = 0.0
+    if staleness:  # timed from the end of the first step: the pipeline is full from then on
         pool.export(0)
         for _ in range(2):  # warm-up, as below
             pool.collect(pool.dispatch(prompts, seeds, sampling, 0))
-        started, cpu = time.perf_counter(), time.process_time()
         in_flight = deque(pool.dispatch(prompts, seeds, sampling, 0) for _ in range(staleness + 1))
-        for step in range(1, steps + 1):
+        for step in range(1, steps + 2):
             assert len(pool.collect(in_flight.popleft())) == len(prompts)
             time.sleep(update_seconds)
             pool.export(step)
             in_flight.append(pool.dispatch(prompts, seeds, sampling, step))
+            if step == 1:
+                started, cpu = time.perf_counter(), time.process_time()
     else:
         pool.sync(0)
         for _ in range(2):
             pool.generate(prompts, seeds, sampling)
-        started, cpu = time.perf_counter(), time.process_time()
-        for step in range(1, steps + 1):
+        for step in range(1, steps + 2):
             assert len(pool.generate(prompts, seeds, sampling)) == len(prompts)
             time.sleep(update_seconds)
             pool.sync(step)
+            if step == 1:
+                started, cpu = time.perf_counter(), time.process_time()
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     launcher.stop(fleet.rollout)
     ray.kill(learner)

@@ -465,6 +465,14 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
         scorer = Scorer(config.reward, config.timeouts.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
+               + (config.reference.num_threads if config.uses_reference else 0))
+    if ro.max_staleness and config.ray.address is None and not os.environ.get("RAY_ADDRESS") and \
+            threads > (os.cpu_count() or 1):
+        print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines and the learner at once, "
+              f"and this local run gives them {threads} threads on {os.cpu_count()} cores: they will slow each other "
+              "down more than the overlap gains; lower learner/rollout/reference.num_threads (docs/operations.md)",
+              file=sys.stderr, flush=True)
     if ro.top_p < 1:
         print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
