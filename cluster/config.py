@@ -223,9 +223,6 @@ def _inconsistencies(config: RunConfig):
     if rollout.max_staleness and config.sync.transport != "object_store":
         yield ("rollout.max_staleness >= 1 needs sync.transport=object_store (each engine loads the weights between "
                "its own requests; the collective transport loads every engine at once); set it or max_staleness=0")
-    if rollout.max_staleness and rollout.dynamic_sampling:
-        yield ("rollout.dynamic_sampling with rollout.max_staleness >= 1 is not supported yet (its extra rounds would "
-               "sample with an older version); set one of them off")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

@@ -324,9 +324,11 @@ class RolloutPool:
             for slot_id, cause in failed.items():
                 self._restart_queue(slot_id, cause)
         self._check_batch(batch)
+        # Kept: versions requests in flight may load again, this batch's (dynamic sampling's extra rounds) and the
+        # newest (the next batches); the rest cannot be asked for again.
         in_flight = {r.batch.version for queue in self.queues.values() for r in queue}
-        oldest = min(in_flight | {max(self.exports)})
-        self.exports = {v: e for v, e in self.exports.items() if v >= oldest}  # the rest cannot be asked for again
+        oldest = min(in_flight | {batch.version, max(self.exports)})
+        self.exports = {v: e for v, e in self.exports.items() if v >= oldest}
         groups = [group for r in sorted(batch.requests, key=lambda r: r.chunk) for group in r.result.value]
         stale = {r.weights_version for g in groups for r in g} - {batch.version}
         if stale:

@@ -181,25 +181,41 @@ class Trainer:
         """Draw step `step`'s prompts and queue them on the workers, to be sampled with weights version `version`."""
         problems = self.data.next_batch()
         seeds = sampling_seeds(self.config.seed, step, len(problems))
-        prompts = [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]
-        self.in_flight[step] = (self.rollouts.dispatch(prompts, seeds, self.sampling, version), problems)
+        self.in_flight[step] = (self.rollouts.dispatch(self.prompts_of(problems), seeds, self.sampling, version),
+                                problems)
 
     def prepare(self, step: int) -> Prepared:
-        """Step `step`'s batch, collected and scored, its reference logprobs asked for (not waited for)."""
+        """Step `step`'s batch, collected and scored, its reference logprobs asked for (not waited for). With
+        dynamic sampling, the extra rounds are sampled with the batch's version too (queued behind the requests the
+        workers already hold)."""
         batch, problems = self.in_flight.pop(step)
+        ro, want = self.config.rollout, self.config.data.prompts_per_step
         outer, self.timings = self.timings, {}
         try:
-            with self.timed("generate"):
-                groups = self.rollouts.collect(batch)
-            with self.timed("score"):
-                result = self.scorer.score(problems, groups)
             tally = Tally(self.config.reward.sources)
-            self.add_round(tally, groups, result)
-            groups, rewards, stats = self.choose(step, tally, rounds=1)
+            rounds = 0
+            while True:
+                with self.timed("generate"):
+                    groups = self.rollouts.collect(batch)
+                with self.timed("score"):
+                    result = self.scorer.score(problems, groups)
+                self.add_round(tally, groups, result)
+                rounds += 1
+                if not ro.dynamic_sampling or len(tally.kept) >= want or rounds >= ro.max_sampling_rounds:
+                    break
+                problems = self.data.next_batch()
+                batch = self.rollouts.dispatch(self.prompts_of(problems), sampling_seeds(
+                    self.config.seed, step, len(problems), rounds), self.sampling, batch.version)
+            groups, rewards, stats = self.choose(step, tally, rounds)
             rollouts = [r for group in groups for r in group]
             return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings)
         finally:
             self.timings = outer
+
+    @staticmethod
+    def prompts_of(problems: list[Problem]) -> list[Any]:
+        """What the engines get for each problem: its token ids when the data source tokenised it once, else text."""
+        return [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]
 
     @contextmanager
     def timed(self, phase: str):
@@ -271,8 +287,7 @@ class Trainer:
         """[prompts][G] rollouts in order, one sampling seed per prompt (a replaced worker's chunk is sampled again
         with the same seeds, so a fault does not change the step)."""
         seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
-        prompts = [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]  # ids: tokenised once
-        return self.rollouts.generate(prompts, seeds, self.sampling)
+        return self.rollouts.generate(self.prompts_of(problems), seeds, self.sampling)
 
     def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
         """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""

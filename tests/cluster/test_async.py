@@ -154,3 +154,13 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
     assert [{k: v for k, v in r.items() if k not in fleet} for r in stable(records)] == \
         [{k: v for k, v in r.items() if k not in fleet} for r in stable(clean)]
     assert all((weights[name] == clean_weights[name]).all() for name in weights)
+
+
+def test_dynamic_sampling_samples_a_steps_extra_rounds_with_its_own_version(ray_local, tmp_path, demo_model_dir):
+    records, _ = run(tmp_path, demo_model_dir, "dapo", "float32", None, "rollout.dynamic_sampling=true",
+                     "rollout.max_sampling_rounds=3")
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    assert any(r["sampling/rounds"] > 1 for r in records)  # some step needed another round
+    assert all(r["sampling/kept_groups"] + r["sampling/filler_groups"] == 8 for r in records)
+    for r, staleness in zip(records, STALENESS):  # every round of a fresh batch: the learner's own weights
+        assert (r["logprob/mismatch"] < 1e-4) if staleness == 0 else (r["logprob/mismatch"] > 1e-3), r
