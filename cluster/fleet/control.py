@@ -49,6 +49,10 @@ class RunControl:
             num_workers = len(current) - len(remove)
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ControlError(f"--rollout-workers must be between 1 and {MAX_WORKERS}, got {num_workers}")
+        serving = [w["id"] for w in self.fleet.get("workers", [])]
+        if serving and set(serving) <= set(remove):
+            raise ControlError(f"removing every serving rollout worker ({serving}) leaves none to generate until new "
+                               "ones start; keep at least one")
         self.request = {"num_workers": num_workers, "remove": remove}
         self.requests += 1
         return {"run_dir": self.run_dir, "workers_now": len(current), **self.request}

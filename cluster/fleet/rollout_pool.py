@@ -159,8 +159,8 @@ class RolloutPool:
                 worker, (a, b), started = running.pop(ref)
                 if outcome.ok:
                     results[a] = value = outcome.value
-                    self._record_speed(worker, b - a, now - started)
                     slot_id = self.fleet.rollout[worker].id
+                    self._record_speed(slot_id, b - a, now - started)
                     self._note_clock(slot_id, value)
                     if self.deferred.pop(slot_id, None) is not None:  # it loaded them first
                         loaded[worker] = value.loaded
@@ -219,10 +219,8 @@ class RolloutPool:
             shares[i] += 1
         return [floor + share for share in shares]
 
-    def _record_speed(self, worker: int, prompts: int, seconds: float, slot_id: int | None = None) -> None:
-        """Prompts per second of worker `worker`'s (or slot `slot_id`'s) last request, averaged over steps (half-life
-        of one step)."""
-        slot_id = self.fleet.rollout[worker].id if slot_id is None else slot_id
+    def _record_speed(self, slot_id: int, prompts: int, seconds: float) -> None:
+        """Prompts per second of worker `slot_id`'s last request, averaged over steps (half-life of one step)."""
         rate = prompts / max(seconds, 1e-6)
         self.speeds[slot_id] = rate if slot_id not in self.speeds else 0.5 * self.speeds[slot_id] + 0.5 * rate
 
@@ -313,7 +311,7 @@ class RolloutPool:
                         break
                     queue.popleft()
                     a, b = request.chunk
-                    self._record_speed(-1, b - a, now - request.started, slot_id)
+                    self._record_speed(slot_id, b - a, now - request.started)
                     self._note_clock(slot_id, request.result.value)
                     if queue:
                         queue[0].started = now
@@ -604,8 +602,8 @@ class RolloutPool:
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""
+        self._restart(index, cause)  # counts its own time in `recovery_seconds`
         started = time.perf_counter()
-        self._restart(index, cause)
         failed = self._load([index])
         if failed:
             raise RunError(f"{self.fleet.rollout_names[index]} was replaced after it {cause}, but its replacement "

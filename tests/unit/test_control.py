@@ -34,6 +34,8 @@ def test_removing_workers_by_id_keeps_the_rest_unless_a_size_is_given():
     (0, [], "--rollout-workers must be between 1 and 4096, got 0"),
     (None, [0, 1], "--rollout-workers must be between 1 and 4096, got 0"),
     (2, [5], "no rollout worker with id 5; the run's workers are [0, 1]"),
+    (2, [0, 1], "removing every serving rollout worker ([0, 1]) leaves none to generate until new ones start; keep at "
+                "least one"),
 ])
 def test_bad_requests_are_refused_with_one_line_and_leave_nothing_pending(num_workers, remove, message):
     control = control_with_workers([0, 1])
