@@ -134,20 +134,19 @@ class Trainer:
             ref_logprobs = self.reference_result(ready.reference)
         rollouts = [r for group in ready.groups for r in group]
         drains = step == self.boundary(step)
-        with self.timed("train"):
-            submitted = time.monotonic()
-            self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
-            refs, done = self.submit_train(rollouts, ready.rewards, ref_logprobs)
-            version = self.weights_version + 1
-            if step < self.config.max_steps:
-                self.rollouts.export(version)  # queued behind the update on the learner
-            if not drains:
-                if step + 1 + self.staleness <= self.boundary(step):
-                    self.dispatch(step + 1 + self.staleness, version)
-                self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
-            remaining = self.config.timeouts.train - (time.monotonic() - submitted)
-            learner_metrics = self.fleet.learner_group.finish(refs, max(0.0, remaining), "train")[0]
-            self.updated = done[0] if done else time.monotonic()
+        submitted = time.monotonic()
+        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
+        refs, done = self.submit_train(rollouts, ready.rewards, ref_logprobs)
+        version = self.weights_version + 1
+        if step < self.config.max_steps:
+            self.rollouts.export(version)  # queued behind the update on the learner
+        if not drains:
+            if step + 1 + self.staleness <= self.boundary(step):
+                self.dispatch(step + 1 + self.staleness, version)
+            self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
+        remaining = self.config.timeouts.train - (time.monotonic() - submitted)
+        learner_metrics = self.fleet.learner_group.finish(refs, max(0.0, remaining), "train")[0]
+        self.updated = done[0] if done else time.monotonic()
         self.timings["time/train"] = self.updated - submitted  # the update itself, whatever overlapped it
         self.weights_version = int(learner_metrics["weights/version"])
         if self.weights_version != version:

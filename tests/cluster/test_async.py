@@ -164,3 +164,15 @@ def test_dynamic_sampling_samples_a_steps_extra_rounds_with_its_own_version(ray_
     assert all(r["sampling/kept_groups"] + r["sampling/filler_groups"] == 8 for r in records)
     for r, staleness in zip(records, STALENESS):  # every round of a fresh batch: the learner's own weights
         assert (r["logprob/mismatch"] < 1e-4) if staleness == 0 else (r["logprob/mismatch"] > 1e-3), r
+
+
+def test_a_data_parallel_learner_exports_and_probes_every_version(ray_local, tmp_path, demo_model_dir):
+    """fsdp2 over two ranks: every rank runs the update and draws the same probe sample (HF generate on the sharded
+    model), rank 0 exports; the pipeline is the one-rank pipeline."""
+    records, _ = run(tmp_path, demo_model_dir, "fsdp2", "float32", None, "learner.num_ranks=2",
+                     "learner.strategy=fsdp2", "learner.num_threads=1")
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    gaps = [r["sync/probe_max_diff"] for r in records]
+    assert sum(gap == gap for gap in gaps) >= 4 and not any(gap >= 1e-4 for gap in gaps)
+    for r, staleness in zip(records, STALENESS):
+        assert (r["logprob/mismatch"] < 1e-4) if staleness == 0 else (r["logprob/mismatch"] > 1e-3), r
