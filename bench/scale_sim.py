@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
@@ -107,27 +108,38 @@ class SimulatedLearner:
         return self.shared.write(tensors, version)
 
 
-def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple,
-            tokens: int) -> tuple[float, float]:
-    """(completions per second, driver CPU seconds per step) over `steps` steps (generate + weight sync) with n
-    simulated workers."""
+def simulated_pool(n: int, overrides: list[str], latency: tuple, tokens: int, slow: bool = False) -> tuple[Any, Any]:
+    """A RolloutPool over n stand-in engines (every other one 2x slower with `slow`) in their own placement groups,
+    and a function that stops them."""
     from cluster.config import load_config
     from cluster.fleet.placement import Fleet, RolloutLauncher, start_rollout_slots
     from cluster.fleet.rollout_pool import RolloutPool
 
     config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
-                                "sync.fingerprint=false", f"rollout.balance={balance}", "rollout.group_size=8"])
+                                "sync.fingerprint=false", "rollout.group_size=8", *overrides])
     launcher = RolloutLauncher(config, "unused", SimulatedEngine)
     launcher.settings = None  # the engine settings would make every worker import torch; stand-ins ignore them
-    pools = []
+    slots = []
     for i in range(n):
         factor = 2.0 if slow and i % 2 == 1 else 1.0
         launcher.rollout_cls = type("Engine", (SimulatedEngine,), {"slowdown": factor, "latency": latency,
                                                                    "tokens": tokens})
-        pools.append(start_rollout_slots(launcher, [i], [])[0])
+        slots.append(start_rollout_slots(launcher, [i], [])[0])
     learner = ray.remote(SimulatedLearner).options(num_cpus=0).remote()
-    fleet = Fleet(learner, None, pools, None, launcher)
-    pool = RolloutPool(config, fleet)
+    fleet = Fleet(learner, None, slots, None, launcher)
+
+    def stop() -> None:
+        launcher.stop(fleet.rollout)
+        ray.kill(learner)
+
+    return RolloutPool(config, fleet), stop
+
+
+def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, latency: tuple,
+            tokens: int) -> tuple[float, float]:
+    """(completions per second, driver CPU seconds per step) over `steps` steps (generate + weight sync) with n
+    simulated workers."""
+    pool, stop = simulated_pool(n, [f"rollout.balance={balance}"], latency, tokens, slow)
     sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
@@ -140,8 +152,7 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
         assert len(groups) == len(prompts)
         pool.sync(step)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    launcher.stop(fleet.rollout)
-    ray.kill(learner)
+    stop()
     return steps * len(prompts) * 8 / seconds, cpu / steps
 
 
@@ -153,19 +164,7 @@ def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens
     pipeline, each batch sent out after the update `staleness` steps before it, as `Trainer.async_step` does)."""
     from collections import deque
 
-    from cluster.config import load_config
-    from cluster.fleet.placement import Fleet, RolloutLauncher, start_rollout_slots
-    from cluster.fleet.rollout_pool import RolloutPool
-
-    config = load_config(None, [f"rollout.num_workers={n}", "rollout.num_cpus=0.01", "sync.probe=false",
-                                "sync.fingerprint=false", "rollout.group_size=8", f"rollout.max_staleness={staleness}"])
-    launcher = RolloutLauncher(config, "unused", SimulatedEngine)
-    launcher.settings = None
-    launcher.rollout_cls = type("Engine", (SimulatedEngine,), {"latency": latency, "tokens": tokens})
-    slots = [start_rollout_slots(launcher, [i], [])[0] for i in range(n)]
-    learner = ray.remote(SimulatedLearner).options(num_cpus=0).remote()
-    fleet = Fleet(learner, None, slots, None, launcher)
-    pool = RolloutPool(config, fleet)
+    pool, stop = simulated_pool(n, [f"rollout.max_staleness={staleness}"], latency, tokens)
     sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
@@ -193,8 +192,7 @@ def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens
             if step == 1:
                 started, cpu = time.perf_counter(), time.process_time()
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    launcher.stop(fleet.rollout)
-    ray.kill(learner)
+    stop()
     return steps * len(prompts) * 8 / seconds, cpu / steps
 
 
