@@ -247,7 +247,6 @@ class RolloutPool:
         the learner computes them before its next update."""
         self.weights_version = version
         fingerprints = self.fleet.learner.weights_fingerprint.remote() if self.config.sync.fingerprint else None
-        self.expected = (version, fingerprints) if fingerprints is not None else None
         probe = None
         if self.config.sync.probe and self.probe_prompt is not None:
             cfg = self.config
@@ -341,11 +340,7 @@ class RolloutPool:
             if not request.load:
                 continue
             value, slot, export = request.result.value, request.slot, self.exports[batch.version]
-            expected = None
-            if self.config.sync.fingerprint:
-                if isinstance(export.fingerprints, ray.ObjectRef):
-                    [export.fingerprints] = get([export.fingerprints], self.config.timeouts.sync, ["learner"], "sync")
-                expected = export.fingerprints
+            expected = self.fingerprints_of(batch.version) if self.config.sync.fingerprint else None
             check_loaded(slot.name, value.loaded, batch.version, expected)
             self.unprobed.add(slot.id)
             if export.probe is None:
@@ -354,9 +349,8 @@ class RolloutPool:
                 raise SyncError(f"weight sync check failed: {slot.name} (version {batch.version}) was asked to run "
                                 "the probe with its request but returned none")
             sample = value.probe  # it carries the learner's logprobs, from the export
-            gap = max((abs(x - y) for x, y in zip(sample.logprobs, sample.learner_logprobs)), default=0.0)
             weights = digest(expected) if expected is not None else f"version {batch.version}"
-            checks.append((slot, gap, sample, weights))
+            checks.append((slot, probe_gap(sample), sample, weights))
         if checks:
             self._check_probes(checks)
 
@@ -559,12 +553,28 @@ class RolloutPool:
 
     def learner_fingerprint(self) -> dict[str, str]:
         """The learner's fingerprints of its current weights (version `weights_version`), asked once per version."""
-        if self.expected is None or self.expected[0] != self.weights_version:
-            self.expected = (self.weights_version, self.fleet.learner.weights_fingerprint.remote())
-        if isinstance(self.expected[1], ray.ObjectRef):  # asked for by `sync`
-            [fingerprints] = get([self.expected[1]], self.config.timeouts.sync, ["learner"], "sync")
-            self.expected = (self.weights_version, fingerprints)
+        return self.fingerprints_of(self.weights_version)
+
+    def fingerprints_of(self, version: int) -> dict[str, str]:
+        """The learner's fingerprints of weights `version`: the current version's (asked for by `sync`, or now), or
+        an exported version's (asked for by `export`), read once."""
+        export = self.exports.get(version)
+        if export is not None and export.fingerprints is not None:
+            export.fingerprints = self._read(export.fingerprints)
+            return export.fingerprints
+        if version != self.weights_version:
+            raise RuntimeError(f"the learner's fingerprints of weights version {version} were not asked for when it "
+                               f"had them (it is at {self.weights_version})")
+        if self.expected is None or self.expected[0] != version:
+            self.expected = (version, self.fleet.learner.weights_fingerprint.remote())
+        self.expected = (version, self._read(self.expected[1]))
         return self.expected[1]
+
+    def _read(self, value: Any) -> Any:
+        """`value`, or what the learner returns for it when it is a ref (`timeouts.sync`)."""
+        if isinstance(value, ray.ObjectRef):
+            [value] = get([value], self.config.timeouts.sync, ["learner"], "sync")
+        return value
 
     def check_loaded(self, index: int, loaded: Loaded | None) -> None:
         """Raise SyncError unless worker `index` reports a load of the current version and (`sync.fingerprint`)
@@ -598,7 +608,7 @@ class RolloutPool:
                 [learner_lps[key]] = self.fleet.learner_group.compute_logprobs([p.prompt_ids], [p.response_ids])
             self.probe_prompt = list(p.prompt_ids)
             samples.append(p._replace(learner_logprobs=learner_lps[key]))
-        return [(max((abs(a - b) for a, b in zip(s.logprobs, s.learner_logprobs)), default=0.0), s) for s in samples]
+        return [(probe_gap(s), s) for s in samples]
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""
@@ -641,3 +651,7 @@ class RolloutPool:
             self.check_loaded(i, loaded)
         return failed
 
+
+def probe_gap(sample: ProbeSample) -> float:
+    """The largest |engine - learner| logprob over a probe sample's tokens."""
+    return max((abs(a - b) for a, b in zip(sample.logprobs, sample.learner_logprobs)), default=0.0)

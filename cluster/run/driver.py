@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,15 @@ class Prepared:
     stats: dict[str, Any]
     reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
     timings: dict[str, float]  # its time/generate and time/score
+
+
+@dataclass
+class Update:
+    """One update sent to the learner (`Trainer.submit_train`)."""
+
+    refs: list[Any]  # every rank's
+    submitted: float  # time.monotonic() when it was sent
+    done: list[float] = field(default_factory=list)  # gets the time.monotonic() when it was done
 
 
 class Trainer:
@@ -134,9 +144,7 @@ class Trainer:
             ref_logprobs = self.reference_result(ready.reference)
         rollouts = [r for group in ready.groups for r in group]
         drains = step == self.boundary(step)
-        submitted = time.monotonic()
-        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
-        refs, done = self.submit_train(rollouts, ready.rewards, ref_logprobs)
+        update = self.submit_train(rollouts, ready.rewards, ref_logprobs)
         version = self.weights_version + 1
         if step < self.config.max_steps:
             self.rollouts.export(version)  # queued behind the update on the learner
@@ -144,11 +152,8 @@ class Trainer:
             if step + 1 + self.staleness <= self.boundary(step):
                 self.dispatch(step + 1 + self.staleness, version)
             self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
-        remaining = self.config.timeouts.train - (time.monotonic() - submitted)
-        learner_metrics = self.fleet.learner_group.finish(refs, max(0.0, remaining), "train")[0]
-        self.updated = done[0] if done else time.monotonic()
-        self.timings["time/train"] = self.updated - submitted  # the update itself, whatever overlapped it
-        self.weights_version = int(learner_metrics["weights/version"])
+        learner_metrics = self.finish_train(update)
+        self.timings["time/train"] = self.updated - update.submitted  # the update itself, whatever overlapped it
         if self.weights_version != version:
             raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
                            f"{version}: its updates and the driver's steps are out of step")
@@ -188,24 +193,18 @@ class Trainer:
         dynamic sampling, the extra rounds are sampled with the batch's version too (queued behind the requests the
         workers already hold)."""
         batch, problems = self.in_flight.pop(step)
-        ro, want = self.config.rollout, self.config.data.prompts_per_step
+
+        def collect(round_: int) -> tuple[list[Problem], list[list[Any]]]:
+            nonlocal batch, problems
+            if round_:
+                problems = self.data.next_batch()
+                seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
+                batch = self.rollouts.dispatch(self.prompts_of(problems), seeds, self.sampling, batch.version)
+            return problems, self.rollouts.collect(batch)
+
         outer, self.timings = self.timings, {}
         try:
-            tally = Tally(self.config.reward.sources)
-            rounds = 0
-            while True:
-                with self.timed("generate"):
-                    groups = self.rollouts.collect(batch)
-                with self.timed("score"):
-                    result = self.scorer.score(problems, groups)
-                self.add_round(tally, groups, result)
-                rounds += 1
-                if not ro.dynamic_sampling or len(tally.kept) >= want or rounds >= ro.max_sampling_rounds:
-                    break
-                problems = self.data.next_batch()
-                batch = self.rollouts.dispatch(self.prompts_of(problems), sampling_seeds(
-                    self.config.seed, step, len(problems), rounds), self.sampling, batch.version)
-            groups, rewards, stats = self.choose(step, tally, rounds)
+            groups, rewards, stats = self.sample(step, collect)
             rollouts = [r for group in groups for r in group]
             return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings)
         finally:
@@ -224,8 +223,11 @@ class Trainer:
         key = f"time/{phase}"
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
 
-    def sample(self, step: int) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
+    def sample(self, step: int, rounds_from: Callable[[int], tuple[list[Problem], list[list[Any]]]] | None = None
+               ) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
         """Generate and score `prompts_per_step` groups; returns [prompts][G] rollouts, their rewards, and stats.
+        `rounds_from(round)` gives a round's problems and their groups (default: draw prompts and generate now;
+        asynchronously, `prepare` collects what was dispatched).
 
         Groups a remote verifier could not score under `on_failure=drop` are removed (counted in
         `verifier/dropped_groups`). With `rollout.dynamic_sampling` (DAPO), groups whose rewards are all equal
@@ -234,12 +236,15 @@ class Trainer:
         never hidden). Overlong shaping is added after that choice, as in DAPO, so length alone does not make a
         group informative."""
         ro, want = self.config.rollout, self.config.data.prompts_per_step
+        if rounds_from is None:
+            def rounds_from(round_: int) -> tuple[list[Problem], list[list[Any]]]:
+                problems = self.data.next_batch()
+                return problems, self.generate(problems, step, round_)
         tally = Tally(self.config.reward.sources)
         rounds = 0
         while len(tally.kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
-            problems = self.data.next_batch()
             with self.timed("generate"):
-                groups = self.generate(problems, step, rounds)
+                problems, groups = rounds_from(rounds)
             with self.timed("score"):
                 result = self.scorer.score(problems, groups)
             self.add_round(tally, groups, result)
@@ -324,28 +329,33 @@ class Trainer:
 
     def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> dict:
         """One update; the learner's metrics, and `weights_version` becomes the version it reports it produced."""
-        submitted = time.monotonic()
-        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
-        refs, done = self.submit_train(rollouts, rewards, ref_logprobs)
-        metrics = self.fleet.learner_group.finish(refs, self.config.timeouts.train, "train")[0]
-        self.updated = done[0] if done else time.monotonic()
-        self.weights_version = int(metrics["weights/version"])
-        return metrics
+        return self.finish_train(self.submit_train(rollouts, rewards, ref_logprobs))
 
-    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> tuple[list[Any], list]:
-        """Send the update to the learner without waiting: its refs, and a list that gets the time.monotonic() at
-        which the update was done (for the learner's idle time between updates, `time/learner_wait`)."""
+    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> Update:
+        """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner
+        waited since its last update was done (`time/learner_wait`)."""
         from learner.algo.sequences import Rows
         from learner.learner import TrainBatch
+
+        submitted = time.monotonic()
+        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
 
         batch = TrainBatch(prompt_ids=Rows(r.prompt_ids for r in rollouts),
                            response_ids=Rows(r.response_ids for r in rollouts),
                            behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
                            group_size=self.config.rollout.group_size)  # Rows: packed across Ray
-        refs = self.fleet.learner_group.submit_train(batch, ref_logprobs)
-        done: list[float] = []
-        refs[0].future().add_done_callback(lambda _: done.append(time.monotonic()))
-        return refs, done
+        update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs), submitted)
+        update.refs[0].future().add_done_callback(lambda _: update.done.append(time.monotonic()))
+        return update
+
+    def finish_train(self, update: Update) -> dict:
+        """Wait for `update` (`timeouts.train` from its submission): the learner's metrics; `weights_version` becomes
+        the version it reports it produced, `updated` when it was done."""
+        remaining = self.config.timeouts.train - (time.monotonic() - update.submitted)
+        metrics = self.fleet.learner_group.finish(update.refs, max(0.0, remaining), "train")[0]
+        self.updated = update.done[0] if update.done else time.monotonic()
+        self.weights_version = int(metrics["weights/version"])
+        return metrics
 
     def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:
         """Write `checkpoints/step_<step>` atomically: the learner's state, the data cursor, the resolved config."""
