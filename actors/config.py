@@ -69,6 +69,11 @@ class RolloutConfig(_Section):
     generated, scored and reference-scored while the learner trains. 0: on-policy, generation waits for each step's
     weights. With k >= 1 the loss is decoupled PPO (`learner.rollout_correction` defaults to `tis`);
     docs/operations.md, asynchronous training."""
+    in_flight_updates: bool = False
+    """Asynchronous training (`max_staleness` >= 1): every engine also takes each new weights version between two
+    steps of the request it is running (PipelineRL-style): requests in progress are preempted and go on with the new
+    weights, and each token carries the version that sampled it. Fresher tokens, but not deterministic: when a load
+    lands depends on timing. docs/operations.md, in-flight updates."""
     max_sampling_rounds: int = Field(4, ge=1, le=1000)
     """Generation rounds per step with dynamic sampling; if the batch is still short after them, it is topped up
     with dropped groups (counted in `sampling/filler_groups`)."""

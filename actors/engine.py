@@ -10,9 +10,10 @@ lives here so that a new vLLM release, or another engine, changes one file.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class SampledCompletion:
     text: str  # detokenized response, special tokens (EOS) dropped
     finish_reason: str  # "stop" (EOS or stop token) or "length"
     cached_prompt_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: not said)
+    versions: list[int] | None = None  # [T_resp] the weights version that sampled each token (`generate_stepwise`)
 
 
 class VllmEngine:
@@ -82,6 +84,7 @@ class VllmEngine:
             **device_args,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:
@@ -101,6 +104,52 @@ class VllmEngine:
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
+    def generate_stepwise(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                          max_tokens: int, seeds: Sequence[int | None], before_step: Callable[[], int]
+                          ) -> list[list[SampledCompletion]]:
+        """`generate`, one engine step at a time: `before_step()` runs before every step (it may load new weights:
+        `load_weights(..., running=True)`) and returns the weights version the step samples with, which tags each
+        token. Without loads, the same tokens and logprobs as `generate` (tests/actors/test_rollout_worker.py).
+
+        The requests are added as `LLM.generate` adds them (its rendering), but stream their new tokens
+        (`RequestOutputKind.DELTA`): each step's tokens are tagged when they arrive."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        tag = f"relay-{next(self._requests)}-"
+        for i, (ids, seed) in enumerate(zip(prompt_ids, seeds)):
+            params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                    seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(
+                TokensPrompt(prompt_token_ids=list(ids)), None), params)
+        tokens = [[([], [], []) for _ in range(n)] for _ in prompt_ids]  # [prompt][index] -> ids, logprobs, versions
+        ends: dict[tuple[int, int], tuple[str, int | None]] = {}
+        while engine.has_unfinished_requests():
+            version = before_step()
+            for out in engine.step():
+                i = int(out.request_id.removeprefix(tag))
+                for c in out.outputs:
+                    ids, logprobs, versions = tokens[i][c.index]
+                    ids += c.token_ids
+                    logprobs += c.logprobs.logprobs if c.logprobs is not None else []
+                    versions += [version] * len(c.token_ids)
+                    if c.finish_reason is not None:
+                        ends[i, c.index] = "stop" if c.finish_reason == "stop" else "length", out.num_cached_tokens
+        texts = iter(self.tokenizer.batch_decode([ids for group in tokens for ids, _, _ in group],
+                                                 skip_special_tokens=True))
+        result = []
+        for i, group in enumerate(tokens):
+            result.append([])
+            for j, (ids, logprobs, versions) in enumerate(group):
+                if len(logprobs) != len(ids) or (i, j) not in ends:
+                    raise RuntimeError(f"engine returned {len(logprobs)} logprobs for {len(ids)} tokens of request "
+                                       f"{i}, completion {j}{'' if (i, j) in ends else ', and never finished it'}")
+                reason, cached = ends[i, j]
+                result[-1].append(SampledCompletion(ids, logprobs, next(texts), reason, cached, versions))
+        return result
+
     def score(self, prompt_ids: Sequence[int]) -> list[float]:
         """log pi of every token of `prompt_ids` after the first, given the ones before it (vLLM's prompt logprobs:
         raw logits, no temperature; such a request never reads the prefix cache, vLLM recomputes it)."""
@@ -114,8 +163,10 @@ class VllmEngine:
                                f" not of the prompt's {list(prompt_ids[1:])}")
         return list(flat.logprobs)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], running: bool = False) -> None:
+        """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive. With
+        `running` (between two steps of `generate_stepwise`), requests in progress are preempted: their KV is
+        computed again with the new weights before their next token."""
         if self._in_process:
             self.llm.collective_rpc("relay_reload_weights", args=(list(named_tensors),))
         else:
@@ -126,7 +177,7 @@ class VllmEngine:
             with tempfile.TemporaryDirectory(dir=shm) as tmp:
                 save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
                 self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
-        self.reset_prefix_cache()
+        self.reset_prefix_cache(running)
 
     @property
     def num_ranks(self) -> int:
@@ -149,8 +200,8 @@ class VllmEngine:
     def leave_weight_group(self) -> None:
         self.llm.collective_rpc("relay_leave_weight_group")
 
-    def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
+    def reset_prefix_cache(self, running: bool = False) -> None:
+        if not self.llm.reset_prefix_cache(reset_running_requests=running):
             raise RuntimeError("vLLM refused to reset its prefix cache; stale KV entries would survive the update")
 
     def shutdown(self) -> None:

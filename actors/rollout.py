@@ -9,6 +9,7 @@ Does not own: which prompts it gets, rewards, or where weights come from. A plai
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -43,33 +44,82 @@ class RolloutWorker:
         self.tokenizer = self.engine.tokenizer
         self.weights_version = 0
         self.last_load: dict[str, float] = {}
+        # In-flight updates: the newest weights offered (`offer_weights`, from another thread while `generate` runs).
+        self.offered: Offer | None = None
+        self._offer_lock = threading.Lock()
 
     def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
                  version: int | None = None, *buckets: Weights, probe: tuple | None = None,
-                 score_probe: tuple | None = None) -> RolloutGroups:
+                 score_probe: tuple | None = None, in_flight: bool = False) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
         report comes back as the result's `loaded`; given `probe` (the `probe` method's arguments), the probe then
         runs on the new weights before anything else can fill the prefix cache, and comes back as the result's
         `probe`; given `score_probe` instead (asynchronous training: `score_probe`'s arguments, from the learner's
-        export), that probe runs."""
+        export), that probe runs. With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
         started = time.time()
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if in_flight:
+            return self._generate_in_flight(prompts, seeds, sampling, Offer(version, score_probe, buckets), started)
         loaded = self.load_weights(version, *buckets) if version is not None else None
         probed = (self.probe(*probe) if probe is not None else
                   self.score_probe(*score_probe) if score_probe is not None else None)
-        # Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are.
-        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
-                      for p in prompts]
+        prompt_ids = self._prompt_ids(prompts)
         groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
                                       sampling.max_new_tokens, list(seeds))
         result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
         result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
         return result
 
-    def load_weights(self, version: int, *buckets: Weights) -> Loaded:
+    def offer_weights(self, version: int, probe: tuple | None, *buckets: Weights) -> None:
+        """In-flight updates: weights `version` (and the arguments of its `score_probe`), taken between two engine
+        steps of the request running now, or at the start of the next. Called in its own concurrency group (Ray
+        runs it while `generate` runs); only the newest offer is kept."""
+        with self._offer_lock:
+            if self.offered is None or version > self.offered.version:
+                self.offered = Offer(version, probe, buckets)
+
+    def _newest_offer(self) -> Offer | None:
+        with self._offer_lock:
+            offered = self.offered
+        return offered if offered is not None and offered.version > self.weights_version else None
+
+    def _generate_in_flight(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int],
+                            sampling: SamplingSettings, asked: Offer, started: float) -> RolloutGroups:
+        """`generate` with in-flight updates: first the newest of the request's weights and the offered ones (if newer
+        than the engine's), probed at once; then the prompts, one engine step at a time, taking any newer offer
+        between two steps (requests in progress are preempted and their KV computed again, so every token after the
+        load is sampled by the new weights), each token tagged with the version that sampled it. The last of those
+        loads is probed after the request (`score_probe` without the prefix-cache check: the request's own entries
+        are in it by then). The result's `loads` lists every load with its probe (or None) and whether it came during
+        the request; its rollouts' `versions` tag the tokens."""
+        loads: list[tuple[Loaded, ProbeSample | None, bool]] = []  # (report, probe, during the request)
+        first = max((o for o in (asked, self._newest_offer()) if o is not None and o.version is not None),
+                    key=lambda o: o.version, default=None)
+        if first is not None and first.version > self.weights_version:
+            loaded = self.load_weights(first.version, *first.buckets)
+            loads.append((loaded, self.score_probe(*first.probe) if first.probe is not None else None, False))
+        last: list[Offer] = []
+
+        def before_step() -> int:
+            newer = self._newest_offer()
+            if newer is not None:
+                loads.append((self.load_weights(newer.version, *newer.buckets, running=True), None, True))
+                last[:] = [newer]
+            return self.weights_version
+
+        prompt_ids = self._prompt_ids(prompts)
+        groups = self.engine.generate_stepwise(prompt_ids, sampling.group_size, sampling.temperature,
+                                               sampling.top_p, sampling.max_new_tokens, list(seeds), before_step)
+        if last and last[0].probe is not None:  # the engine still serves it: nothing loads between requests
+            loads[-1] = (loads[-1][0], self.score_probe(*last[0].probe, cache_check=False), True)
+        result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+        result.loads, result.clock = loads, (started, time.time())
+        return result
+
+    def load_weights(self, version: int, *buckets: Weights, running: bool = False) -> Loaded:
         """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the
         learner's node), into the engine in place; return the version now served and the fingerprints of what the
         engine was handed. `last_load` keeps the timings (fingerprint, reload)."""
@@ -78,7 +128,10 @@ class RolloutWorker:
             fingerprinting = time.perf_counter()
             report = Loaded(version, fingerprints(named, self.fingerprint))
             fingerprint_s = time.perf_counter() - fingerprinting
-            self.engine.load_weights(named)
+            if running:  # between two steps of a request (`_generate_in_flight`)
+                self.engine.load_weights(named, running=True)
+            else:
+                self.engine.load_weights(named)
         self.last_load = {"fingerprint_s": fingerprint_s, "reload_s": time.perf_counter() - started - fingerprint_s}
         self.weights_version = version
         return report
@@ -110,19 +163,39 @@ class RolloutWorker:
         return ProbeSample(prompt_ids, c.response_ids, c.logprobs, self.weights_version, c.cached_prompt_tokens)
 
     def score_probe(self, prompt_ids: list[int], response_ids: list[int], learner_logprobs: list[float],
-                    seed: int) -> ProbeSample:
+                    seed: int, cache_check: bool = True) -> ProbeSample:
         """The asynchronous sync probe: the learner sampled `response_ids` from `prompt_ids` when it exported the
         weights (it has moved on by the time this comes back, so it cannot score a sample of the engine's); the
         engine scores the same tokens (prompt logprobs: temperature 1, as `learner_logprobs`), after a one-token
-        seeded sample of the prompt that reports the prefix cache's hits (prompt-logprob requests never read it)."""
-        [[c]] = self.engine.generate([prompt_ids], 1, 1.0, 1.0, 1, [seed])
+        seeded sample of the prompt that reports the prefix cache's hits (prompt-logprob requests never read it;
+        without `cache_check`, no such sample: `cached_prompt_tokens` None)."""
+        cached = None
+        if cache_check:
+            [[c]] = self.engine.generate([prompt_ids], 1, 1.0, 1.0, 1, [seed])
+            cached = c.cached_prompt_tokens
         logprobs = self.engine.score([*prompt_ids, *response_ids])[len(prompt_ids) - 1:]
-        return ProbeSample(list(prompt_ids), list(response_ids), logprobs, self.weights_version,
-                           c.cached_prompt_tokens, list(learner_logprobs))
+        return ProbeSample(list(prompt_ids), list(response_ids), logprobs, self.weights_version, cached,
+                           list(learner_logprobs))
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
+    def _prompt_ids(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are."""
+        return [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
+                for p in prompts]
+
     def _rollout(self, prompt_ids: list[int], c: SampledCompletion) -> Rollout:
-        return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)
+        if c.versions is None:
+            return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)
+        first = c.versions[0] if c.versions else self.weights_version
+        return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, first, c.versions)
+
+
+class Offer(NamedTuple):
+    """Weights offered to a worker for in-flight updates (or a request's own), with their probe's arguments."""
+
+    version: int | None
+    probe: tuple | None
+    buckets: tuple
 

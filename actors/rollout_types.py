@@ -39,7 +39,8 @@ class Rollout:
     behavior_logprobs: Sequence[float]  # [T_resp], from the engine that sampled (weights `weights_version`)
     text: str  # the response text, EOS dropped
     finish_reason: str  # "stop" | "length"
-    weights_version: int
+    weights_version: int  # the version that sampled the first token (every token, without in-flight updates)
+    versions: Sequence[int] | None = None  # [T_resp] with in-flight updates: the version that sampled each token
 
 
 class RolloutGroups(list):
@@ -49,11 +50,13 @@ class RolloutGroups(list):
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
     float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one, and `probe`
     the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to; `clock` the worker's wall clock
-    (time.time()) when the request started running and when it finished (the engines' idle time between requests)."""
+    (time.time()) when the request started running and when it finished (the engines' idle time between requests);
+    `loads`, with in-flight updates, every load the request made, each with its probe or None."""
 
     loaded: Loaded | None = None
     probe: Any = None
     clock: tuple[float, float] | None = None
+    loads: list | None = None
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -64,11 +67,13 @@ class RolloutGroups(list):
             np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
                            or [np.zeros(0, np.float32)]),
             [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
-            self.loaded, self.probe, self.clock))
+            self.loaded, self.probe, self.clock, self.loads,
+            None if not rollouts or rollouts[0].versions is None else
+            np.concatenate([np.asarray(r.versions, np.int32) for r in rollouts])))
 
 
 def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
-                   loaded=None, probe=None, clock=None) -> RolloutGroups:
+                   loaded=None, probe=None, clock=None, loads=None, token_versions=None) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
     ends = np.cumsum(lengths).tolist()
@@ -76,7 +81,9 @@ def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reas
     groups, k = RolloutGroups(), 0
     for size, prompt in zip(sizes, prompt_ids):
         groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
-                               finish_reasons[j], versions[j]) for j in range(k, k + size)])
+                               finish_reasons[j], versions[j],
+                               None if token_versions is None else token_versions[starts[j]:ends[j]])
+                       for j in range(k, k + size)])
         k += size
-    groups.loaded, groups.probe, groups.clock = loaded, probe, clock
+    groups.loaded, groups.probe, groups.clock, groups.loads = loaded, probe, clock, loads
     return groups

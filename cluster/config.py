@@ -220,6 +220,9 @@ def _inconsistencies(config: RunConfig):
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
     if config.data.task == "dataset" and not config.data.path:
         yield "data.task=dataset needs data.path (a .jsonl or .parquet file, or a datasets directory)"
+    if rollout.in_flight_updates and not rollout.max_staleness:
+        yield ("rollout.in_flight_updates=true needs asynchronous training: set rollout.max_staleness >= 1 (new "
+               "weights reach an engine while it still samples the batches queued on it), or in_flight_updates=false")
     if rollout.max_staleness and config.sync.transport != "object_store":
         yield ("rollout.max_staleness >= 1 needs sync.transport=object_store (each engine loads the weights between "
                "its own requests; the collective transport loads every engine at once); set it or max_staleness=0")

@@ -177,7 +177,10 @@ class RolloutLauncher:
         CUDA_VISIBLE_DEVICES."""
         ro = self.config.rollout
         sharded = ro.tensor_parallel_size > 1
-        return ray.remote(self.rollout_cls).options(
+        # In-flight updates: `offer_weights` runs in its own thread while `generate` runs.
+        actor = (ray.remote(concurrency_groups={"weights": 1})(self.rollout_cls) if ro.in_flight_updates else
+                 ray.remote(self.rollout_cls))
+        return actor.options(
             num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
             runtime_env={"env_vars": _env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,

@@ -120,6 +120,10 @@ class RolloutPool:
         self.exports: dict[int, Export] = {}  # version -> its export, while requests may need it
         self.clock_end: dict[int, float] = {}  # slot id -> its worker's clock when its last request ended
         self.idle: dict[int, float] = {}  # slot id -> seconds its engine waited between requests, since `take_idle`
+        # In-flight updates (`rollout.in_flight_updates`): every export is offered to every worker at once.
+        self.in_flight = config.rollout.in_flight_updates
+        self.offers: list[tuple[RolloutSlot, Any]] = []  # (worker, ref of its `offer_weights` call) not yet settled
+        self.in_flight_loads = 0  # loads made during a request, since `take_in_flight_loads`
 
     @property
     def workers(self) -> list[Any]:
@@ -252,7 +256,11 @@ class RolloutPool:
             cfg = self.config
             args = (self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED)
             probe = self.fleet.learner_group.submit("probe_sample", args)[0]  # rank 0's (every rank must join)
-        self.exports[version] = Export(version, self.transport.export(version), fingerprints, probe)
+        export = self.exports[version] = Export(version, self.transport.export(version), fingerprints, probe)
+        if self.in_flight:
+            for slot in self.fleet.rollout:
+                self.offers.append((slot, slot.actor.offer_weights.options(concurrency_group="weights").remote(
+                    version, export.probe, *export.load[1:])))
 
     def restored(self, version: int) -> None:
         """Asynchronous training: the learner was restored to weights version `version` (nothing in flight); every
@@ -280,9 +288,12 @@ class RolloutPool:
         request.load = self.serving.get(slot.id) != batch.version
         export = self.exports[batch.version]
         load = export.load if request.load else []
-        probe = {"score_probe": export.probe} if request.load and export.probe is not None else {}
+        kwargs = {"score_probe": export.probe} if request.load and export.probe is not None else {}
+        if self.in_flight:
+            kwargs["in_flight"] = True
         a, b = request.chunk
-        request.ref = slot.actor.generate.remote(batch.prompts[a:b], batch.seeds[a:b], batch.sampling, *load, **probe)
+        request.ref = slot.actor.generate.remote(batch.prompts[a:b], batch.seeds[a:b], batch.sampling, *load,
+                                                 **kwargs)
         request.started = None if queue else time.monotonic()
         request.result = None
         queue.append(request)
@@ -320,6 +331,7 @@ class RolloutPool:
                 self.transport.check_learner()  # a dead learner fails every request that loads its weights
             for slot_id, cause in failed.items():
                 self._restart_queue(slot_id, cause)
+        self._settle_offers()
         self._check_batch(batch)
         # Kept: versions requests in flight may load again, this batch's (dynamic sampling's extra rounds) and the
         # newest (the next batches); the rest cannot be asked for again.
@@ -327,14 +339,35 @@ class RolloutPool:
         oldest = min(in_flight | {batch.version, max(self.exports)})
         self.exports = {v: e for v, e in self.exports.items() if v >= oldest}
         groups = [group for r in sorted(batch.requests, key=lambda r: r.chunk) for group in r.result.value]
+        if self.in_flight:  # each token: the batch's version or a newer one the worker loaded (`_check_batch`)
+            versions = [int(v) for g in groups for r in g for v in (r.versions if len(r.versions) else [])]
+            if versions and not batch.version <= min(versions) <= max(versions) <= max(self.exports):
+                raise SyncError(f"tokens came from weights versions {min(versions)}..{max(versions)}, but the batch "
+                                f"was to be sampled with {batch.version} or a newer exported version: a worker missed "
+                                "a load")
+            return groups
         stale = {r.weights_version for g in groups for r in g} - {batch.version}
         if stale:
             raise SyncError(f"rollouts came from weights version {sorted(stale)} but the batch was to be sampled with "
                             f"{batch.version}: a worker missed a load")
         return groups
 
+    def _settle_offers(self) -> None:
+        """Check the in-flight offers that finished: one that raised stops the run (a worker that died is replaced
+        when its request fails)."""
+        if not self.offers:
+            return
+        ready = set(ray.wait([ref for _, ref in self.offers], num_returns=len(self.offers), timeout=0)[0])
+        done = [(slot, ref) for slot, ref in self.offers if ref in ready]
+        self.offers = [(slot, ref) for slot, ref in self.offers if ref not in ready]
+        for (slot, _), outcome in zip(done, settle([ref for _, ref in done], "offer_weights")):
+            if outcome.kind == "raised":
+                raise SyncError(f"{slot.name} {outcome.error}: it cannot take in-flight weight updates")
+
     def _check_batch(self, batch: Batch) -> None:
         """Check the loads `batch`'s requests made (workers in order) and the probes they ran."""
+        if self.in_flight:
+            return self._check_in_flight(batch)
         checks = []
         for request in batch.requests:
             if not request.load:
@@ -353,6 +386,40 @@ class RolloutPool:
             checks.append((slot, probe_gap(sample), sample, weights))
         if checks:
             self._check_probes(checks)
+
+    def _check_in_flight(self, batch: Batch) -> None:
+        """`_check_batch` with in-flight updates: every load a request made (at its start, the newest of its own
+        version and the offered ones; during it, each newer offer) is checked against the learner's fingerprints of
+        that version, and each probe a request ran (right after its first load, and after the request for the last
+        load during it) against the learner's probe sample of that version."""
+        checks = []
+        for request in batch.requests:
+            value, slot = request.result.value, request.slot
+            if value.loads is None:
+                raise SyncError(f"{slot.name} returned no report of its in-flight loads (rollout.in_flight_updates)")
+            if value.loads:
+                self.unprobed.add(slot.id)
+            for loaded, sample, during in value.loads:
+                version = getattr(loaded, "version", None)
+                if version not in self.exports:
+                    raise SyncError(f"weight sync check failed: {slot.name} reports a load of weights version "
+                                    f"{version}, which is not one the learner exported for it")
+                expected = self.fingerprints_of(version) if self.config.sync.fingerprint else None
+                check_loaded(slot.name, loaded, version, expected)
+                self.in_flight_loads += during
+                if sample is not None:
+                    weights = digest(expected) if expected is not None else f"version {version}"
+                    checks.append((slot, probe_gap(sample), sample, weights))
+                elif not during and self.exports[version].probe is not None:
+                    raise SyncError(f"weight sync check failed: {slot.name} (version {version}) was to run the probe "
+                                    "after its load but returned none")
+        if checks:
+            self._check_probes(checks)
+
+    def take_in_flight_loads(self) -> int:
+        """Loads the engines made during a request since the last call (in-flight updates)."""
+        loads, self.in_flight_loads = self.in_flight_loads, 0
+        return loads
 
     def _restart_queue(self, slot_id: int, cause: str) -> None:
         """Replace the worker of slot `slot_id` and send it every request the old one held, in order."""

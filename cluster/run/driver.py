@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 
 from cluster.config import ConfigError, RunConfig, dump_config
@@ -163,6 +164,10 @@ class Trainer:
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
         self.timings["time/rollout_idle"] = self.rollouts.take_idle()
         ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
+        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's
+            tokens = np.concatenate([np.asarray(r.versions, np.float64) for r in rollouts])
+            ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
+                                "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
         return self.record(step, rollouts, learner_metrics, self.rollouts.take_gap(), time.perf_counter() - started,
                            ready.stats)
 

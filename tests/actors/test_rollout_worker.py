@@ -168,7 +168,7 @@ def test_prefix_cache_is_reset_on_load(worker, tiny_model_dir, monkeypatch):
     # The same sequence of events with the reset skipped gives stale logprobs: the reset is what we rely on.
     worker.load_weights(8, *buckets_of(first))
     worker.probe(PROBE, 4, 1.0, seed=1)
-    monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda: None)
+    monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda running=False: None)
     worker.load_weights(9, *buckets_of(second))
     sample = worker.probe(PROBE, 4, 1.0, seed=1)
     assert sample.cached_prompt_tokens == 32
@@ -189,12 +189,78 @@ def test_score_probe_scores_the_learners_sample_and_reports_cache_hits(worker, t
     torch.testing.assert_close(torch.tensor(sample.logprobs), hf_logprobs(first, ids, response), atol=1e-4, rtol=0)
     assert worker.score_probe(ids, response, [], seed=1).cached_prompt_tokens == 32  # the sample reads the cache
     second = perturbed_state(tiny_model_dir, seed=7)
-    monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda: None)
+    monkeypatch.setattr(worker.engine, "reset_prefix_cache", lambda running=False: None)
     worker.load_weights(11, *buckets_of(second))
     stale = worker.score_probe(ids, response, [], seed=1)
     assert stale.cached_prompt_tokens == 32  # what the sync check stops the run for
     # The scored sequence itself is recomputed (vLLM skips the cache for prompt logprobs): the new weights'.
     torch.testing.assert_close(torch.tensor(stale.logprobs), hf_logprobs(second, ids, response), atol=1e-4, rtol=0)
+
+
+def test_stepwise_generation_without_loads_is_generate_bit_for_bit(worker):
+    """In-flight updates drive the engine a step at a time (`generate_stepwise`); with nothing to load, the same
+    tokens and logprobs as `generate`, every token tagged with the version served."""
+    ids = [worker.tokenizer.encode(p, add_special_tokens=False) for p in ("37+45=", PROBE)]
+    ours = worker.engine.generate(ids, 3, 1.0, 1.0, 12, [4, 5])
+    stepped = worker.engine.generate_stepwise(ids, 3, 1.0, 1.0, 12, [4, 5], lambda: 7)
+    for group, again in zip(ours, stepped):
+        for c, d in zip(group, again):
+            assert (c.response_ids, c.logprobs, c.text, c.finish_reason) == (d.response_ids, d.logprobs, d.text,
+                                                                              d.finish_reason)
+            assert d.versions == [7] * len(d.response_ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker, dtype):
+    """An offer taken in the middle of a request: the tokens before it are the old weights' samples, the tokens
+    after it the new weights' (running requests are preempted and their KV recomputed), each tagged with its version;
+    the load is reported with the fingerprints of what the engine got, and probed after the request."""
+    worker.shutdown()  # one engine at a time in this process
+    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype))
+    try:
+        old, new = perturbed_state(tiny_model_dir, seed=8), perturbed_state(tiny_model_dir, seed=9)
+        if dtype == "bfloat16":  # what the engine serves: the bfloat16 weights, compared in float32
+            old, new = (m.to(torch.bfloat16).float() for m in (old, new))
+        ids = w.tokenizer.encode(PROBE, add_special_tokens=False)
+        response = w.tokenizer.encode("8+8=16", add_special_tokens=False)
+        probe = (ids, response, hf_logprobs(new, ids, response).tolist(), 1)
+        stepwise, calls = w.engine.generate_stepwise, []
+
+        def offer_at_step_four(*args):
+            *head, before_step = args
+
+            def before():
+                calls.append(1)
+                if len(calls) == 4:
+                    w.offer_weights(2, probe, *buckets_of(new))
+                return before_step()
+            return stepwise(*head, before)
+
+        w.engine.generate_stepwise = offer_at_step_four
+        sampling = SamplingSettings(group_size=2, max_new_tokens=12)
+        groups = w.generate(["37+45=", "1+2="], [3, 4], sampling, 1, *buckets_of(old), in_flight=True)
+        [(first, first_probe, during_first), (second, second_probe, during_second)] = groups.loads
+        assert (first.version, first_probe, during_first) == (1, None, False)  # no probe was asked for version 1
+        assert (second.version, during_second) == (2, True) and w.weights_version == 2
+        assert second.fingerprints == (fingerprint(new.state_dict().items()),)
+        assert second_probe.weights_version == 2 and second_probe.cached_prompt_tokens is None
+        tol = 1e-4 if dtype == "float32" else 0.05
+        assert max(abs(a - b) for a, b in zip(second_probe.logprobs, second_probe.learner_logprobs)) < tol
+        both = 0
+        for group in groups:
+            for r in group:
+                versions = list(r.versions)
+                assert versions == sorted(versions) and set(versions) <= {1, 2} and r.weights_version == versions[0]
+                both += len(set(versions)) == 2
+                for model, version in ((old, 1), (new, 2)):
+                    mine = [i for i, v in enumerate(versions) if v == version]
+                    expected = hf_logprobs(model, r.prompt_ids, r.response_ids)[mine]
+                    torch.testing.assert_close(torch.tensor(r.behavior_logprobs)[mine], expected, atol=tol, rtol=0)
+        assert both, "no completion had tokens of both versions: the offer did not land mid-request"
+        again = w.generate(["1+2="], [4], sampling, 1, *buckets_of(old), in_flight=True)
+        assert again.loads == [] and {int(v) for r in again[0] for v in r.versions} == {2}  # never back to 1
+    finally:
+        w.shutdown()
 
 
 def _mark_head_kernel(vllm_worker) -> None:

@@ -156,6 +156,36 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
     assert all((weights[name] == clean_weights[name]).all() for name in weights)
 
 
+class SlowStepsWorker(RolloutWorker):
+    """Takes 40 ms more per engine step (a slow engine, or long generations): new weights land mid-request."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        stepwise = self.engine.generate_stepwise
+
+        def slow(*args):
+            *head, before_step = args
+            return stepwise(*head, lambda: (time.sleep(0.04), before_step())[1])
+        self.engine.generate_stepwise = slow
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_in_flight_updates_give_fresher_tokens_within_the_bound(ray_local, tmp_path, demo_model_dir, dtype):
+    """`rollout.in_flight_updates`: engines take each new version between two steps of the request they run; batches
+    still start from the version the rule names, later tokens come from newer versions (never newer than the
+    learner's), every load is fingerprint-checked and the last one of a request probed (the run would stop)."""
+    records, _ = run(tmp_path, demo_model_dir, "in_flight", dtype, SlowStepsWorker, "rollout.in_flight_updates=true")
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    assert [r["async/staleness"] for r in records] == STALENESS
+    assert [r["weights/version"] for r in records] == [1, 2, 3, 4, 5]
+    tokens = [r["async/token_staleness"] for r in records]
+    assert all(0 <= t <= s for t, s in zip(tokens, STALENESS)), tokens
+    assert sum(r["rollout/in_flight_loads"] for r in records) >= 1
+    assert any(t < s for t, s in zip(tokens, STALENESS)), tokens  # some tokens of a stale batch came fresher
+    gaps = [r["sync/probe_max_diff"] for r in records]
+    assert not any(gap >= (1e-4 if dtype == "float32" else 0.1) for gap in gaps if gap == gap), gaps
+
+
 def test_dynamic_sampling_samples_a_steps_extra_rounds_with_its_own_version(ray_local, tmp_path, demo_model_dir):
     records, _ = run(tmp_path, demo_model_dir, "dapo", "float32", None, "rollout.dynamic_sampling=true",
                      "rollout.max_sampling_rounds=3")

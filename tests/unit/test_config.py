@@ -64,6 +64,8 @@ def test_every_field_is_documented():
 BAD = [
     (["learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here: num_cpus"),
     (["nope=1"], "unknown config key 'nope'"),
+    (["rollout.in_flight_updates=true"], "rollout.in_flight_updates=true needs asynchronous training: set "
+                                         "rollout.max_staleness >= 1"),
     (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
     (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp' or 'gae' (got 'ppo')"),
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
