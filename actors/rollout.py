@@ -3,7 +3,7 @@
 Owns: the engine's lifetime, turning text prompts into token ids, the weights version the engine serves, the
 fingerprints of the weights it hands its engine (sync/fingerprint.py), and the sync probe (a seeded sample from a
 fixed prompt whose logprobs the driver compares with the learner's; asynchronously, a sample the learner made,
-scored).
+scored), and in-flight updates (weights offered while a request runs, loaded between two engine steps).
 Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
 """
 

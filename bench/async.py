@@ -1,6 +1,8 @@
-"""Asynchronous training against on-policy: `rollout.max_staleness` k = 0, 1, 2 on the same work.
+"""Asynchronous training against on-policy: `rollout.max_staleness` k = 0, 1, 2, and k = 1 with in-flight weight
+updates, on the same work.
 
-Usage: .venv/bin/python bench/async.py [--configs demo long] [--ks 0,1,2] [--steps N] [dotted.key=value ...]
+Usage: .venv/bin/python bench/async.py [--configs demo long] [--ks 0,1,2,1i,2i] [--steps N] [dotted.key=value ...]
+(a k ending in `i` runs with `rollout.in_flight_updates=true`)
 
 Every run gets the engines and the learner one core each on a 2-core machine, so that the overlap is real: one
 rollout worker with one engine thread, the learner and the reference with one torch thread each
@@ -13,8 +15,9 @@ rollout worker with one engine thread, the learner and the reference with one to
 Columns: median s/step (steps 3 onwards: the first steps build kernels and fill the pipeline), steps/s relative to
 k = 0, the first step whose 10-step running mean reward reaches 0.9 (`-`: never), the last 10 steps' mean reward,
 and the learner's and the engines' idle fractions: the sums of `time/learner_wait` and of `time/rollout_idle` over
-the measured steps, over their wall time. Runs go one after the other; nothing else should run meanwhile.
-In-flight weight updates (issue 17, item 8) are not implemented yet and have no row.
+the measured steps, over their wall time; `mean token staleness` is the mean over steps of `async/token_staleness`
+with in-flight updates (versions behind per token), else of `async/staleness`. Runs go one after the other;
+nothing else should run meanwhile.
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ def overrides(work: str) -> list[str]:
             "data.prompts_per_step=16"]
 
 
-def run(work: str, k: int, steps: int, extra: list[str]) -> list[dict]:
+def run(work: str, k: str, steps: int, extra: list[str]) -> list[dict]:
     from cluster.config import load_config
     from cluster.run.driver import run_training
 
+    in_flight = ["rollout.in_flight_updates=true"] if k.endswith("i") else []
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_config(None, [f"run_dir={tmp}/run", f"max_steps={steps}", f"rollout.max_staleness={k}",
-                                    *ONE_CORE_EACH, *overrides(work), *extra])
+        config = load_config(None, [f"run_dir={tmp}/run", f"max_steps={steps}",
+                                    f"rollout.max_staleness={k.removesuffix('i')}", *in_flight, *ONE_CORE_EACH,
+                                    *overrides(work), *extra])
         return run_training(config, Path(tmp) / "run", display=False)
 
 
@@ -78,7 +83,7 @@ def first_reaching(records: list[dict], level: float = 0.9, window: int = 10) ->
     return "-"
 
 
-def row(work: str, k: int, records: list[dict], base: float | None) -> tuple[str, float]:
+def row(work: str, k: str, records: list[dict], base: float | None) -> tuple[str, float]:
     measured = records[SKIP:]
     step = statistics.median(r["time/step"] for r in measured)
     wall = sum(r["time/step"] for r in measured)
@@ -89,26 +94,28 @@ def row(work: str, k: int, records: list[dict], base: float | None) -> tuple[str
     reach = first_reaching(records) if learns else ""
     last = f"{statistics.fmean(r['reward/mean'] for r in records[-10:]):.3f}" if learns else ""
     staleness = max(r["async/staleness"] for r in records)
-    return (f"| {work} | {k} | {staleness} | {step:.3f} | {ratio} | {reach} | {last} | {learner_idle:.0%} | "
-            f"{engine_idle:.0%} |", step)
+    tokens = statistics.fmean(r.get("async/token_staleness", r["async/staleness"]) for r in records)
+    label = f"{k.removesuffix('i')} + in-flight" if k.endswith("i") else k
+    return (f"| {work} | {label} | {staleness} | {tokens:.2f} | {step:.3f} | {ratio} | {reach} | {last} | "
+            f"{learner_idle:.0%} | {engine_idle:.0%} |", step)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["demo", "long"], choices=["demo", "long"])
-    parser.add_argument("--ks", default="0,1,2")
+    parser.add_argument("--ks", default="0,1,2,1i,2i")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 80 demo, 12 long)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     set_cache_env()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; one core "
           f"each: {' '.join(ONE_CORE_EACH[:4])}")
-    print("\n| config | k | max staleness | median s/step | steps/s vs k=0 | step to 10-step mean 0.9 | "
-          "last 10 reward | learner idle | engines idle |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | k | max staleness | mean token staleness | median s/step | steps/s vs k=0 | "
+          "step to 10-step mean 0.9 | last 10 reward | learner idle | engines idle |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for work in args.configs:
         base = None
-        for k in (int(k) for k in args.ks.split(",")):
+        for k in args.ks.split(","):
             records = run(work, k, args.steps or DEFAULT_STEPS[work], args.overrides)
             line, step = row(work, k, records, base)
             base = base or step

@@ -3,7 +3,8 @@ batch is sampled with exactly the weights version the rule names (the pipeline d
 engines' logprobs show it (they match the learner's only where the batch is fresh), two runs give the same metrics
 and bitwise the same weights in float32 and bfloat16, a worker killed with requests queued behind the one it dies
 in is replaced, its requests run again with the same seeds and versions, and a worker removed by `relay scale` with
-a request queued hands it on: neither changes the run."""
+a request queued hands it on: neither changes the run (in either dtype). In-flight updates land mid-request within
+the staleness bound."""
 
 from __future__ import annotations
 
@@ -94,13 +95,14 @@ class KilledWithQueueWorker(RolloutWorker):
         return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_worker_killed_with_requests_queued_is_replaced_and_the_run_is_unchanged(first_run, tmp_path,
-                                                                                  demo_model_dir):
+                                                                                  demo_model_dir, dtype):
     worker_cls = type("Killed", (KilledWithQueueWorker,), {"marker": str(tmp_path / "killed.marker")})
-    records, weights = run(tmp_path, demo_model_dir, "killed", "float32", worker_cls)
+    records, weights = run(tmp_path, demo_model_dir, "killed", dtype, worker_cls)
     assert (tmp_path / "killed.marker").exists()  # the fault happened
     assert records[-1]["rollout/restarts"] == 1
-    clean, clean_weights = first_run["float32"]
+    clean, clean_weights = first_run[dtype]
     assert [r["rollout/version"] for r in records] == VERSIONS
     drop = ("rollout/restarts",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in stable(records)] == \
@@ -122,8 +124,9 @@ class PacedWorker(RolloutWorker):
         return super().generate(prompts, seeds, sampling, *load, **probe)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unchanged(first_run, tmp_path,
-                                                                                     demo_model_dir):
+                                                                                     demo_model_dir, dtype):
     """`relay scale` removes worker 0 at step 2's boundary, when step 3's batch is already queued on it: its request
     goes to worker 1, and a new worker joins once its engine is up. Completions depend on the prompt's seed and the
     batch's version only, so the run is the clean one, metric for metric and weight for weight."""
@@ -144,13 +147,13 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
 
     thread = threading.Thread(target=operator, daemon=True)
     thread.start()
-    records, weights = run(tmp_path, demo_model_dir, "scaled", "float32", worker_cls)
+    records, weights = run(tmp_path, demo_model_dir, "scaled", dtype, worker_cls)
     thread.join(timeout=60)
     assert "error" not in seen and seen["reply"]["remove"] == [0], seen
     assert records[0]["rollout/workers"] == 2 and records[1]["rollout/workers"] == 1  # removed at step 2's start
     assert records[-1]["rollout/scale_events"] >= 1
     fleet = ("rollout/workers", "rollout/workers_pending", "rollout/scale_events")
-    clean, clean_weights = first_run["float32"]
+    clean, clean_weights = first_run[dtype]
     assert [{k: v for k, v in r.items() if k not in fleet} for r in stable(records)] == \
         [{k: v for k, v in r.items() if k not in fleet} for r in stable(clean)]
     assert all((weights[name] == clean_weights[name]).all() for name in weights)
