@@ -55,9 +55,8 @@ def first_run(ray_local, tmp_path_factory, demo_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_each_batch_is_sampled_with_exactly_the_version_the_rule_names_and_runs_repeat(
-        first_run, tmp_path, demo_model_dir, dtype):
-    records, weights = first_run[dtype]
+def test_each_batch_is_sampled_with_exactly_the_version_the_rule_names(first_run, dtype):
+    records, _ = first_run[dtype]
     assert [r["rollout/version"] for r in records] == VERSIONS
     assert [r["async/staleness"] for r in records] == STALENESS
     assert [r["weights/version"] for r in records] == [1, 2, 3, 4, 5]
@@ -72,9 +71,8 @@ def test_each_batch_is_sampled_with_exactly_the_version_the_rule_names_and_runs_
     gaps = [r["sync/probe_max_diff"] for r in records]
     tolerance = 1e-4 if dtype == "float32" else 0.1
     assert sum(gap == gap for gap in gaps) >= 4 and not any(gap >= tolerance for gap in gaps)
-    again, again_weights = run(tmp_path, demo_model_dir, "again", dtype)
-    assert stable(again) == stable(records)
-    assert all((again_weights[name] == weights[name]).all() for name in weights)
+    # That a second run repeats this one, metric for metric and bit for bit, the killed-worker and removed-worker
+    # tests below show in both dtypes (their runs equal this one despite the fault).
 
 
 class KilledWithQueueWorker(RolloutWorker):

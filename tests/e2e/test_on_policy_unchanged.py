@@ -1,0 +1,61 @@
+"""`rollout.max_staleness=0` is the loop from before asynchronous training, bit for bit: the demo trained by the last
+commit before it (taken from this repository's history with `git archive`) and by this code gives the same metrics
+and bitwise the same weights, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BEFORE_ASYNC = "8e69925"  # the last commit before issue 17 (asynchronous training)
+STEPS = 3
+# Keys the asynchronous work added (to every record, on-policy too), and what differs between any two runs.
+NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rollout_idle")
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def train(tree: Path, run_dir: Path, model_dir: Path, dtype: str) -> tuple[list[dict], dict]:
+    """`relay train` with the code in `tree` (its own Ray, its own processes), 3 demo steps."""
+    process = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "train", "--quiet", f"run_dir={run_dir}", f"model.path={model_dir}",
+         f"max_steps={STEPS}", f"model.dtype={dtype}", "rollout.num_workers=1", "data.prompts_per_step=8",
+         "ray.dashboard=false"],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    weights = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors")
+    return records, weights
+
+
+def stable(records: list[dict]) -> list[dict]:
+    """What the two runs must agree on (NaN as None: NaN != NaN)."""
+    return [{k: None if v != v else v for k, v in r.items() if k not in NEW_KEYS and not k.startswith(VOLATILE)}
+            for r in records]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_path, demo_model_dir, dtype):
+    before = tmp_path / "before"
+    before.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_ASYNC], capture_output=True)
+    assert archive.returncode == 0, (f"this test needs the repository's history (commit {BEFORE_ASYNC}): "
+                                     f"{archive.stderr.decode()[-500:]}")
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(before, filter="data")
+    old, old_weights = train(before, tmp_path / "old", demo_model_dir, dtype)
+    new, new_weights = train(ROOT, tmp_path / "new", demo_model_dir, dtype)
+    assert not any(key in old[0] for key in NEW_KEYS)  # the old code ran
+    assert [r["async/staleness"] for r in new] == [0] * STEPS
+    assert stable(new) == stable(old)
+    assert old_weights.keys() == new_weights.keys()
+    assert all((old_weights[name] == new_weights[name]).all() for name in old_weights)
