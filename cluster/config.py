@@ -206,15 +206,21 @@ def _inconsistencies(config: RunConfig):
                f"data.prompts_per_step x rollout.group_size = {batch} completions")
     if learner.advantage == "rloo" and rollout.group_size < 2:
         yield "learner.advantage=rloo needs rollout.group_size >= 2"
+    value_baseline = learner.advantage == "reinforce" and learner.baseline == "value"
     if learner.advantage == "gae" and not config.critic.enabled:
         yield "learner.advantage=gae needs a value model: set critic.enabled=true (or pick grpo, rloo, reinforce_pp)"
-    if config.critic.enabled and learner.advantage != "gae":
+    if value_baseline and not config.critic.enabled:
+        yield ("learner.baseline=value needs a value model: set critic.enabled=true (or pick baseline none, "
+               "batch_mean or group_mean)")
+    if config.critic.enabled and learner.advantage != "gae" and not value_baseline:
         yield (f"critic.enabled=true but learner.advantage={learner.advantage} does not use a value model; "
-               "set learner.advantage=gae or critic.enabled=false")
+               "set learner.advantage=gae (or reinforce with baseline=value) or critic.enabled=false")
+    if learner.baseline != "none" and learner.advantage != "reinforce":
+        yield "learner.baseline applies to advantage=reinforce only; remove it or set learner.advantage=reinforce"
     if learner.group_scale != "std" and learner.advantage != "grpo":
         yield "learner.group_scale applies to advantage=grpo only; remove it or set learner.advantage=grpo"
-    if learner.clip_c is not None and learner.policy_loss == "gspo":
-        yield "learner.clip_c (dual clip) is not defined for policy_loss=gspo; remove clip_c"
+    if learner.clip_c is not None and learner.policy_loss != "ppo":
+        yield f"learner.clip_c (dual clip) is not defined for policy_loss={learner.policy_loss}; remove clip_c"
     if config.reward.overlong_buffer >= rollout.max_new_tokens:
         yield (f"reward.overlong_buffer ({config.reward.overlong_buffer}) must be below rollout.max_new_tokens "
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")

@@ -34,18 +34,24 @@ class LearnerConfig(_Section):
     """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and sums each rank's share of the gradient
     (the update equals one rank's), `fsdp2` shards parameters, gradients and optimizer state (`fully_shard`) for
     models that do not fit one device."""
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae", "reinforce"] = "grpo"
     """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
-    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch) or `gae` (PPO: GAE from the
-    value model's per-token values, whitened over the batch; needs `critic.enabled=true`)."""
+    `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch), `gae` (PPO: GAE from the
+    value model's per-token values, whitened over the batch; needs `critic.enabled=true`) or `reinforce` (each
+    token's discounted return G_t minus `baseline`)."""
+    baseline: Literal["none", "batch_mean", "group_mean", "value"] = "none"
+    """`advantage=reinforce`'s baseline: `none`, `batch_mean` / `group_mean` (the mean total discounted reward of the
+    batch's / the prompt's sequences) or `value` (the value model's V(s_t), trained on the returns: needs
+    `critic.enabled=true`)."""
     group_scale: Literal["std", "none"] = "std"
     """How `grpo` scales the centred reward: `std` divides by the group's std, `none` does not (Dr.GRPO)."""
     gamma: float = Field(1.0, ge=0, le=1)
-    """GAE discount per token (`advantage=gae` only)."""
+    """Discount per token (`advantage=gae` and `reinforce`)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda (`advantage=gae` only)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """Policy objective: `ppo` (per-token clipped ratio) or `gspo` (one length-normalised ratio per sequence)."""
+    policy_loss: Literal["ppo", "gspo", "vanilla"] = "ppo"
+    """Policy objective: `ppo` (per-token clipped ratio), `gspo` (one length-normalised ratio per sequence) or
+    `vanilla` (REINFORCE's -A log pi: no ratio, no clipping)."""
     lr: float = Field(5e-5, gt=0, le=1)
     """AdamW learning rate."""
     warmup_steps: int = Field(10, ge=0, le=10_000_000)

@@ -133,8 +133,10 @@ class Learner(WeightPublisher):
         self._make_optimizer()
         self.critic = (Critic(model_path, critic, dtype, config.master_dtype) if critic is not None and critic.enabled
                        else None)
-        if (self.critic is None) == (config.advantage == "gae"):
-            raise ValueError(f"advantage={config.advantage!r} and a critic go together: gae needs one, others don't")
+        needs_critic = config.advantage == "gae" or (config.advantage == "reinforce" and config.baseline == "value")
+        if (self.critic is None) == needs_critic:
+            raise ValueError(f"advantage={config.advantage!r} (baseline {config.baseline!r}) and a critic go together: "
+                             "gae and reinforce's value baseline need one, the others don't")
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
@@ -229,7 +231,7 @@ class Learner(WeightPublisher):
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
         estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
             token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
-            lam=cfg.lam, scale=cfg.group_scale))
+            lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline))
         behavior = pad_per_token(data.behavior_logprobs, batch)
         correction = None
         if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)

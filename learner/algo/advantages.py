@@ -2,6 +2,7 @@
 
 Owns turning one scalar reward per sequence into one advantage per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++),
 spreading it over the sequence's tokens, Generalized Advantage Estimation from per-token rewards and values,
+REINFORCE's Monte-Carlo returns with its baselines,
 masked whitening, and the registry that runs every estimator (GAE included) through one signature:
 AdvantageInputs -> Advantages. Does not own the rewards themselves (`rewards/`), the KL penalty's estimate
 (`losses.kl`), the policy and value losses (`losses.py`), or the layout of the batch: callers pass rewards with
@@ -245,6 +246,90 @@ def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(is_last, rewards.unsqueeze(1), 0.0)  # r_{b,t} = r_b at t = last response token of b
 
 
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Monte-Carlo returns of each response token: the discounted sum of the rewards from it to the sequence's end.
+
+    REINFORCE (Williams 1992; Sutton & Barto, 2nd ed., sec. 13.3): G_t = sum_{s >= t} gamma^(s - t) r_s, computed
+    backwards as G_t = r_t + gamma G_{t+1}, with G after the last response token taken as 0 (the episode ends there).
+
+    Args:
+        token_rewards: [B, T] reward of each response token (the outcome reward on the last one, minus any per-token
+            penalty, plus any step rewards); padding may hold anything.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding; each row's response tokens are contiguous
+            (right-padded).
+        gamma: discount factor in [0, 1].
+
+    Returns:
+        [B, T] G_t at response tokens, 0 at padding.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if token_rewards.shape != mask.shape or mask.dim() != 2:
+        shapes = [tuple(x.shape) for x in (token_rewards, mask)]
+        raise ValueError(f"token_rewards and mask must share one [B, T] shape, got {shapes}")
+    if not 0 <= gamma <= 1:
+        raise ValueError(f"need gamma in [0, 1], got {gamma}")
+    if not token_rewards.is_floating_point():
+        token_rewards = token_rewards.to(torch.get_default_dtype())
+    keep = mask.bool()
+    rewards = torch.where(keep, token_rewards, 0.0)  # padding's garbage cannot reach a response token
+    following = rewards.new_zeros(rewards.shape[0])  # [B] G_{t+1}
+    returns = []
+    for t in reversed(range(rewards.shape[1])):
+        following = torch.where(keep[:, t], rewards[:, t] + gamma * following, 0.0)  # G_t = r_t + gamma G_{t+1}
+        returns.append(following)
+    return torch.stack(returns[::-1], dim=1) if returns else rewards.clone()
+
+
+def first_token_values(values: Tensor, mask: Tensor) -> Tensor:
+    """[B] each row's value at its first response token (0 for a row without one)."""
+    keep = mask.bool()
+    first = keep.int().argmax(dim=1, keepdim=True)  # [B, 1] the first 1 of each row (0 when there is none)
+    return torch.where(keep.any(dim=1), values.gather(1, first)[:, 0], 0.0)
+
+
+def reinforce(returns: Tensor, mask: Tensor, group_size: int, baseline: str,
+              values: Tensor | None = None) -> Tensor:
+    """REINFORCE advantages: each token's return minus a baseline.
+
+    A_t = G_t - b, with b (any b that does not depend on the sampled tokens keeps the gradient unbiased):
+        none: 0;
+        batch_mean: the mean over the batch's sequences of their return at the first response token (G_0: the
+            sequence's discounted total reward, its "average reward" when gamma = 1);
+        group_mean: the same mean over the G sequences of the row's prompt;
+        value: the value model's V(s_t) at each token (trained on G_t, as PPO's critic on its returns).
+
+    Args:
+        returns: [B, T] G_t at response tokens (see discounted_returns).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        group_size: G; each prompt's G samples are consecutive rows.
+        baseline: "none" | "batch_mean" | "group_mean" | "value".
+        values: [B, T] V(s_t), needed by "value" only.
+
+    Returns:
+        [B, T] A_t at response tokens, 0 at padding.
+
+    Notation: B: sequences, T: tokens, G: group size.
+    """
+    keep = mask.bool()
+    if baseline == "none":
+        b = torch.zeros_like(returns)
+    elif baseline in ("batch_mean", "group_mean"):
+        starts = first_token_values(returns, mask)  # [B] G_0 of each sequence
+        if baseline == "batch_mean":
+            b = starts.mean().expand(returns.shape[0])  # [B] one baseline for the batch
+        else:
+            b = _grouped(starts, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)  # [B]
+        b = b.unsqueeze(1).expand_as(returns)
+    elif baseline == "value":
+        if values is None or values.shape != returns.shape:
+            raise ValueError("baseline 'value' needs values: the critic's [B, T] V(s_t), the shape of returns")
+        b = values
+    else:
+        raise ValueError(f"baseline must be 'none', 'batch_mean', 'group_mean' or 'value', got {baseline!r}")
+    return torch.where(keep, returns - b, 0.0)  # A_t = G_t - b
+
+
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What every advantage estimator reads; fields an estimator does not use are ignored by it.
@@ -257,17 +342,18 @@ class AdvantageInputs:
     token_rewards: Tensor
     mask: Tensor  # [B, T] 1 at response tokens
     group_size: int  # G; each prompt's G samples are consecutive rows
-    values: Tensor | None = None  # [B, T] critic values (gae only)
-    gamma: float = 1.0  # gae only
+    values: Tensor | None = None  # [B, T] critic values (gae, and reinforce with the value baseline)
+    gamma: float = 1.0  # gae and reinforce
     lam: float = 1.0  # gae only
     scale: str = "std"  # grpo only: "std" | "none" (Dr.GRPO)
+    baseline: str = "none"  # reinforce only: "none" | "batch_mean" | "group_mean" | "value"
 
 
 class Advantages(NamedTuple):
     """What every advantage estimator returns. Notation: B: sequences, T: tokens."""
 
     advantages: Tensor  # [B, T], 0 at padding
-    returns: Tensor | None  # [B, T] value targets (gae), None for critic-free estimators
+    returns: Tensor | None  # [B, T] value targets (gae), G_t (reinforce), None for the sequence-level estimators
 
 
 def sequence_rewards(token_rewards: Tensor, mask: Tensor) -> Tensor:
@@ -326,10 +412,19 @@ def gae_advantages(inputs: AdvantageInputs) -> Advantages:
     return Advantages(masked_whiten(advantages, inputs.mask), returns)
 
 
+def reinforce_advantages(inputs: AdvantageInputs) -> Advantages:
+    """REINFORCE: per-token discounted returns minus the baseline (not whitened); the returns come back too (the
+    critic's targets with the value baseline, and the `returns/mean` metric)."""
+    returns = discounted_returns(inputs.token_rewards, inputs.mask, inputs.gamma)
+    advantages = reinforce(returns, inputs.mask, inputs.group_size, inputs.baseline, inputs.values)
+    return Advantages(advantages, returns)
+
+
 # The config's names for the estimators; one signature: AdvantageInputs -> Advantages ([B, T], 0 at padding).
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
     "grpo": grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "gae": gae_advantages,
+    "reinforce": reinforce_advantages,
 }

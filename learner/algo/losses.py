@@ -1,7 +1,8 @@
 """Per-token policy losses, KL estimators, and the reduction of [B, T] token values to one scalar loss.
 
 Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), GSPO's
-sequence-level surrogate (the two share one signature in POLICY_LOSSES), PPO's clipped value loss, the entropy
+sequence-level surrogate and the plain policy-gradient (REINFORCE) loss (the three share one signature in
+POLICY_LOSSES), PPO's clipped value loss, the entropy
 bonus, the k1/k2/k3 KL estimators, the aggregation modes the config names, and the weights that make micro-batch
 losses sum to the whole batch's. Does not own advantages (`advantages.py`), computing log-probabilities from
 logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
@@ -266,6 +267,58 @@ def gspo_policy_loss(
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
+def vanilla_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None = None,
+    mode: str = "token-mean",
+    norm_length: int | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The plain policy-gradient (REINFORCE) loss: no ratio, no clipping.
+
+    Williams 1992, as a loss to minimise: l_t = -A_t log pi(y_t), whose gradient -A_t grad log pi(y_t) is the
+    REINFORCE estimator (equal to PPO's at r_t = 1, i.e. with one update per batch). Same signature as
+    clipped_policy_loss (clip_low and clip_high are unused), so it sits in POLICY_LOSSES.
+
+    Args:
+        logprobs: [B, T] log pi(y_t) under the current policy (carries the gradient).
+        old_logprobs: [B, T] log pi_old(y_t), for the metrics only.
+        advantages: [B, T] per-token advantages (e.g. returns minus a baseline).
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        clip_c: must be None (nothing is clipped).
+        mode, norm_length: how l_t is reduced to a scalar, see aggregate().
+        weights: optional [B, T] per-token factors w_t (no gradient) on l_t, as in clipped_policy_loss.
+
+    Returns:
+        loss: [] scalar to minimise.
+        metrics: clipped_policy_loss's keys: clip_fraction and dual_clip_fraction 0, ratio_mean and approx_kl of
+            r_t = pi(y_t) / pi_old(y_t) (how far the policy moved from pi_old, which the loss does not bound).
+
+    Notation: B: sequences, T: tokens.
+    """
+    if clip_c is not None:
+        raise ValueError(f"dual clip is not defined for the vanilla loss; unset clip_c (got {clip_c})")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    keep = mask.bool()
+    token_losses = -torch.where(keep, advantages, 0.0) * torch.where(keep, logprobs, 0.0)  # -A_t log pi(y_t)
+    if weights is not None:
+        token_losses = token_losses * weights.detach()  # w_t l_t
+    loss = aggregate(token_losses, mask, mode, norm_length)
+    with torch.no_grad():
+        log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)
+        ratio = torch.exp(log_ratio)
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        metrics = {"clip_fraction": zero, "dual_clip_fraction": zero,
+                   "ratio_mean": aggregate(ratio, mask, "token-mean"),
+                   "approx_kl": aggregate(ratio - 1 - log_ratio, mask, "token-mean")}
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,
@@ -388,4 +441,5 @@ AGGREGATION_MODES: tuple[str, ...] = (
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "ppo": clipped_policy_loss,
     "gspo": gspo_policy_loss,
+    "vanilla": vanilla_policy_loss,
 }

@@ -220,6 +220,37 @@ def test_gae_without_a_critic_is_refused(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reinforce_with_the_group_mean_baseline_is_dr_grpo_for_one_update(tiny_model_dir, dtype):
+    """gamma 1 and an outcome reward only: every token's return is its sequence's reward, and minus the group's mean
+    that is Dr.GRPO's advantage; at one update per batch the vanilla loss has PPO's gradient. The same update."""
+    learners = []
+    for overrides in ({"advantage": "reinforce", "baseline": "group_mean", "policy_loss": "vanilla"},
+                      {"advantage": "grpo", "group_scale": "none", "policy_loss": "ppo"}):
+        config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2, **overrides)
+        learner = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0, norm_length=4)
+        use_sgd(learner)
+        metrics = learner.train_step(batch_for(learner, [1.0, 0.0, 0.5, 1.0]))
+        learners.append((learner, metrics))
+    (reinforce, ours), (dr_grpo, theirs) = learners
+    assert ours["returns/mean"] == pytest.approx((3 * 1.0 + 3 * 0.0 + 2 * 0.5 + 2 * 1.0) / 10)  # G_t = r per token
+    assert ours["advantage/mean_abs"] == pytest.approx(theirs["advantage/mean_abs"])
+    for (name, a), b in zip(reinforce.model.state_dict().items(), dr_grpo.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_reinforce_with_the_value_baseline_trains_a_value_model_on_the_returns(tiny_model_dir):
+    learner = make_learner(tiny_model_dir, critic=CriticConfig(enabled=True, lr=3e-3), advantage="reinforce",
+                           baseline="value", policy_loss="vanilla")
+    before = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    losses = [learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))["loss/value"] for _ in range(10)]
+    assert losses[0] == pytest.approx(0.25) and losses[-1] < 0.6 * losses[0]  # V = 0 against G_t = r, as for PPO
+    after = [sum(lp) for lp in learner.compute_logprobs(PROMPTS, RESPONSES)]
+    assert after[0] > before[0] and after[3] > before[3] and after[1] < before[1] and after[2] < before[2]
+    with pytest.raises(ValueError, match="baseline 'value'"):
+        make_learner(tiny_model_dir, advantage="reinforce", baseline="value")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tis_weighs_the_gradient_by_the_capped_ratio_and_reports_the_mismatch(tiny_model_dir, dtype):
     """Behaviour logprobs ln 2 below the learner's: rho = 2 on every token, above the cap 1.5, so TIS weighs every
     token's term by 1.5 and the gradient grows by exactly that factor."""

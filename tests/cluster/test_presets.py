@@ -27,6 +27,7 @@ OWN_METRICS = {
     "rloo": {"kl/mean"},
     "reinforce_pp": {"kl/mean"},
     "gspo": {"seq_clip_fraction", "seq_ratio_mean"},  # the sequence-level ratio's own metrics
+    "reinforce": {"kl/mean", "returns/mean"},  # KL in the reward; the Monte-Carlo returns' mean
 }
 
 
@@ -58,6 +59,7 @@ def test_preset_runs_end_to_end(preset_run, name):
         assert OWN_METRICS[name] <= record.keys()
         assert ("kl/mean" in record) == ("kl/mean" in OWN_METRICS[name])  # KL reported exactly when it is on
         assert ("loss/value" in record) == (name == "ppo")
+        assert ("returns/mean" in record) == (name in ("ppo", "reinforce"))
         assert ("seq_ratio_mean" in record) == (name == "gspo")
         assert math.isfinite(record["loss/policy"]) and record["grad_norm"] > 0
         assert record["logprob/mismatch"] < 1e-4 and record["sync/probe_max_diff"] < 1e-4

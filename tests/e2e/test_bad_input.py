@@ -20,7 +20,7 @@ CORPUS = [
     (["train", "nope=1"], "unknown config key 'nope'"),
     (["train", "learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["train", "rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1"),
-    (["train", "learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp' or 'gae'"),
+    (["train", "learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae' or 'reinforce'"),
     (["train", "learner.advantage=gae"], "set critic.enabled=true"),
     (["train", "learner.kl_reward_coef=0.1"], "set one of them to 0"),
     (["train", "learner.num_minibatches=3"], "must divide the batch"),

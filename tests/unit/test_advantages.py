@@ -11,10 +11,12 @@ from learner.algo.advantages import (
     AdvantageInputs,
     Advantages,
     broadcast_to_tokens,
+    discounted_returns,
     gae,
     group_relative,
     last_token_rewards,
     masked_whiten,
+    reinforce,
     reinforce_pp,
     rloo,
     sequence_rewards,
@@ -273,7 +275,7 @@ def _registry_inputs(**kwargs):
 
 
 def test_registry_keys_are_the_config_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae", "reinforce"}
 
 
 def test_registry_grpo_entry_computes_group_relative_on_each_token():
@@ -360,3 +362,58 @@ def test_registry_gae_entry_uses_gamma_and_lambda():
 def test_registry_gae_entry_without_values_names_them():
     with pytest.raises(ValueError, match="gae.*values"):
         ADVANTAGE_ESTIMATORS["gae"](_registry_inputs())
+
+
+def test_discounted_returns_match_hand_computed_values_and_ignore_padding():
+    # gamma = 0.5. Row 0: rewards (0, 0, 1) then padding holding inf: G = (0.25, 0.5, 1), 0 at padding.
+    # Row 1: rewards (1, 0, 2, 0): G_3 = 0, G_2 = 2, G_1 = 0 + 0.5 * 2 = 1, G_0 = 1 + 0.5 * 1 = 1.5.
+    rewards = torch.tensor([[0.0, 0.0, 1.0, math.inf], [1.0, 0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert_close(discounted_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0, 0.0], [1.5, 1.0, 2.0, 0.0]]))
+    # gamma = 1: every token's return is the sum of the rewards from it on (the outcome for an outcome reward).
+    assert_close(discounted_returns(rewards, mask, 1.0), torch.tensor([[1.0, 1.0, 1.0, 0.0], [3.0, 2.0, 2.0, 0.0]]))
+    with pytest.raises(ValueError, match="gamma in"):
+        discounted_returns(rewards, mask, 1.5)
+
+
+RETURNS = torch.tensor([[1.0, 1.0], [0.0, 0.0], [3.0, 2.0], [1.0, 1.0]])  # G_t of 4 sequences, groups of 2
+ALL = torch.ones(4, 2)
+
+
+def test_reinforce_without_a_baseline_is_the_return():
+    assert_close(reinforce(RETURNS, ALL, 2, "none"), RETURNS)
+
+
+def test_reinforce_batch_mean_baseline_is_the_mean_total_return_of_the_batch():
+    # G_0 = (1, 0, 3, 1): mean 1.25, subtracted from every token's return.
+    assert_close(reinforce(RETURNS, ALL, 2, "batch_mean"), RETURNS - 1.25)
+
+
+def test_reinforce_group_mean_baseline_is_the_mean_total_return_of_the_prompts_group():
+    # Groups (1, 0) -> mean 0.5 and (3, 1) -> mean 2.
+    expected = torch.tensor([[0.5, 0.5], [-0.5, -0.5], [1.0, 0.0], [-1.0, -1.0]])
+    assert_close(reinforce(RETURNS, ALL, 2, "group_mean"), expected)
+
+
+def test_reinforce_value_baseline_is_the_value_of_each_token():
+    values = torch.tensor([[0.5, 0.25], [0.0, 1.0], [2.0, 2.0], [-1.0, 0.0]])
+    assert_close(reinforce(RETURNS, ALL, 2, "value", values), RETURNS - values)
+    with pytest.raises(ValueError, match="needs values"):
+        reinforce(RETURNS, ALL, 2, "value")
+
+
+def test_registry_reinforce_entry_discounts_then_subtracts_the_group_baseline():
+    # Outcome rewards 1 and 0 on the last of 2 tokens, gamma 0.5: G = (0.5, 1) and (0, 0); G_0 = (0.5, 0), group
+    # mean 0.25: A = (0.25, 0.75) and (-0.25, -0.25). A shorter third row (1 token, reward 2) with a fourth (reward
+    # 0): G_0 = (2, 0), mean 1: A = (1, 0 at padding) and (-1, -1).
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1]])
+    token_rewards = last_token_rewards(torch.tensor([1.0, 0.0, 2.0, 0.0]), mask)
+    out = ADVANTAGE_ESTIMATORS["reinforce"](AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=2,
+                                                            gamma=0.5, baseline="group_mean"))
+    assert_close(out.advantages, torch.tensor([[0.25, 0.75], [-0.25, -0.25], [1.0, 0.0], [-1.0, -1.0]]))
+    assert_close(out.returns, torch.tensor([[0.5, 1.0], [0.0, 0.0], [2.0, 0.0], [0.0, 0.0]]))  # G_t, for returns/mean
+    valued = ADVANTAGE_ESTIMATORS["reinforce"](AdvantageInputs(
+        token_rewards=token_rewards, mask=mask, group_size=2, gamma=0.5, baseline="value",
+        values=torch.full((4, 2), 0.5)))
+    assert_close(valued.returns, out.returns)  # the critic's targets
+    assert_close(valued.advantages, torch.tensor([[0.0, 0.5], [-0.5, -0.5], [1.5, 0.0], [-0.5, -0.5]]))

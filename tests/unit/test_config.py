@@ -64,10 +64,14 @@ def test_every_field_is_documented():
 BAD = [
     (["learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here: num_cpus"),
     (["nope=1"], "unknown config key 'nope'"),
+    (["learner.baseline=group_mean"], "learner.baseline applies to advantage=reinforce only"),
+    (["learner.advantage=reinforce", "learner.baseline=value"], "learner.baseline=value needs a value model: set "
+                                                                 "critic.enabled=true"),
+    (["learner.policy_loss=vanilla", "learner.clip_c=3"], "clip_c (dual clip) is not defined for policy_loss=vanilla"),
     (["rollout.in_flight_updates=true"], "rollout.in_flight_updates=true needs asynchronous training: set "
                                          "rollout.max_staleness >= 1"),
     (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
-    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp' or 'gae' (got 'ppo')"),
+    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae' or 'reinforce' (got 'ppo')"),
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
     (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
@@ -120,7 +124,7 @@ def test_configuration_doc_is_generated_from_the_tree():
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo"]
+PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "reinforce"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -136,6 +140,8 @@ def test_every_preset_is_valid_and_selects_its_algorithm(name):
         "rloo": learner.advantage == "rloo",
         "reinforce_pp": learner.advantage == "reinforce_pp",
         "gspo": learner.policy_loss == "gspo",
+        "reinforce": (learner.advantage, learner.baseline, learner.policy_loss) == ("reinforce", "group_mean",
+                                                                                   "vanilla"),
     }
     assert expected[name]
 

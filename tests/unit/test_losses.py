@@ -17,6 +17,7 @@ from learner.algo.losses import (
     kl,
     micro_batch_weight,
     value_loss,
+    vanilla_policy_loss,
 )
 
 F64 = torch.float64
@@ -350,11 +351,13 @@ def test_gspo_rejects_the_dual_clip():
 
 
 def test_policy_loss_registry_keys_are_the_config_names_and_share_metric_keys():
-    assert set(POLICY_LOSSES) == {"ppo", "gspo"}
+    assert set(POLICY_LOSSES) == {"ppo", "gspo", "vanilla"}
     assert POLICY_LOSSES["ppo"] is clipped_policy_loss and POLICY_LOSSES["gspo"] is gspo_policy_loss
+    assert POLICY_LOSSES["vanilla"] is vanilla_policy_loss
     inputs = _gspo_hand_inputs()
-    ppo, gspo = (set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1]) for name in ("ppo", "gspo"))
-    assert ppo == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    ppo, gspo, vanilla = (set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1])
+                          for name in ("ppo", "gspo", "vanilla"))
+    assert ppo == vanilla == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
     assert gspo == ppo | {"seq_clip_fraction", "seq_ratio_mean"}  # the sequence-level ratio shows in its own keys
 
 
@@ -543,3 +546,41 @@ def test_decoupled_ppo_takes_the_ratio_against_the_proximal_policy_and_weighs_by
     assert torch.equal(same, torch.ones_like(same))
     assert torch.equal(clipped_policy_loss(logprobs, proximal, advantages, mask, **CLIP, weights=same)[0],
                        clipped_policy_loss(logprobs, proximal, advantages, mask, **CLIP)[0])
+
+
+def test_vanilla_loss_is_minus_advantage_times_logprob_with_no_ratio_or_clip():
+    # l = -A log pi: token 0: -(2)(-1) = 2, token 1: -(-1)(-2) = -2; token-mean 0. Gradient wrt log pi: -A / 2.
+    # The policy moved far from pi_old (ratios e^1 and e^-1, outside any clip range): nothing is clipped.
+    logprobs = torch.tensor([[-1.0, -2.0, GARBAGE]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-2.0, -1.0, -GARBAGE]], dtype=F64)
+    advantages = torch.tensor([[2.0, -1.0, GARBAGE]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0]])
+    loss, metrics = vanilla_policy_loss(logprobs, old, advantages, mask, **CLIP)
+    assert_close(loss, torch.tensor(0.0, dtype=F64))
+    loss.backward()
+    assert_close(logprobs.grad, torch.tensor([[-1.0, 0.5, 0.0]], dtype=F64))
+    assert float(metrics["clip_fraction"]) == 0 and float(metrics["dual_clip_fraction"]) == 0
+    assert_close(metrics["ratio_mean"], torch.tensor((math.e + 1 / math.e) / 2, dtype=F64))
+    # Per-token weights (the rollout correction) scale each term: (0.5 * 2 + 1 * -2) / 2 = -0.5.
+    weighted, _ = vanilla_policy_loss(logprobs.detach(), old, advantages, mask, **CLIP,
+                                      weights=torch.tensor([[0.5, 1.0, 7.0]], dtype=F64))
+    assert_close(weighted, torch.tensor(-0.5, dtype=F64))
+    # seq-mean-token-sum: the one sequence's sum, 0.
+    assert_close(vanilla_policy_loss(logprobs.detach(), old, advantages, mask, **CLIP, mode="seq-mean-token-sum")[0],
+                 torch.tensor(0.0, dtype=F64))
+    with pytest.raises(ValueError, match="dual clip"):
+        vanilla_policy_loss(logprobs, old, advantages, mask, **CLIP, clip_c=3.0)
+
+
+def test_vanilla_loss_has_the_ppo_gradient_at_ratio_one():
+    """With one update per batch (pi = pi_old) REINFORCE's gradient is PPO's: grad r_t = grad log pi at r_t = 1."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(3, 5, generator=gen, dtype=F64)
+    advantages = torch.randn(3, 5, generator=gen, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    grads = []
+    for loss_fn in (vanilla_policy_loss, clipped_policy_loss):
+        lp = logprobs.clone().requires_grad_(True)
+        loss_fn(lp, logprobs, advantages, mask, **CLIP)[0].backward()
+        grads.append(lp.grad)
+    assert_close(grads[0], grads[1])
