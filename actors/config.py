@@ -96,3 +96,8 @@ class ReferenceConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per reference forward pass at most, as `learner.max_tokens_per_micro_batch` (sequences sorted
     by length, each pass padded to its own longest); empty: no token limit."""
+    refresh_every: int = Field(0, ge=0, le=10_000_000)
+    """Iterative GRPO: at every step that is a multiple of this, before its reference pass, the reference takes the
+    policy's current weights (the ones that sampled the step's batch), checked by fingerprints and a probe, so the
+    KL penalty measures the drift from a recent policy rather than the initial one (`kl/mean` ~0 at that step).
+    0: the reference stays the initial policy. docs/algorithms.md, iterative GRPO."""

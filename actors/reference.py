@@ -1,23 +1,28 @@
-"""ReferenceWorker: the frozen initial policy, scoring prompt+response tokens for the KL penalty.
+"""ReferenceWorker: the frozen reference policy, scoring prompt+response tokens for the KL penalty.
 
 Owns: a transformers causal LM in eval mode with gradients off, on the actor's GPU when it has one
-(`learner.device.pick_device`). Does not own: the KL itself (learner/algo/losses). A plain class: Ray wraps it in
-`cluster/`.
+(`learner.device.pick_device`); with `reference.refresh_every` (iterative GRPO), taking the learner's weights in
+place (reporting the fingerprints of what it got, as an engine does) and saving / restoring them with checkpoints.
+Does not own: the KL itself (learner/algo/losses) or when to refresh (cluster/fleet/reference_refresh.py). A plain
+class: Ray wraps it in `cluster/`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from learner.algo.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from learner.device import pick_device
+from sync.receive import Loaded, Weights, fingerprints, received
 
 
 class ReferenceWorker:
-    """Per-token logprobs of given sequences under the frozen initial policy."""
+    """Per-token logprobs of given sequences under the reference policy: the initial one, or the policy's weights
+    it last took (`load_weights`)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
                  batching: MicroBatching = MicroBatching(max_tokens=1024), temperature: float = 1.0):
@@ -45,3 +50,34 @@ class ReferenceWorker:
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
         flat = flat_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
         return len(flat), flat.numpy()  # numpy: read zero-copy from the object store
+
+    def load_weights(self, version: int, *buckets: Weights, fingerprint: bool = True) -> Loaded:
+        """Take the learner's weights (object-store buckets of (name, array), every parameter) in place; return the
+        version now held and the fingerprints of what was handed over (`sync.fingerprint`)."""
+        params = dict(self.model.named_parameters())  # tied weights once
+        state = self.model.state_dict()
+        with torch.no_grad(), received(buckets) as named:
+            report = Loaded(version, fingerprints(named, fingerprint))
+            given = set()
+            for name, tensor in named:
+                if name not in state:
+                    raise KeyError(f"the learner's weights hold {name!r}, which the reference model does not have")
+                state[name].copy_(tensor)
+                given.add(name)
+        missing = sorted(set(params) - given)
+        if missing:
+            raise KeyError(f"the learner's weights lack {len(missing)} of the reference's parameters: {missing[:3]}")
+        return report
+
+    def save_weights(self, path: str) -> None:
+        """The weights it holds, as `path/model.safetensors` (a checkpoint's `reference/`)."""
+        from safetensors.torch import save_model
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_model(self.model, str(Path(path) / "model.safetensors"))
+
+    def load_saved(self, path: str) -> None:
+        """The weights `save_weights` wrote to `path`."""
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(Path(path) / "model.safetensors"), device=str(self.device))

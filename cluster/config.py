@@ -226,6 +226,9 @@ def _inconsistencies(config: RunConfig):
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
     if config.data.task == "dataset" and not config.data.path:
         yield "data.task=dataset needs data.path (a .jsonl or .parquet file, or a datasets directory)"
+    if config.reference.refresh_every and not config.uses_reference:
+        yield ("reference.refresh_every needs a reference policy in use: set learner.kl_coef or "
+               "learner.kl_reward_coef > 0 (and reference.enabled=true), or refresh_every=0")
     if rollout.in_flight_updates and not rollout.max_staleness:
         yield ("rollout.in_flight_updates=true needs asynchronous training: set rollout.max_staleness >= 1 (new "
                "weights reach an engine while it still samples the batches queued on it), or in_flight_updates=false")

@@ -136,7 +136,7 @@ class Learner(WeightPublisher):
         needs_critic = config.advantage == "gae" or (config.advantage == "reinforce" and config.baseline == "value")
         if (self.critic is None) == needs_critic:
             raise ValueError(f"advantage={config.advantage!r} (baseline {config.baseline!r}) and a critic go together: "
-                             "gae and reinforce's value baseline need one, the others don't")
+                             "gae needs one, as does reinforce with baseline 'value'; the others don't")
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over

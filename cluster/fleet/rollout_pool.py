@@ -114,6 +114,7 @@ class RolloutPool:
         self.expected: tuple[int, Any] | None = None  # (version, the learner's fingerprints of it, or their ref)
         # Asynchronous training (`rollout.max_staleness` >= 1): requests queue on the workers, several batches deep.
         self.probe_prompt: list[int] | None = None  # the probe prompt's tokens, once a worker ran the probe
+        self.probe_sample: tuple[list[int], list[int]] | None = None  # (prompt, response) of the latest probe checked
         self.queues: dict[int, deque[Request]] = {}  # slot id -> its requests in flight, in the order it runs them
         # slot id -> the version its engine has once its queue ran (engines start on the model's own: version 0)
         self.serving: dict[int, int] = {slot.id: 0 for slot in fleet.rollout}
@@ -585,6 +586,7 @@ class RolloutPool:
         tolerance = self.tolerance
         for slot, gap, sample, weights in checks:
             name, version, slot_id = slot.name, sample.weights_version, slot.id
+            self.probe_sample = (list(sample.prompt_ids), list(sample.response_ids))
             if not gap <= tolerance:
                 raise SyncError(
                     f"weight sync check failed: {name} (version {version}) gives probe logprobs that differ from the "

@@ -30,6 +30,7 @@ from cluster.config import ConfigError, RunConfig, dump_config
 from cluster.demo.task import Problem
 from cluster.fleet.control import start_control
 from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, check_reachable, node_of, start_fleet, stop_fleet
+from cluster.fleet.reference_refresh import ReferenceRefresh
 from cluster.fleet.rollout_pool import Batch, RolloutPool
 from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
@@ -90,6 +91,7 @@ class Trainer:
         self.scorer = scorer
         scorer.reward_models = fleet.reward_models
         self.rollouts = RolloutPool(config, fleet)
+        self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts)  # `reference.refresh_every`
         self.weights_version = 0
         self.timings: dict[str, float] = {}
         self.control = control  # the run's RunControl actor (`relay scale`), if any
@@ -116,6 +118,7 @@ class Trainer:
         groups, rewards, sampling = self.sample(step)
         rollouts = [r for group in groups for r in group]
         with self.timed("reference"):
+            self.refresh_reference(step, sampling)
             ref_logprobs = self.reference_logprobs(rollouts)
         with self.timed("train"):
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
@@ -211,6 +214,8 @@ class Trainer:
         try:
             groups, rewards, stats = self.sample(step, collect)
             rollouts = [r for group in groups for r in group]
+            with self.timed("reference"):
+                self.refresh_reference(step, stats)
             return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings)
         finally:
             self.timings = outer
@@ -307,6 +312,18 @@ class Trainer:
         return [reward + overlong_penalty(len(rollout.response_ids), max_length, rc.overlong_buffer,
                                           rc.overlong_penalty) for reward, rollout in zip(rewards, group)]
 
+    def refresh_reference(self, step: int, stats: dict[str, Any]) -> None:
+        """Iterative GRPO (`reference.refresh_every`): before step `step`'s reference pass, when due, the reference
+        takes the policy's current weights (the newest version: the one the learner trains from at that step);
+        `reference/version` (and the refresh probe's gap) go into `stats`."""
+        refresh = self.reference_refresh
+        if not refresh.every:
+            return
+        if refresh.due(step):
+            refresh.refresh(self.rollouts.weights_version)
+            stats["sync/reference_probe_diff"] = refresh.last_gap
+        stats["reference/version"] = refresh.version
+
     def reference_logprobs(self, rollouts: list[Any]) -> Any:
         """The ref of the reference's logprobs of every response token (one flat array), once it has them; None
         without a reference. The driver reads only their count: the array goes to the learner by ref."""
@@ -367,7 +384,7 @@ class Trainer:
         tmp = checkpoint.begin(run_dir, step)
         self.fleet.learner_group.save_checkpoint(str(tmp))
         checkpoint.write_driver_state(tmp, {"step": step, "weights_version": self.weights_version,
-                                            "data": self.data.state()})
+                                            "data": self.data.state(), **self.reference_refresh.save(tmp)})
         checkpoint.write_config(tmp, resolved_config)
         return checkpoint.commit(tmp, run_dir, step, self.config.checkpoint.keep)
 
@@ -375,6 +392,7 @@ class Trainer:
         """Load a checkpoint into the learner, the data cursor and every engine (probe-checked); returns its step."""
         version = self.fleet.learner_group.load_checkpoint(str(point.path))
         self.data.load_state(point.state["data"])
+        self.reference_refresh.restore(point.path, point.state)
         self.weights_version = version
         if self.staleness:  # the first batches load it, as in the run that drained at this checkpoint
             self.rollouts.restored(version)

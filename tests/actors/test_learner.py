@@ -356,3 +356,29 @@ def test_probe_sample_is_seeded_scored_at_temperature_one_and_leaves_the_random_
     assert any(learner.probe_sample([5, 9, 12], 6, 0.7, seed=s)[1] != response for s in range(4, 8))
     assert logprobs == learner.compute_logprobs([prompt], [response], temperature=1.0)[0]
     assert logprobs != learner.compute_logprobs([prompt], [response])[0]  # not at the sampling temperature
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_takes_the_learners_weights_reports_them_and_saves_them(tiny_model_dir, tmp_path, dtype):
+    """Iterative GRPO's refresh, in-process: after an update the reference takes the learner's exported buckets,
+    reports exactly the learner's fingerprints of them, scores as the learner does, and keeps them across a
+    save and a restore into a fresh reference."""
+    config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2)
+    learner = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0, norm_length=4)
+    learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))
+    reference = ReferenceWorker(str(tiny_model_dir), dtype=dtype)
+    tol = 1e-5 if dtype == "float32" else 0.05
+    ours = learner.compute_logprobs(PROMPTS, RESPONSES)
+    initial = reference.compute_logprobs(PROMPTS, RESPONSES)
+    assert max(abs(a - b) for x, y in zip(ours, initial) for a, b in zip(x, y)) > 10 * tol  # the update moved them
+    loaded = reference.load_weights(1, *learner.export_weights(bucket_bytes=64 * 64 * 2))
+    assert loaded.version == 1 and loaded.fingerprints == (learner.weights_fingerprint(),)
+    theirs = reference.compute_logprobs(PROMPTS, RESPONSES)
+    assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) < tol
+    reference.save_weights(str(tmp_path / "reference"))
+    fresh = ReferenceWorker(str(tiny_model_dir), dtype=dtype)
+    fresh.load_saved(str(tmp_path / "reference"))
+    assert fresh.compute_logprobs(PROMPTS, RESPONSES) == theirs  # bit for bit
+    partial = learner.export_weights(bucket_bytes=2**40)[0][1:]
+    with pytest.raises(KeyError, match="lack 1 of the reference's parameters"):
+        fresh.load_weights(2, partial)
