@@ -330,6 +330,60 @@ def reinforce(returns: Tensor, mask: Tensor, group_size: int, baseline: str,
     return torch.where(keep, returns - b, 0.0)  # A_t = G_t - b
 
 
+def process_group_relative(step_rewards: Tensor, step_ends: Tensor, mask: Tensor, group_size: int,
+                           eps: float = 1e-6) -> Tensor:
+    """GRPO with process supervision: per-step rewards, normalised over the group, summed from each token onwards.
+
+    Shao et al. 2024 ("DeepSeekMath", sec. 4.1.3): every step j of every output of a group has a reward r_j, taken
+    at the step's last token index(j); each is normalised with the mean and std of all the group's step rewards,
+    r~_j = (r_j - mean(R)) / std(R), and a token's advantage is the sum of the normalised rewards of the steps that
+    end at or after it: A_t = sum_{index(j) >= t} r~_j.
+
+    Args:
+        step_rewards: [B, T] step j's reward at the token that ends it; anything elsewhere (selected out).
+        step_ends: [B, T] 1 (or True) at the tokens that end a step (each a response token), 0 elsewhere.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding; right-padded.
+        group_size: G; each prompt's G samples are consecutive rows.
+        eps: added to the std (Bessel-corrected over the group's steps) so a group whose step rewards are all equal
+            gets 0; must be > 0.
+
+    Returns:
+        [B, T] A_t at response tokens (0 after a row's last step end, and at padding). A group with fewer than two
+        steps in all gets 0 (its std is undefined).
+
+    Notation: B: sequences, T: tokens, G: group size.
+    """
+    if not (step_rewards.shape == step_ends.shape == mask.shape) or mask.dim() != 2:
+        shapes = [tuple(x.shape) for x in (step_rewards, step_ends, mask)]
+        raise ValueError(f"step_rewards, step_ends and mask must share one [B, T] shape, got {shapes}")
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0 (it keeps equal step rewards at 0), got {eps}")
+    ends = step_ends.bool()
+    if (ends & ~mask.bool()).any():
+        raise ValueError("a step ends at a token that is not a response token (step_ends outside mask)")
+    if not step_rewards.is_floating_point():
+        step_rewards = step_rewards.to(torch.get_default_dtype())
+    rewards = torch.where(ends, step_rewards, 0.0)
+    grouped_rewards = _grouped_rows(rewards, group_size)  # [B/G, G*T]
+    grouped_ends = _grouped_rows(ends, group_size)
+    count = grouped_ends.sum(dim=1, keepdim=True)  # [B/G, 1] steps in the group
+    mean = grouped_rewards.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(grouped_ends, grouped_rewards - mean, 0.0)
+    std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    normalised = torch.where(grouped_ends & (count >= 2), centered / (std + eps), 0.0).view_as(rewards)  # r~_j
+    # A_t = sum over steps ending at t' >= t: a reverse cumulative sum along the row.
+    advantages = normalised.flip(1).cumsum(1).flip(1)
+    return torch.where(mask.bool(), advantages, 0.0)
+
+
+def _grouped_rows(values: Tensor, group_size: int) -> Tensor:
+    """View [B, T] as [B / G, G * T]: row n holds the G consecutive rows of prompt n."""
+    if group_size < 1 or values.shape[0] % group_size:
+        raise ValueError(f"batch of {values.shape[0]} rows is not divisible by group_size {group_size}; pass whole "
+                         f"groups of {group_size} samples per prompt")
+    return values.reshape(values.shape[0] // group_size, -1)
+
+
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What every advantage estimator reads; fields an estimator does not use are ignored by it.

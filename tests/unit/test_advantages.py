@@ -16,6 +16,7 @@ from learner.algo.advantages import (
     group_relative,
     last_token_rewards,
     masked_whiten,
+    process_group_relative,
     reinforce,
     reinforce_pp,
     rloo,
@@ -417,3 +418,28 @@ def test_registry_reinforce_entry_discounts_then_subtracts_the_group_baseline():
         values=torch.full((4, 2), 0.5)))
     assert_close(valued.returns, out.returns)  # the critic's targets
     assert_close(valued.advantages, torch.tensor([[0.0, 0.5], [-0.5, -0.5], [1.5, 0.0], [-0.5, -0.5]]))
+
+
+def test_process_supervision_normalises_the_groups_step_rewards_and_sums_them_from_each_token_on():
+    # One group of 2 outputs. Output 0: steps ending at tokens 1 and 3 with rewards 1 and 0; output 1: one step
+    # ending at token 2 with reward 1, token 3 padding. The group's step rewards (1, 0, 1): mean 2/3, Bessel std
+    # sqrt(((1/3)^2 + (2/3)^2 + (1/3)^2) / 2) = sqrt(1/3); normalised (0.5774, -1.1547, 0.5774).
+    # Output 0: A = (r0 + r1, r0 + r1, r1, r1) = (-0.5774, -0.5774, -1.1547, -1.1547); output 1: (0.5774 x 3, 0).
+    step_rewards = torch.tensor([[9.0, 1.0, 9.0, 0.0], [9.0, 9.0, 1.0, math.nan]])  # 9, nan: not a step end
+    step_ends = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    a = 1 / 3 / math.sqrt(1 / 3)
+    expected = torch.tensor([[a - 2 * a, a - 2 * a, -2 * a, -2 * a], [a, a, a, 0.0]])
+    assert_close(process_group_relative(step_rewards, step_ends, mask, 2), expected, atol=1e-5, rtol=0)
+
+
+def test_process_supervision_with_equal_step_rewards_or_one_step_gives_zero_and_groups_are_separate():
+    mask = torch.ones(4, 3)
+    ends = torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 1], [0, 0, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 2.0], [0.0, 2.0, 2.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0]])
+    out = process_group_relative(rewards, ends, mask, 2)
+    assert torch.equal(out, torch.zeros(4, 3))  # group 0: all equal; group 1: a single step
+    with pytest.raises(ValueError, match="not a response token"):
+        process_group_relative(rewards, ends, torch.tensor([[1, 1, 0]] * 4), 2)
+    with pytest.raises(ValueError, match="not divisible by group_size 3"):
+        process_group_relative(rewards, ends, mask, 3)
