@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
 from cluster.config import RunConfig
@@ -341,9 +342,9 @@ class RolloutPool:
         self.exports = {v: e for v, e in self.exports.items() if v >= oldest}
         groups = [group for r in sorted(batch.requests, key=lambda r: r.chunk) for group in r.result.value]
         if self.in_flight:  # each token: the batch's version or a newer one the worker loaded (`_check_batch`)
-            versions = [int(v) for g in groups for r in g for v in (r.versions if len(r.versions) else [])]
-            if versions and not batch.version <= min(versions) <= max(versions) <= max(self.exports):
-                raise SyncError(f"tokens came from weights versions {min(versions)}..{max(versions)}, but the batch "
+            versions = np.concatenate([np.asarray(r.versions, np.int64) for g in groups for r in g] or [[]])
+            if versions.size and not batch.version <= versions.min() <= versions.max() <= max(self.exports):
+                raise SyncError(f"tokens came from weights versions {versions.min()}..{versions.max()}, but the batch "
                                 f"was to be sampled with {batch.version} or a newer exported version: a worker missed "
                                 "a load")
             return groups
@@ -366,54 +367,37 @@ class RolloutPool:
                 raise SyncError(f"{slot.name} {outcome.error}: it cannot take in-flight weight updates")
 
     def _check_batch(self, batch: Batch) -> None:
-        """Check the loads `batch`'s requests made (workers in order) and the probes they ran."""
-        if self.in_flight:
-            return self._check_in_flight(batch)
-        checks = []
-        for request in batch.requests:
-            if not request.load:
-                continue
-            value, slot, export = request.result.value, request.slot, self.exports[batch.version]
-            expected = self.fingerprints_of(batch.version) if self.config.sync.fingerprint else None
-            check_loaded(slot.name, value.loaded, batch.version, expected)
-            self.unprobed.add(slot.id)
-            if export.probe is None:
-                continue
-            if value.probe is None:
-                raise SyncError(f"weight sync check failed: {slot.name} (version {batch.version}) was asked to run "
-                                "the probe with its request but returned none")
-            sample = value.probe  # it carries the learner's logprobs, from the export
-            weights = digest(expected) if expected is not None else f"version {batch.version}"
-            checks.append((slot, probe_gap(sample), sample, weights))
-        if checks:
-            self._check_probes(checks)
-
-    def _check_in_flight(self, batch: Batch) -> None:
-        """`_check_batch` with in-flight updates: every load a request made (at its start, the newest of its own
-        version and the offered ones; during it, each newer offer) is checked against the learner's fingerprints of
-        that version, and each probe a request ran (right after its first load, and after the request for the last
-        load during it) against the learner's probe sample of that version."""
+        """Check the loads `batch`'s requests made (workers in order) and the probes they ran: each load against the
+        learner's fingerprints of its version, each probe against the learner's probe sample of that version.
+        A request loads the batch's version first when its worker's previous request sampled another; with in-flight
+        updates it reports every load it made (at its start, the newest of its own version and the offered ones,
+        probed at once; during it, each newer offer, the last one probed after the request)."""
         checks = []
         for request in batch.requests:
             value, slot = request.result.value, request.slot
-            if value.loads is None:
-                raise SyncError(f"{slot.name} returned no report of its in-flight loads (rollout.in_flight_updates)")
-            if value.loads:
+            if self.in_flight:
+                if value.loads is None:
+                    raise SyncError(f"{slot.name} returned no report of its in-flight loads "
+                                    "(rollout.in_flight_updates)")
+                loads = value.loads
+            else:
+                loads = [(value.loaded, value.probe, False)] if request.load else []
+            if loads:
                 self.unprobed.add(slot.id)
-            for loaded, sample, during in value.loads:
-                version = getattr(loaded, "version", None)
+            for loaded, sample, during in loads:
+                version = getattr(loaded, "version", None) if self.in_flight else batch.version
                 if version not in self.exports:
                     raise SyncError(f"weight sync check failed: {slot.name} reports a load of weights version "
                                     f"{version}, which is not one the learner exported for it")
                 expected = self.fingerprints_of(version) if self.config.sync.fingerprint else None
                 check_loaded(slot.name, loaded, version, expected)
                 self.in_flight_loads += during
-                if sample is not None:
+                if sample is not None:  # it carries the learner's logprobs, from the export
                     weights = digest(expected) if expected is not None else f"version {version}"
                     checks.append((slot, probe_gap(sample), sample, weights))
                 elif not during and self.exports[version].probe is not None:
-                    raise SyncError(f"weight sync check failed: {slot.name} (version {version}) was to run the probe "
-                                    "after its load but returned none")
+                    raise SyncError(f"weight sync check failed: {slot.name} (version {version}) was asked to run the "
+                                    "probe with its request but returned none")
         if checks:
             self._check_probes(checks)
 
