@@ -178,10 +178,7 @@ class VllmEngine:
             with tempfile.TemporaryDirectory(dir=shm) as tmp:
                 save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
                 self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
-        if running:
-            self.reset_prefix_cache(running=True)
-        else:
-            self.reset_prefix_cache()
+        self.reset_prefix_cache(running)
 
     @property
     def num_ranks(self) -> int:

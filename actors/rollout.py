@@ -128,10 +128,7 @@ class RolloutWorker:
             fingerprinting = time.perf_counter()
             report = Loaded(version, fingerprints(named, self.fingerprint))
             fingerprint_s = time.perf_counter() - fingerprinting
-            if running:  # between two steps of a request (`_generate_in_flight`)
-                self.engine.load_weights(named, running=True)
-            else:
-                self.engine.load_weights(named)
+            self.engine.load_weights(named, running)  # running: between two steps of a request
         self.last_load = {"fingerprint_s": fingerprint_s, "reload_s": time.perf_counter() - started - fingerprint_s}
         self.weights_version = version
         return report

@@ -47,7 +47,7 @@ class EngineSkipsLoadWorker(RolloutWorker):
     nothing. Only the probe can see this one."""
 
     def load_weights(self, version, *buckets):
-        self.engine.load_weights = lambda named: self.engine.reset_prefix_cache()
+        self.engine.load_weights = lambda named, running=False: self.engine.reset_prefix_cache(running)
         return super().load_weights(version, *buckets)
 
 
@@ -62,7 +62,7 @@ class NoCacheResetWorker(RolloutWorker):
     """Loads the weights but keeps the prefix cache, so cached prompts are scored with the old weights."""
 
     def load_weights(self, version, *buckets):
-        self.engine.reset_prefix_cache = lambda: None
+        self.engine.reset_prefix_cache = lambda running=False: None
         return super().load_weights(version, *buckets)
 
 
