@@ -206,13 +206,12 @@ def _inconsistencies(config: RunConfig):
                f"data.prompts_per_step x rollout.group_size = {batch} completions")
     if learner.advantage == "rloo" and rollout.group_size < 2:
         yield "learner.advantage=rloo needs rollout.group_size >= 2"
-    value_baseline = learner.advantage == "reinforce" and learner.baseline == "value"
     if learner.advantage == "gae" and not config.critic.enabled:
         yield "learner.advantage=gae needs a value model: set critic.enabled=true (or pick grpo, rloo, reinforce_pp)"
-    if value_baseline and not config.critic.enabled:
+    if learner.advantage == "reinforce" and learner.uses_value_model and not config.critic.enabled:
         yield ("learner.baseline=value needs a value model: set critic.enabled=true (or pick baseline none, "
                "batch_mean or group_mean)")
-    if config.critic.enabled and learner.advantage != "gae" and not value_baseline:
+    if config.critic.enabled and not learner.uses_value_model:
         yield (f"critic.enabled=true but learner.advantage={learner.advantage} does not use a value model; "
                "set learner.advantage=gae (or reinforce with baseline=value) or critic.enabled=false")
     if learner.baseline != "none" and learner.advantage != "reinforce":

@@ -110,6 +110,11 @@ class LearnerConfig(_Section):
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
 
+    @property
+    def uses_value_model(self) -> bool:
+        """Whether the advantage reads a value model: `gae`, and `reinforce` with the `value` baseline."""
+        return self.advantage == "gae" or (self.advantage == "reinforce" and self.baseline == "value")
+
 
 class CriticConfig(_Section):
     enabled: bool = False

@@ -133,8 +133,7 @@ class Learner(WeightPublisher):
         self._make_optimizer()
         self.critic = (Critic(model_path, critic, dtype, config.master_dtype) if critic is not None and critic.enabled
                        else None)
-        needs_critic = config.advantage == "gae" or (config.advantage == "reinforce" and config.baseline == "value")
-        if (self.critic is None) == needs_critic:
+        if (self.critic is None) == config.uses_value_model:
             raise ValueError(f"advantage={config.advantage!r} (baseline {config.baseline!r}) and a critic go together: "
                              "gae needs one, as does reinforce with baseline 'value'; the others don't")
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
