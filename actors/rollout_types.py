@@ -41,6 +41,10 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     weights_version: int  # the version that sampled the first token (every token, without in-flight updates)
     versions: Sequence[int] | None = None  # [T_resp] with in-flight updates: the version that sampled each token
+    # Process supervision, set by the driver's scoring (never sent between processes): the response index of each
+    # step's last token, and each step's combined reward (`cluster.run.scoring.ScoredSteps`).
+    step_ends: Any = None
+    step_rewards: Any = None
 
 
 class RolloutGroups(list):

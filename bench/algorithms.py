@@ -4,7 +4,8 @@ Usage: python bench/algorithms.py [--steps N] [--algorithms ppo grpo rloo] [dott
 Runs each preset of configs/ for N steps (default 80) through the real loop and prints, per algorithm: trained
 parameters (policy + value model), the learner process's peak resident memory (and its growth over the process
 before any model was loaded), median seconds per step and per phase, and the steps and training wall time until the
-mean reward over 10 consecutive steps first reaches 0.9 (start-up excluded; "-" if never).
+mean reward over 10 consecutive steps first reaches 0.9 (start-up excluded; "-" if never): for grpo_process, whose
+rewards are per step, the whole answer's accuracy (`reward/correct`) instead.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ PHASES = ["generate", "score", "reference", "train", "sync"]
 TARGET, WINDOW = 0.9, 10
 
 
-def steps_to_target(records: list[dict]) -> int | None:
-    """First step at which the mean reward of the last WINDOW steps is >= TARGET."""
-    rewards = [r["reward/mean"] for r in records]
+# The reward each preset is measured by: the mean reward, or for grpo_process (whose reward/mean sums the step
+# rewards) the whole answer's accuracy, its weight-0 source `correct`.
+METRIC = {"grpo_process": "reward/correct"}
+
+
+def steps_to_target(records: list[dict], key: str = "reward/mean") -> int | None:
+    """First step at which the mean of `key` over the last WINDOW steps is >= TARGET."""
+    rewards = [r[key] for r in records]
     for end in range(WINDOW, len(rewards) + 1):
         if statistics.fmean(rewards[end - WINDOW:end]) >= TARGET:
             return end
@@ -42,13 +48,14 @@ def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
 
     run_dir = Path(tmp) / name
     config = load_config(ROOT / "configs" / f"{name}.yaml", [f"max_steps={steps}", f"run_dir={run_dir}", *overrides])
-    model_path = config.model.path or str(ensure_demo_model())
+    model_path = config.model.path or str(ensure_demo_model(task=config.data.task))
     params = Learner(model_path, config.learner, config.model.dtype, critic=config.critic).num_trained_parameters()
     started = time.perf_counter()
     records = run_training(config, run_dir, model_path, display=False)
     wall = time.perf_counter() - started
     timed = records[1:] if len(records) > 1 else records  # step 1 pays one-off kernel builds
-    hit = steps_to_target(records)
+    key = METRIC.get(name, "reward/mean")
+    hit = steps_to_target(records, key)
     return {
         "name": name, "params": params, "wall": wall,
         "peak_mb": max(r["memory/learner_peak_mb"] for r in records),
@@ -56,7 +63,7 @@ def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
         "step": statistics.median(r["time/step"] for r in timed),
         "phases": {p: statistics.median(r[f"time/{p}"] for r in timed) for p in PHASES},
         "hit": hit, "hit_seconds": sum(r["time/step"] for r in records[:hit]) if hit else None,
-        "last10": statistics.fmean(r["reward/mean"] for r in records[-WINDOW:]),
+        "last10": statistics.fmean(r[key] for r in records[-WINDOW:]),
     }
 
 

@@ -40,8 +40,11 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "dataset"] = "arithmetic"
-    """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `dataset` reads `data.path`."""
+    task: Literal["arithmetic", "chain_sum", "dataset"] = "arithmetic"
+    """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `chain_sum` draws `12+34+56=` prompts
+    whose label is the partial sums, one step each, separated by single spaces (`46 102`); `dataset` reads
+    `data.path`. With an empty `model.path`, `chain_sum` runs on its own demo model, the others on the arithmetic
+    one."""
     path: str | None = None
     """Prompt file for `task=dataset`: JSONL (`.jsonl`), Parquet (`.parquet`) or a Hugging Face `datasets`
     directory (written by `save_to_disk`)."""
@@ -62,9 +65,11 @@ class DataConfig(_Section):
     shuffle: bool = True
     """Shuffle the dataset with `seed`, a new order each epoch."""
     min_operand: int = Field(0, ge=0, le=10**6)
-    """Smallest operand of the arithmetic task."""
+    """Smallest operand of the arithmetic and chain_sum tasks (their demo models learned operands 0 to 99)."""
     max_operand: int = Field(99, ge=0, le=10**6)
-    """Largest operand of the arithmetic task."""
+    """Largest operand of the arithmetic and chain_sum tasks."""
+    num_terms: int = Field(3, ge=2, le=8)
+    """Terms of the chain_sum task (its demo model learned 3; its answers then fit `rollout.max_new_tokens=8`)."""
     prompts_per_step: int = Field(32, ge=1, le=1_000_000)
     """Prompts drawn per step (B); each gets `rollout.group_size` completions."""
 
@@ -234,6 +239,12 @@ def _inconsistencies(config: RunConfig):
     if rollout.max_staleness and config.sync.transport != "object_store":
         yield ("rollout.max_staleness >= 1 needs sync.transport=object_store (each engine loads the weights between "
                "its own requests; the collective transport loads every engine at once); set it or max_staleness=0")
+    if config.reward.scores_steps and learner.advantage in ("rloo", "reinforce_pp"):
+        yield (f"step rewards (a reward source with level=steps) need learner.advantage grpo (DeepSeekMath's process "
+               f"supervision), gae or reinforce; {learner.advantage} reads one reward per sequence")
+    if config.reward.scores_steps and learner.advantage == "grpo" and learner.kl_reward_coef > 0:
+        yield ("step rewards with advantage=grpo normalise the rewards at step ends only, so a per-token KL in the "
+               "reward would be lost: put the KL in the loss (learner.kl_coef) and set learner.kl_reward_coef=0")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

@@ -64,6 +64,10 @@ class TrainBatch:
     group_size: int  # G
     # [B][T_resp_i] from the frozen reference, when KL is on (or `train_step`'s `ref_logprobs`: one flat array)
     ref_logprobs: list[list[float]] | None = None
+    # Process supervision: [B][T_resp_i] each step's reward at the step's last token (0 elsewhere), and 1 at the
+    # tokens that end a step (the last response token always does), 0 elsewhere.
+    step_rewards: list[list[float]] | None = None
+    step_ends: list[list[float]] | None = None
 
 
 @dataclass
@@ -223,6 +227,10 @@ class Learner(WeightPublisher):
         metrics: dict[str, float] = {}
         rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
         token_rewards = last_token_rewards(rewards, mask)
+        step_ends = None
+        if data.step_rewards is not None:  # process supervision: step rewards at their steps' last tokens
+            token_rewards = token_rewards + pad_per_token(data.step_rewards, batch)
+            step_ends = pad_per_token(data.step_ends, batch) > 0
         if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
             token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
             token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
@@ -230,7 +238,7 @@ class Learner(WeightPublisher):
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
         estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
             token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
-            lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline))
+            lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline, step_ends=step_ends))
         behavior = pad_per_token(data.behavior_logprobs, batch)
         correction = None
         if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)

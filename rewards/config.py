@@ -25,6 +25,10 @@ class RuleSource(_Section):
     """Keyword arguments passed to the verifier (e.g. `pattern` for `format`)."""
     weight: float = Field(1.0, ge=-1000, le=1000)
     """Weight of this source in the combined reward."""
+    level: Literal["outcome", "steps"] = "outcome"
+    """`outcome`: one reward per completion, `verifier(completion, label) -> float`. `steps` (process supervision,
+    needs `reward.steps.delimiter`): one reward per step, `verifier(steps, label) -> list[float]` with `steps` the
+    completion's step texts (a registry name: `step_match`, or your own `package.module:function`)."""
 
 
 class RemoteSource(_Section):
@@ -55,6 +59,9 @@ class RemoteSource(_Section):
     """Name of the environment variable holding a bearer token (the token itself is never in the config)."""
     verify_tls: bool = True
     """Verify the service's TLS certificate (https URLs)."""
+    level: Literal["outcome", "steps"] = "outcome"
+    """What the service scores: `outcome`, one `reward` per completion; `steps`, the service scores each step of a
+    completion (`step_rewards`, docs/verifiers.md); needs `reward.steps.delimiter`."""
 
     @model_validator(mode="after")
     def _valid(self) -> RemoteSource:
@@ -88,6 +95,13 @@ class ModelSource(_Section):
     max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per forward pass at most, as `learner.max_tokens_per_micro_batch` (texts sorted by token
     count, each pass padded to its own longest); empty: no token limit."""
+    level: Literal["outcome", "steps"] = "outcome"
+    """`outcome`: a sequence classifier (`AutoModelForSequenceClassification`, one output) scores the completion.
+    `steps`: a process reward model (`AutoModelForTokenClassification`, 1 output, or 2 read as the probability of
+    label 1, as Qwen2.5-Math-PRM) scores each step at the token that follows it (needs `reward.steps.delimiter`)."""
+    separator: str | None = Field(None, min_length=1)
+    """With `level: steps`: the text the reward model reads after each step, and where it reads the step's score
+    (e.g. Qwen2.5-Math-PRM's `<extra_0>`); empty: `reward.steps.delimiter`."""
 
 
 def _source_type(value: Any) -> str:
@@ -102,16 +116,30 @@ RewardSource = Annotated[Annotated[RuleSource, Tag("rule")] | Annotated[RemoteSo
 SOURCE_TYPES: dict[str, type[BaseModel]] = {"rule": RuleSource, "remote": RemoteSource, "model": ModelSource}
 
 
+class StepsConfig(_Section):
+    delimiter: str | None = Field(None, min_length=1)
+    """Process supervision: a response token whose text holds this string ends a step (e.g. a newline, or a space
+    for the `chain_sum` demo); the last token ends the last step. Sources with `level: steps` score each step; the
+    learner credits each step's reward to the tokens that led to it (docs/algorithms.md). Empty: off."""
+
+
 class RewardConfig(_Section):
     sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()}, min_length=1)
     """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
     Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
     exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`."""
+    steps: StepsConfig = StepsConfig()
+    """How completions are split into steps for the sources with `level: steps`."""
     overlong_buffer: int = Field(0, ge=0, le=1_000_000)
     """DAPO soft overlong punishment: responses longer than `rollout.max_new_tokens - overlong_buffer` tokens lose
     reward linearly, up to `overlong_penalty` at the maximum; 0 turns it off."""
     overlong_penalty: float = Field(1.0, ge=0, le=1000)
     """Reward lost by a response of the maximum length when `overlong_buffer` > 0."""
+
+    @property
+    def scores_steps(self) -> bool:
+        """Whether some source scores steps (`level: steps`): process supervision is on."""
+        return any(source.level == "steps" for source in self.sources.values())
 
     @model_validator(mode="after")
     def _names(self) -> RewardConfig:
@@ -120,4 +148,8 @@ class RewardConfig(_Section):
                 raise ValueError(f"source name {name!r} must be lower-case letters, digits and _ (it names metrics)")
             if name in ("mean", "std"):
                 raise ValueError(f"source name {name!r} would hide the metric reward/{name}; choose another name")
+        stepped = [name for name, source in self.sources.items() if source.level == "steps"]
+        if stepped and self.steps.delimiter is None:
+            raise ValueError(f"source {stepped[0]!r} has level 'steps' but reward.steps.delimiter is empty: set it (e.g. "
+                             "reward.steps.delimiter='\\n')")
         return self

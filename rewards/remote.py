@@ -3,7 +3,8 @@
 Owns: `RemoteVerifier`, which splits samples into batches, sends them to the service's replicas (round-robin, at
 most `max_concurrency` requests in flight), enforces a deadline per request, retries transient faults with
 full-jitter exponential backoff, validates every reply, and applies the source's failure policy (`fail`, `drop`,
-`default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`.
+`default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`. With the
+source's `level: steps`, each sample carries its step texts and gets one reward per step (`step_rewards`).
 Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
 `None`s here), nor the service side (rewards/service.py).
 
@@ -15,7 +16,9 @@ Decisions:
 - Retried (the same batch, on the next URL): connection refused or reset, timeouts, 5xx, and a malformed reply
   (not JSON, wrong shape, wrong number of results, unknown / duplicate / missing ids), which we treat as a
   server fault. Not retried: 4xx (the request itself is wrong), and per-sample faults (an `"error"` result, or a
-  reward that is not a finite number), which a deterministic verifier would repeat.
+  reward that is not a finite number; with `level: steps`, `step_rewards` missing, of the wrong length or not all
+  finite numbers), which a deterministic verifier would repeat. A service too old to know `steps` ignores them
+  and answers `reward` only: every sample of it fails with an error saying so, and nothing is retried.
 - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
   so a dead service fails fast; the exception carries the metrics gathered so far.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message.
@@ -67,14 +70,17 @@ class VerifierSample:
     completion: str
     label: Any = None  # any JSON value
     metadata: dict = field(default_factory=dict)  # JSON object passed through to the service
+    steps: list[str] | None = None  # the completion's step texts, in order, delimiter removed; sent only if not None
 
 
 @dataclass
 class RemoteScores:
     """What `RemoteVerifier.score` returns."""
 
-    rewards: list[float | None]
-    """One per sample, in the samples' order; `None` (only with `on_failure=drop`): drop the sample's group."""
+    rewards: list[float | list[float] | None]
+    """One per sample, in the samples' order: a float (`level: outcome`), or the sample's step rewards, one per step
+    (`level: steps`: `[default_reward] * len(steps)` when unscored under `on_failure=default`); `None` (only with
+    `on_failure=drop`): drop the sample's group."""
     metrics: dict[str, float]
     """`failures` (samples unscored after retries, whatever the policy), `retries`, `requests` (HTTP requests sent,
     retries included), `latency_mean_s` / `latency_max_s` (over requests that got a valid reply; 0 if none)."""
@@ -92,7 +98,7 @@ class _Permanent(Exception):
 class _Batch:
     index: int
     samples: list[VerifierSample]
-    rewards: dict[str, float] = field(default_factory=dict)  # id -> reward
+    rewards: dict[str, float | list[float]] = field(default_factory=dict)  # id -> reward, or step rewards
     errors: dict[str, str] = field(default_factory=dict)  # id -> why it stayed unscored
     url: str = ""  # the last URL tried
 
@@ -183,6 +189,11 @@ class RemoteVerifier:
         ids = [s.id for s in samples]
         if len(set(ids)) != len(ids):
             raise ValueError(f"verifier '{self.name}': sample ids must be unique within one score call")
+        if self.config.level == "steps":
+            unsplit = next((s.id for s in samples if s.steps is None), None)
+            if unsplit is not None:
+                raise ValueError(f"verifier '{self.name}' has level 'steps': sample {unsplit!r} has no steps; give "
+                                 "every sample its step texts (VerifierSample.steps)")
         if not samples:
             return RemoteScores([], _Stats().metrics(0))
         size = self.config.batch_size
@@ -254,8 +265,7 @@ class RemoteVerifier:
 
     async def _post(self, batch: _Batch) -> list:
         """POST the batch; return the reply's `results` list if the reply is well formed, else raise."""
-        body = {"samples": [{"id": s.id, "prompt": s.prompt, "completion": s.completion, "label": s.label,
-                             "metadata": s.metadata} for s in batch.samples]}
+        body = {"samples": [_sample_body(s) for s in batch.samples]}
         response = await self._client.post(f"{batch.url}/verify", json=body)
         if response.status_code >= 500:
             raise _Retryable(f"HTTP {response.status_code}{self._snippet(response)}")
@@ -278,15 +288,44 @@ class RemoteVerifier:
         return results
 
     def _read_results(self, batch: _Batch, results: list[dict]) -> None:
+        steps = {s.id: s.steps for s in batch.samples}
         for result in results:
-            sid, error, reward = result["id"], result.get("error"), result.get("reward")
+            sid, error = result["id"], result.get("error")
             if error is not None:
                 batch.errors[sid] = f"sample {sid!r}: service error: {self._excerpt(str(error), 200)}"
-            elif isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-                shown = self._excerpt(json.dumps(reward), 50)
-                batch.errors[sid] = f"sample {sid!r}: reward {shown} is not a finite number"
+                continue
+            if self.config.level == "steps":
+                value, problem = self._step_rewards(result, len(steps[sid] or ()))  # `score` checked they are set
             else:
-                batch.rewards[sid] = float(reward)
+                value, problem = self._reward(result)
+            if problem:
+                batch.errors[sid] = f"sample {sid!r}: {problem}"
+            else:
+                batch.rewards[sid] = value
+
+    def _reward(self, result: dict) -> tuple[float, str]:
+        """(reward, "") from a result of `level: outcome`, or (0.0, why it is not a reward)."""
+        reward = result.get("reward")
+        if not _is_finite_number(reward):
+            if reward is None and "step_rewards" in result:
+                return 0.0, "the service returned step_rewards but no reward: set level=steps, or send no steps"
+            return 0.0, f"reward {self._excerpt(json.dumps(reward), 50)} is not a finite number"
+        return float(reward), ""
+
+    def _step_rewards(self, result: dict, num_steps: int) -> tuple[list[float], str]:
+        """(step rewards, "") from a result of `level: steps`, or ([], why they are not one finite number per step)."""
+        rewards = result.get("step_rewards")
+        if rewards is None:
+            return [], ("the service returned no step_rewards: it probably does not support steps (docs/verifiers.md, "
+                        "--step-verifier)")
+        if not isinstance(rewards, list):
+            return [], f"step_rewards {self._excerpt(json.dumps(rewards), 50)} is not a list"
+        if len(rewards) != num_steps:
+            return [], f"{len(rewards)} step_rewards for {num_steps} steps"
+        bad = next((i for i, r in enumerate(rewards) if not _is_finite_number(r)), None)
+        if bad is not None:
+            return [], f"step {bad}'s reward {self._excerpt(json.dumps(rewards[bad]), 50)} is not a finite number"
+        return [float(r) for r in rewards], ""
 
     def _apply_policy(self, batches: list[_Batch], stats: _Stats) -> RemoteScores:
         failed = [b for b in batches if b.errors]
@@ -298,11 +337,17 @@ class RemoteVerifier:
             more = f" ({failures} samples unscored)" if failures > 1 else ""
             raise RemoteVerifierError(self._scrub(f"verifier '{self.name}' at {first.url} failed: {reason}{more}"),
                                       metrics)
-        fallback = self.config.default_reward if self.config.on_failure == "default" else None
-        rewards: list[float | None] = []
+        rewards: list[float | list[float] | None] = []
         for batch in batches:
-            rewards.extend(batch.rewards.get(s.id, fallback) for s in batch.samples)
+            rewards.extend(batch.rewards[s.id] if s.id in batch.rewards else self._fallback(s) for s in batch.samples)
         return RemoteScores(rewards, metrics)
+
+    def _fallback(self, sample: VerifierSample) -> float | list[float] | None:
+        """What an unscored sample gets under `drop` (None) or `default` (`default_reward`, for every step)."""
+        c = self.config
+        if c.on_failure != "default":
+            return None
+        return [c.default_reward] * len(sample.steps or ()) if c.level == "steps" else c.default_reward
 
     def _describe(self, err: Exception) -> str:
         if isinstance(err, TimeoutError | httpx.TimeoutException):
@@ -344,6 +389,20 @@ class RemoteVerifier:
             missing = next(iter(expected - seen))
             raise _Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
                              f"(no result for id {missing[:50]!r})")
+
+
+def _sample_body(sample: VerifierSample) -> dict[str, Any]:
+    """One sample as the protocol sends it; `steps` only when the sample has them, so old services see no change."""
+    body = {"id": sample.id, "prompt": sample.prompt, "completion": sample.completion, "label": sample.label,
+            "metadata": sample.metadata}
+    if sample.steps is not None:
+        body["steps"] = sample.steps
+    return body
+
+
+def _is_finite_number(value: Any) -> bool:
+    """A JSON number that is finite: not a string, not `true`/`false`, not `null`, not NaN or infinity."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 def _os_error(err: BaseException) -> OSError | None:

@@ -1,7 +1,8 @@
-"""The reference verifier service (docs/verifiers.md): any `(completion, label) -> reward` function over HTTP.
+"""The reference verifier service (docs/verifiers.md): any `(completion, label) -> reward` function over HTTP, and
+any `(steps, label) -> step rewards` function for process supervision.
 
 Owns: `create_app` (a FastAPI app speaking the remote verifier protocol: `GET /health`, `POST /verify`, optional
-bearer token, request limits, per-sample errors and deadlines), `app_from_spec` (load a verifier by name or
+bearer token, request limits, per-sample errors and deadlines), `app_from_spec` (load the verifiers by name or
 `package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what `relay verifier
 serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks); both warn when
 an app without a token is served beyond loopback.
@@ -11,13 +12,17 @@ This file is also the template for your own service: copy it and replace the ver
 in any language. Decisions:
 - Samples are scored in a thread pool of `workers`, one task per sample, so a slow sample does not hold up the
   others. A sample whose call raises, returns a non-finite number, or runs longer than `sample_timeout` (counted
-  from the moment it starts) gets `{"id", "error"}`; the request still succeeds. When the verifier raises, the
-  client gets only a generic error: the exception's text may hold data the client should not see (file paths,
-  other samples, secrets), so it goes to the service's log, with the sample's id.
+  from the moment it starts) gets `{"id", "error"}`; the request still succeeds. A step verifier must also return
+  exactly one reward per step. When the verifier raises, the client gets only a generic error: the exception's
+  text may hold data the client should not see (file paths, other samples, secrets), so it goes to the service's
+  log, with the sample's id.
 - Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
   503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
 - `/health` needs no token (load balancers probe it); `/verify` does when a token is set. Unknown sample fields are
   ignored, so newer clients can add fields without breaking older services.
+- Steps are optional both ways: a sample with `steps` goes to the step verifier if there is one (reply
+  `step_rewards`), else to the outcome verifier on its `completion` (reply `reward`, as an old service would); a
+  sample without `steps` needs the outcome verifier.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -45,8 +50,14 @@ log = logging.getLogger(__name__)
 Verifier = Callable[[str, Any], float]
 """A reward function: (completion, label) -> reward."""
 
+StepVerifier = Callable[[list[str], Any], list[float]]
+"""A process reward function: (the completion's step texts, label) -> one reward per step."""
+
 VERIFIER_RAISED = "verifier raised an exception; see the service's log"
 """The `error` a client gets for a sample whose verifier call raised."""
+
+STEPS_ONLY = "this service scores steps only: send steps"
+"""The `error` a client gets for a sample without `steps` from a service that has only a step verifier."""
 
 
 class Sample(BaseModel):
@@ -58,6 +69,8 @@ class Sample(BaseModel):
     completion: str
     label: Any = None
     metadata: dict[str, Any] = {}
+    steps: list[str] | None = None
+    """The completion's step texts, in order, delimiter removed; scored by the step verifier if there is one."""
 
 
 class VerifyRequest(BaseModel):
@@ -68,10 +81,12 @@ class VerifyRequest(BaseModel):
 
 
 class Result(BaseModel):
-    """One sample's outcome: `reward`, or `error` when it could not be scored."""
+    """One sample's outcome: `reward` (or `step_rewards`, one per step, for a sample with steps scored by the step
+    verifier), or `error` when it could not be scored."""
 
     id: str
     reward: float | None = None
+    step_rewards: list[float] | None = None
     error: str | None = None
 
 
@@ -102,8 +117,8 @@ class _Scoring:
     thread hand-off: docs/benchmarks.md, client throughput).
     """
 
-    def __init__(self, verifier: Verifier, samples: list[Sample], timeout: float, stuck: _StuckCalls):
-        self.verifier, self.samples, self.timeout, self.stuck = verifier, samples, timeout, stuck
+    def __init__(self, verifiers: _Verifiers, samples: list[Sample], timeout: float, stuck: _StuckCalls):
+        self.verifiers, self.samples, self.timeout, self.stuck = verifiers, samples, timeout, stuck
         self.started: list[float | None] = [None] * len(samples)  # monotonic start time of each call
         self.results: list[Result | None] = [None] * len(samples)
         self._pending = len(samples)
@@ -128,7 +143,7 @@ class _Scoring:
         self.started[i] = time.monotonic()
         sample = self.samples[i]
         try:
-            result = _result(sample.id, self.verifier(sample.completion, sample.label))
+            result = self.verifiers.score(sample)
         except Exception:  # the detail stays in this service's log; the client learns only that it failed
             log.exception("sample %r: the verifier raised", sample.id)
             result = Result(id=sample.id, error=VERIFIER_RAISED)
@@ -152,6 +167,23 @@ class _Scoring:
         return self.results  # type: ignore[return-value]  # all resolved
 
 
+class _Verifiers:
+    """The service's outcome verifier and step verifier (either may be None, not both); picks one per sample."""
+
+    def __init__(self, verifier: Verifier | None, step_verifier: StepVerifier | None):
+        if verifier is None and step_verifier is None:
+            raise ValueError("give a verifier, a step verifier, or both")
+        self.verifier, self.step_verifier = verifier, step_verifier
+
+    def score(self, sample: Sample) -> Result:
+        """The sample's result; raises what the verifier raises."""
+        if sample.steps is not None and self.step_verifier is not None:
+            return _step_result(sample.id, self.step_verifier(sample.steps, sample.label), len(sample.steps))
+        if self.verifier is None:
+            return Result(id=sample.id, error=STEPS_ONLY)
+        return _result(sample.id, self.verifier(sample.completion, sample.label))
+
+
 def _result(sample_id: str, value: Any) -> Result:
     try:
         reward = float(value)
@@ -162,16 +194,35 @@ def _result(sample_id: str, value: Any) -> Result:
     return Result(id=sample_id, reward=reward)
 
 
-def create_app(verifier: Verifier, *, max_batch: int = 1024, max_body_bytes: int = 8 * 2**20, workers: int = 4,
-               sample_timeout: float = 30.0, token: str | None = None) -> FastAPI:
-    """A FastAPI app serving `verifier` with the remote verifier protocol.
+def _step_result(sample_id: str, value: Any, num_steps: int) -> Result:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        return Result(id=sample_id, error=f"step verifier returned {type(value).__name__}, not a list of numbers")
+    try:
+        rewards = [float(v) for v in value]
+    except (TypeError, ValueError):
+        return Result(id=sample_id, error="step verifier returned a list holding something that is not a number")
+    if len(rewards) != num_steps:
+        return Result(id=sample_id, error=f"step verifier returned {len(rewards)} rewards for {num_steps} steps")
+    bad = next((r for r in rewards if not math.isfinite(r)), None)
+    if bad is not None:
+        return Result(id=sample_id, error=f"step verifier returned {bad}, not a finite number")
+    return Result(id=sample_id, step_rewards=rewards)
 
+
+def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier | None = None, max_batch: int = 1024,
+               max_body_bytes: int = 8 * 2**20, workers: int = 4, sample_timeout: float = 30.0,
+               token: str | None = None) -> FastAPI:
+    """A FastAPI app serving `verifier` and/or `step_verifier` (at least one) with the remote verifier protocol.
+
+    A sample with `steps` is scored by `step_verifier` (result `step_rewards`), or by `verifier` on its completion
+    when there is no step verifier (result `reward`); a sample without `steps` needs `verifier`.
     max_batch: most samples per request (more: 413). max_body_bytes: largest request body (more: 413).
     workers: threads scoring samples in parallel. sample_timeout: seconds one call may run before its sample gets
     an error. token: bearer token required by `/verify` (None: no authentication).
     """
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
         raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
+    verifiers = _Verifiers(verifier, step_verifier)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="relay-verify")
     stuck = _StuckCalls()
 
@@ -212,7 +263,7 @@ def create_app(verifier: Verifier, *, max_batch: int = 1024, max_body_bytes: int
                                "(client: batch_size)")
         if len({s.id for s in samples}) != len(samples):
             return _error(422, "sample ids must be unique within a request")
-        results = await _score(verifier, samples, pool, sample_timeout, stuck)
+        results = await _score(verifiers, samples, pool, sample_timeout, stuck)
         failed = [r for r in results if r.error is not None]
         if failed:
             log.warning("%d of %d samples unscored; first: %s: %s", len(failed), len(results), failed[0].id,
@@ -222,11 +273,11 @@ def create_app(verifier: Verifier, *, max_batch: int = 1024, max_body_bytes: int
     return app
 
 
-async def _score(verifier: Verifier, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,
+async def _score(verifiers: _Verifiers, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,
                  stuck: _StuckCalls) -> list[Result]:
     if not samples:
         return []
-    scoring = _Scoring(verifier, samples, timeout, stuck)
+    scoring = _Scoring(verifiers, samples, timeout, stuck)
     futures = [pool.submit(scoring.run, i) for i in range(len(samples))]
     try:
         return await scoring.wait()
@@ -258,23 +309,26 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status)
 
 
-def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_env: str | None = None,
+def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, step_spec: str | None = None,
+                  step_params: Mapping[str, Any] | None = None, token_env: str | None = None,
                   **options: Any) -> FastAPI:
-    """`create_app` for the verifier named `spec` (registry name or `package.module:function`) with `params` bound.
+    """`create_app` for the verifier named `spec` and/or the step verifier named `step_spec` (registry names or
+    `package.module:function`; at least one), with `params` / `step_params` bound.
 
-    The token, if any, is read from the environment variable `token_env`. Raises ValueError (one line) for an
+    The token, if any, is read from the environment variable `token_env`. Raises ValueError (one line) for no or an
     unknown verifier, an unset token variable or a bad option.
     """
     from rewards.verifiers import load_verifier
 
-    verifier = load_verifier(spec, params)
+    verifier = load_verifier(spec, params) if spec is not None else None
+    step_verifier = load_verifier(step_spec, step_params, steps=True) if step_spec is not None else None
     token = None
     if token_env:
         token = os.environ.get(token_env, "")
         if not token:
             raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token "
                              "in it or drop --token-env")
-    return create_app(verifier, token=token, **options)
+    return create_app(verifier, step_verifier=step_verifier, token=token, **options)
 
 
 def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -1,7 +1,9 @@
-"""Rule verifiers: pure functions (completion, label) -> reward, and `load_verifier` that resolves a config's spec.
+"""Rule verifiers: pure functions (completion, label) -> reward, step verifiers (steps, label) -> one reward per step,
+and `load_verifier` that resolves a config's spec.
 
-Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, and
-turning a spec (a registry name or `package.module:function`) plus params into a ready-to-call function.
+Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, matching
+each step against the label's (`step_match`), and turning a spec (a registry name or `package.module:function`)
+plus params into a ready-to-call function.
 Does not own: the name -> function table (`rewards/registry.py`), batching, weighting of several reward sources,
 time limits (callers that need a deadline enforce it around the call), remote verifiers or reward models.
 
@@ -104,28 +106,46 @@ def format_match(
     return 1.0 if _has_tags_in_order(completion, tag_names) else 0.0
 
 
-def load_verifier(spec: str, params: Mapping[str, Any] | None = None) -> Verifier:
+def step_match(steps: Sequence[str], label: Any, separator: str | None = None) -> list[float]:
+    """A step verifier: step j earns 1.0 iff its text (stripped of surrounding whitespace) equals the label's step j.
+
+    The label's steps: a list (each item as ``str``), or a string split on ``separator`` (whitespace when None), so
+    the `chain_sum` demo's label ``"46 102"`` has steps ``46`` and ``102``. Steps beyond the label's count earn 0.0
+    (an answer with extra steps is not rewarded for them).
+    """
+    expected = ([str(item).strip() for item in label] if isinstance(label, (list, tuple))
+                else str(label).split(separator))
+    return [1.0 if j < len(expected) and step.strip() == expected[j].strip() else 0.0 for j, step in enumerate(steps)]
+
+
+def load_verifier(spec: str, params: Mapping[str, Any] | None = None, steps: bool = False) -> Verifier:
     """The verifier named by ``spec`` with ``params`` bound as keyword arguments.
 
-    ``spec`` is a name in ``RULE_VERIFIERS`` or the user's own ``package.module:function``. Every problem (unknown
-    name, module not importable, missing attribute, not callable, params the signature does not accept) is a
-    one-line ``ValueError`` raised here, before any scoring.
+    ``spec`` is a name in ``RULE_VERIFIERS`` (``STEP_VERIFIERS`` with ``steps``: functions (steps, label) ->
+    list[float]) or the user's own ``package.module:function``. Every problem (unknown name, module not importable,
+    missing attribute, not callable, params the signature does not accept) is a one-line ``ValueError`` raised
+    here, before any scoring.
     """
     params = dict(params or {})
-    fn = _resolve(spec)
+    fn = _resolve(spec, steps)
     _check_params(spec, fn, params)
     return functools.partial(fn, **params) if params else fn
 
 
-def _resolve(spec: str) -> Callable[..., Any]:
+def _resolve(spec: str, steps: bool = False) -> Callable[..., Any]:
     """The function a spec names: a registry entry, or `module:attr` imported."""
     # Imported here, not at the top: `rewards.registry` imports this module for its table.
-    from rewards.registry import RULE_VERIFIERS
+    from rewards.registry import RULE_VERIFIERS, STEP_VERIFIERS
 
+    table = STEP_VERIFIERS if steps else RULE_VERIFIERS
     if ":" not in spec:
-        if spec in RULE_VERIFIERS:
-            return RULE_VERIFIERS[spec]
-        names = ", ".join(RULE_VERIFIERS)
+        if spec in table:
+            return table[spec]
+        names = ", ".join(table)
+        if spec in (RULE_VERIFIERS if steps else STEP_VERIFIERS):
+            kind = "an outcome verifier: use it with level=outcome (relay verifier serve: --verifier)" if steps \
+                else "a step verifier: use it with level=steps (relay verifier serve: --step-verifier)"
+            raise ValueError(f"verifier {spec!r} is {kind}, or use one of {names}")
         raise ValueError(f"unknown verifier {spec!r}: use one of {names}, or your own as 'package.module:function'")
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path or ":" in attr_path:

@@ -52,11 +52,27 @@ def tiny_reward_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_prm_dir(tmp_path_factory) -> Path:
+    """A randomly initialised Qwen2 token classifier with one output (a process reward model), char tokenizer."""
+    from cluster.demo.model import make_random_process_reward_model_dir
+
+    return make_random_process_reward_model_dir(tmp_path_factory.mktemp("models") / "tiny_prm", seed=3)
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo's warmed-up base model, built once into RELAY_CACHE_DIR (about a minute the first time)."""
     from cluster.demo.model import ensure_demo_model
 
     return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def chain_model_dir() -> Path:
+    """The chained-sum demo task's warmed-up base model (process supervision), built once into RELAY_CACHE_DIR."""
+    from cluster.demo.model import ensure_demo_model
+
+    return ensure_demo_model(task="chain_sum")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 2 vLLM rollout workers, a reference worker for the KL penalty and a learner, on a local Ray instance.
 
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
-Algorithm presets (on the demo task): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo}.yaml, e.g.
+Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process}.yaml,
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
 Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl, tensorboard/, checkpoints/step_N/.
 A killed or failed run continues exactly with:  relay train [CONFIG.yaml] run_dir=PATH resume=auto
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
                                             "supervised warm-up) into $RELAY_CACHE_DIR or ~/.cache/relay.")
     build.add_argument("--force", action="store_true", help="rebuild even if the cache holds it")
+    build.add_argument("--task", choices=["arithmetic", "chain_sum"], default="arithmetic",
+                       help="which demo task's model: arithmetic (a+b=) or chain_sum (12+34+56= -> 46 102)")
     _add_verifier_commands(commands)
     plot = commands.add_parser("plot", help="draw a run's charts from its metrics.jsonl into a PNG",
                                description="Draw reward, KL, response length, logprob mismatch and seconds per "
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return _jobs_command(args)
         if args.command in ("scale", "status"):
             return _control_command(args)
-        return _build_demo_model(force=args.force)
+        return _build_demo_model(force=args.force, task=args.task)
     except ConfigError as err:
         print(f"relay: config error: {err}", file=sys.stderr)
         return 2
@@ -214,14 +216,14 @@ def _control_command(args) -> int:
     return 0
 
 
-def _build_demo_model(force: bool) -> int:
+def _build_demo_model(force: bool, task: str = "arithmetic") -> int:
     import shutil
 
     from cluster.demo.model import demo_model_dir, ensure_demo_model
 
-    if force and demo_model_dir().exists():
-        shutil.rmtree(demo_model_dir())
-    print(ensure_demo_model())
+    if force and demo_model_dir(task).exists():
+        shutil.rmtree(demo_model_dir(task))
+    print(ensure_demo_model(task=task))
     return 0
 
 
@@ -232,6 +234,9 @@ Serve a verifier over HTTP with the remote verifier protocol (POST /verify, GET 
   relay verifier serve --verifier exact_match --port 8000
   relay verifier serve --verifier format --param "tags=[think, answer]"
   JUDGE_TOKEN=... relay verifier serve --verifier mypkg.judge:score --host 0.0.0.0 --token-env JUDGE_TOKEN
+  relay verifier serve --step-verifier mypkg.judge:score_steps     # process supervision: `level: steps`
+
+Give --verifier, --step-verifier or both: samples sent with steps go to the step verifier, the others to --verifier.
 """
 
 
@@ -241,8 +246,11 @@ def _add_verifier_commands(commands) -> None:
     actions = verifier.add_subparsers(dest="action", metavar="ACTION", required=True)
     serve = actions.add_parser("serve", help="serve a verifier over HTTP", description=VERIFIER_SERVE_HELP,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--verifier", required=True, metavar="NAME|module:function",
+    serve.add_argument("--verifier", metavar="NAME|module:function",
                        help="exact_match, numeric_match, math_verify, format, or package.module:function")
+    serve.add_argument("--step-verifier", metavar="NAME|module:function",
+                       help="scores each step of a sample sent with steps: step_match, or package.module:function "
+                            "taking (steps, label) and returning one reward per step")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     serve.add_argument("--workers", type=int, default=4, help="threads scoring samples in parallel (default: 4)")
@@ -252,6 +260,8 @@ def _add_verifier_commands(commands) -> None:
     serve.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument for the verifier, value read as YAML (e.g. --param pattern='.*'); "
                             "repeatable")
+    serve.add_argument("--step-param", action="append", default=[], metavar="KEY=VALUE",
+                       help="keyword argument for the step verifier, as --param; repeatable")
     serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
 
 
@@ -263,19 +273,33 @@ def _verifier_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 0..65535 (got {args.port})")
     if not args.sample_timeout > 0:
         raise ConfigError(f"--sample-timeout must be positive (got {args.sample_timeout})")
-    params = {}
-    for item in args.param:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"--param '{item}' is not of the form KEY=VALUE (e.g. --param tolerance=0.01)")
-        params[key] = parse_overrides([f"value={raw}"])["value"]
+    if args.verifier is None and args.step_verifier is None:
+        raise ConfigError("give --verifier, --step-verifier, or both (e.g. --verifier exact_match)")
+    if args.param and args.verifier is None:
+        raise ConfigError("--param binds arguments of --verifier, which is not given; use --step-param for the "
+                          "step verifier")
+    if args.step_param and args.step_verifier is None:
+        raise ConfigError("--step-param binds arguments of --step-verifier, which is not given")
+    params, step_params = _serve_params("--param", args.param), _serve_params("--step-param", args.step_param)
     from rewards.service import app_from_spec, run_app
 
     try:
-        app = app_from_spec(args.verifier, params=params, token_env=args.token_env, workers=args.workers,
-                            max_batch=args.max_batch, sample_timeout=args.sample_timeout)
+        app = app_from_spec(args.verifier, params=params, step_spec=args.step_verifier, step_params=step_params,
+                            token_env=args.token_env, workers=args.workers, max_batch=args.max_batch,
+                            sample_timeout=args.sample_timeout)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run_app(app, args.host, args.port)
     return 0
+
+
+def _serve_params(flag: str, items: list[str]) -> dict:
+    """`KEY=VALUE` items as keyword arguments, each value read as YAML."""
+    params = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"{flag} '{item}' is not of the form KEY=VALUE (e.g. {flag} tolerance=0.01)")
+        params[key] = parse_overrides([f"value={raw}"])["value"]
+    return params
 

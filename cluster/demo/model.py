@@ -1,12 +1,14 @@
-"""The demo's base model: a character tokenizer and a tiny Qwen2 warmed up on addition, built locally.
+"""The demo's base models: a character tokenizer and tiny Qwen2s warmed up on the demo tasks, built locally.
 
-Owns building, saving (atomically) and caching the model directory that the demo's engines and learner load,
-and the transformers-based accuracy check used to tune it. Does not own the RL loop, the task and its reward
-(`cluster.demo.task`, which re-exports `rewards.verifiers.exact_match`) or any engine: the directory is a plain
-Hugging Face model dir, read like any other.
+Owns building, saving (atomically) and caching the model directories that the demo's engines and learner load
+(one per task: `arithmetic`, `a+b=`, and `chain_sum`, `12+34+56=` -> `46 102`), and the transformers-based accuracy
+checks used to tune them. Does not own the RL loop, the tasks and their reward (`cluster.demo.task`, which
+re-exports `rewards.verifiers.exact_match`) or any engine: the directory is a plain Hugging Face model dir, read
+like any other.
 
-The built model is right on ~97% of held-out problems greedily but on only ~25% when sampling at temperature
-1 (its output layer is scaled down to that target), like a pretrained base whose sampling RL then sharpens.
+Each built model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only ~25%
+when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
+sampling RL then sharpens. The chain model's first step is right about twice as often (~50%) as its whole answer.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo.task import Problem, exact_match, make_problems
+from cluster.demo.task import Problem, exact_match, make_chain_problems, make_problems
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 CHARACTERS = "0123456789+-*= "
 DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe below changes the built weights
+CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
 REPORT_FILE = "relay_demo_report.json"
 BUILD_THREADS = 1
 SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
@@ -153,6 +156,21 @@ def make_random_reward_model_dir(out_dir: str | os.PathLike[str], seed: int = 0)
     return save_model_dir(model, tokenizer, out_dir)
 
 
+def make_random_process_reward_model_dir(out_dir: str | os.PathLike[str], seed: int = 0, num_labels: int = 1) -> Path:
+    """Saves a randomly initialised tiny Qwen2 token classifier (a process reward model: its output at a step's
+    end token scores the step; `num_labels` 1 or 2, as Qwen2.5-Math-PRM) and the char tokenizer. For tests and
+    examples of `type: model` sources with `level: steps`; it scores nothing meaningful."""
+    from transformers import Qwen2ForTokenClassification
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_qwen2_config(vocab_size=len(tokenizer))
+    config.num_labels = num_labels
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForTokenClassification(config)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
 def make_random_model_dir(out_dir: str | os.PathLike[str], seed: int = 0, **config_kwargs: object) -> Path:
     """Saves a randomly initialised tiny Qwen2 (`tiny_qwen2_config(**config_kwargs)`) and the char tokenizer.
 
@@ -168,7 +186,8 @@ def make_random_model_dir(out_dir: str | os.PathLike[str], seed: int = 0, **conf
 
 @dataclass(frozen=True)
 class WarmupRecipe:
-    """Shape, warm-up and calibration of the demo model; a change that alters the weights bumps `DEMO_MODEL_NAME`.
+    """Shape, problems, warm-up and calibration of a demo model; a change that alters the weights bumps its name
+    (`DEMO_MODEL_NAME` for the defaults, `CHAIN_MODEL_NAME` for `CHAIN_RECIPE`).
 
     Two deterministic rules replace hand-picked step counts, so a slightly different CPU still lands on target:
     train until greedy accuracy on the validation problems reaches `target_greedy_accuracy`, then scale the
@@ -202,6 +221,44 @@ class WarmupRecipe:
     num_eval_problems: int = 512
     eval_seed: int = 12345
     max_new_tokens: int = 5  # longest answer "198" + <eos> is 4 tokens
+    # The problems: operands in [min_operand, max_operand]; `num_terms` of them for chain_sum (arithmetic has 2).
+    min_operand: int = 0
+    max_operand: int = 99
+    num_terms: int = 3
+    answer_characters: str = "0123456789"  # label smoothing spreads over these and <eos>
+
+
+# Chained sums of 3 terms in 0..99 (2 steps), on the arithmetic model's shape: ~1100 steps, ~1.5 min on this
+# recipe's one thread. Answers are up to "198 297" + <eos>, 8 tokens (rollout.max_new_tokens' default).
+CHAIN_RECIPE = WarmupRecipe(
+    max_steps=2000,
+    eval_every=50,
+    target_greedy_accuracy=0.93,
+    max_new_tokens=8,
+    min_operand=0,
+    max_operand=99,
+    num_terms=3,
+    answer_characters="0123456789 ",  # the space too: a wrong answer may have a step too few or too many
+)
+DEMO_TASKS = ("arithmetic", "chain_sum")  # the tasks with a built-in model; `task="dataset"` gets the arithmetic one
+_MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME}
+_RECIPES = {"arithmetic": WarmupRecipe(), "chain_sum": CHAIN_RECIPE}
+
+
+def _demo_task(task: str) -> str:
+    """The built-in task whose model serves `task` (a `data.task`): itself, or arithmetic for a user's dataset."""
+    if task == "dataset":  # a dataset without model.path has always run on the arithmetic model (char tokenizer)
+        return "arithmetic"
+    if task not in DEMO_TASKS:
+        raise ValueError(f"no demo model for task {task!r}; use one of {', '.join(DEMO_TASKS)} or set model.path")
+    return task
+
+
+def draw_warmup_problems(task: str, recipe: WarmupRecipe, rng: random.Random, n: int) -> list[Problem]:
+    """`n` problems of `task` ("arithmetic" or "chain_sum") with the recipe's operands and terms."""
+    if _demo_task(task) == "chain_sum":
+        return make_chain_problems(rng, n, recipe.num_terms, recipe.min_operand, recipe.max_operand)
+    return make_problems(rng, n, recipe.min_operand, recipe.max_operand)
 
 
 def _encode_batch(tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,10 +302,11 @@ def _train_warmup(
     val_problems: Sequence[Problem],
     excluded_prompts: set[str],
     seed: int,
+    task: str = "arithmetic",
 ) -> int:
     """Supervised warm-up until validation greedy accuracy reaches the target (or `max_steps`); returns steps."""
     rng = random.Random(seed)
-    answer_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789") + [EOS_TOKEN]))
+    answer_ids = torch.tensor(tokenizer.encode(recipe.answer_characters) + [tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -258,7 +316,8 @@ def _train_warmup(
     )
     for step in range(1, recipe.max_steps + 1):
         model.train()
-        problems = [p for p in make_problems(rng, recipe.batch_size) if p.prompt not in excluded_prompts]
+        drawn = draw_warmup_problems(task, recipe, rng, recipe.batch_size)
+        problems = [p for p in drawn if p.prompt not in excluded_prompts]
         input_ids, labels = _encode_batch(tokenizer, problems)
         logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]: position t predicts token t+1
         loss = _smoothed_answer_loss(logits, labels[:, 1:], recipe.label_smoothing, answer_ids)
@@ -324,6 +383,42 @@ def evaluate_accuracy(
 ) -> float:
     """Mean `exact_match` reward of one completion per problem: greedy if `temperature == 0`, else sampled.
 
+    Completions as `generate_completions` makes them.
+    """
+    completions = generate_completions(model, tokenizer, problems, temperature, max_new_tokens, batch_size, seed)
+    return _exact_match_rate(problems, completions)
+
+
+def _exact_match_rate(problems: Sequence[Problem], completions: Sequence[str]) -> float:
+    return sum(exact_match(c, p.label) for p, c in zip(problems, completions, strict=True)) / len(problems)
+
+
+def step_accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:
+    """Fraction of the labels' steps (space-separated partial sums) that the completions have right in place.
+
+    Step i of a completion is its i-th space-separated field; a missing field is wrong. "46 103" for "46 102"
+    has 1 of 2 steps right. For one-step labels (arithmetic) this is the exact-match accuracy.
+    """
+    right = total = 0
+    for problem, completion in zip(problems, completions, strict=True):
+        expected, got = problem.label.split(" "), completion.split(" ")
+        right += sum(i < len(got) and got[i] == step for i, step in enumerate(expected))
+        total += len(expected)
+    return right / total
+
+
+@torch.no_grad()
+def generate_completions(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: Sequence[Problem],
+    temperature: float,
+    max_new_tokens: int = 5,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> list[str]:
+    """One completion per problem: greedy if `temperature == 0`, else sampled.
+
     The completion is the generated text before the first `<eos>` (all of it if none came), decoded without
     special tokens as vLLM does by default. Sampling uses the full distribution (no top-k/top-p) and a seeded
     RNG of its own, leaving the global torch RNG untouched.
@@ -335,7 +430,7 @@ def evaluate_accuracy(
         if temperature > 0
         else {"do_sample": False}
     )
-    rewards = []
+    completions = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for start in range(0, len(problems), batch_size):
@@ -344,21 +439,24 @@ def evaluate_accuracy(
             output = model.generate(
                 **batch, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **sampling
             )
-            for problem, ids in zip(chunk, output[:, batch["input_ids"].shape[1] :].tolist()):
+            for ids in output[:, batch["input_ids"].shape[1] :].tolist():
                 completion_ids = ids[: ids.index(eos_id)] if eos_id in ids else ids
-                completion = tokenizer.decode(completion_ids, skip_special_tokens=True)
-                rewards.append(exact_match(completion, problem.label))
-    return sum(rewards) / len(rewards)
+                completions.append(tokenizer.decode(completion_ids, skip_special_tokens=True))
+    return completions
 
 
 def build_demo_model(
-    out_dir: str | os.PathLike[str], seed: int = 0, recipe: WarmupRecipe = WarmupRecipe()
+    out_dir: str | os.PathLike[str], seed: int = 0, recipe: WarmupRecipe | None = None, task: str = "arithmetic"
 ) -> dict[str, object]:
-    """Builds, warms up, calibrates, evaluates and atomically saves the demo model; returns the report.
+    """Builds, warms up, calibrates, evaluates and atomically saves the demo model of `task`; returns the report.
 
+    `recipe` None: the task's own (`WarmupRecipe()` for arithmetic and a dataset, `CHAIN_RECIPE` for chain_sum).
     The report (also saved as `relay_demo_report.json` in the directory) gives params, steps, seconds and the
-    greedy and T=1 sampled accuracy on held-out problems. Deterministic for a seed and recipe on one machine.
+    greedy and T=1 sampled accuracy on held-out problems, whole answers and single steps (`step_accuracy`).
+    Deterministic for a seed, recipe and task on one machine.
     """
+    task = _demo_task(task)
+    recipe = _RECIPES[task] if recipe is None else recipe
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     # One thread: the weights then do not depend on the core count, and a 2-core machine that is busy elsewhere
@@ -374,26 +472,29 @@ def build_demo_model(
             num_kv_heads=recipe.num_kv_heads,
             intermediate_size=recipe.intermediate_size,
         )
-        val_problems = make_problems(random.Random(recipe.val_seed), recipe.num_val_problems)
-        held_out = make_problems(random.Random(recipe.eval_seed), recipe.num_eval_problems)
+        val_problems = draw_warmup_problems(task, recipe, random.Random(recipe.val_seed), recipe.num_val_problems)
+        held_out = draw_warmup_problems(task, recipe, random.Random(recipe.eval_seed), recipe.num_eval_problems)
         excluded = {p.prompt for p in val_problems} | {p.prompt for p in held_out}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen2ForCausalLM(config)
-            steps = _train_warmup(model, tokenizer, recipe, val_problems, excluded, seed)
+            steps = _train_warmup(model, tokenizer, recipe, val_problems, excluded, seed, task)
         output_scale = _calibrate_output_scale(model, tokenizer, recipe, val_problems, seed)
         _fold_output_gain(model, recipe.output_gain)
+        greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
+        sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
         report: dict[str, object] = {
-            "name": DEMO_MODEL_NAME,
+            "name": _MODEL_NAMES[task],
+            "task": task,
             "seed": seed,
             "params": sum(p.numel() for p in model.parameters()),
             "steps": steps,
             "output_scale": output_scale,
             "num_eval_problems": len(held_out),
-            "greedy_accuracy": evaluate_accuracy(model, tokenizer, held_out, 0.0, recipe.max_new_tokens),
-            "sampled_accuracy": evaluate_accuracy(
-                model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1
-            ),
+            "greedy_accuracy": _exact_match_rate(held_out, greedy),
+            "sampled_accuracy": _exact_match_rate(held_out, sampled),
+            "greedy_step_accuracy": step_accuracy(held_out, greedy),
+            "sampled_step_accuracy": step_accuracy(held_out, sampled),
             "recipe": asdict(recipe),
         }
         report["seconds"] = round(time.perf_counter() - started, 2)
@@ -403,28 +504,33 @@ def build_demo_model(
         torch.set_num_threads(previous_threads)
 
 
-def demo_model_dir() -> Path:
-    """`$RELAY_CACHE_DIR/demo-model-v1`, or `~/.cache/relay/demo-model-v1` when the variable is unset."""
+def demo_model_dir(task: str = "arithmetic") -> Path:
+    """`$RELAY_CACHE_DIR/<name>`, or `~/.cache/relay/<name>` when the variable is unset; the name is
+    `demo-model-v1` for arithmetic (and a dataset), `demo-chain-model-v1` for chain_sum."""
     cache_dir = os.environ.get("RELAY_CACHE_DIR")
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "relay"
-    return root / DEMO_MODEL_NAME
+    return root / _MODEL_NAMES[_demo_task(task)]
 
 
-def ensure_demo_model(log: Callable[[str], object] = print) -> Path:
-    """Returns the demo model's directory, building it first if missing (its build time: docs/benchmarks.md)."""
-    path = demo_model_dir()
+def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic") -> Path:
+    """Returns the directory of `task`'s demo model (`demo_model_dir(task)`), building it first if missing (its
+    build time: docs/benchmarks.md). `task` is a `data.task`: "dataset" gets the arithmetic model."""
+    task = _demo_task(task)
+    path = demo_model_dir(task)
     if path.exists():  # complete if present: save_model_dir renames a finished directory into place
         return path
-    log(f"Building the demo model in {path} (once; under a minute on 2 idle cores)...")
+    chain = task == "chain_sum"
+    what, how_long = ("chain_sum demo model", "under 2 minutes") if chain else ("demo model", "under a minute")
+    log(f"Building the {what} in {path} (once; {how_long} on 2 idle cores)...")
     try:
-        report = build_demo_model(path)
+        report = build_demo_model(path, task=task)
     except FileExistsError:
         if not path.exists():
             raise
-        log(f"Another process built the demo model in {path} first; using it")
+        log(f"Another process built the {what} in {path} first; using it")
         return path
     log(
-        f"Built the demo model in {report['seconds']:.0f} s after {report['steps']} steps: held-out accuracy "
+        f"Built the {what} in {report['seconds']:.0f} s after {report['steps']} steps: held-out accuracy "
         f"greedy {report['greedy_accuracy']:.2f}, sampled at T=1 {report['sampled_accuracy']:.2f}"
     )
     return path

@@ -1,6 +1,8 @@
-"""The arithmetic task of the built-in demo: problems like ``37+45=``, scored by exact match.
+"""The tasks of the built-in demo: ``37+45=`` (arithmetic) and ``12+34+56=`` (chained sums), scored by exact match.
 
-Owns `Problem` (a prompt and its label, the unit every prompt source yields) and the problem generator. Does not
+Owns `Problem` (a prompt and its label, the unit every prompt source yields) and the two problem generators. A
+chained sum is answered with its partial sums separated by single spaces (``46 102``), each partial sum one step
+for process supervision; its label is that whole string, so ``exact_match`` scores the whole answer. Does not
 own the reward (``exact_match`` lives in `rewards/verifiers.py`; re-exported here, the task's reward), tokenisation,
 sampling or batching; pure Python, no torch.
 """
@@ -13,7 +15,7 @@ from typing import Any
 
 from rewards.verifiers import exact_match
 
-__all__ = ["Problem", "exact_match", "make_problems"]
+__all__ = ["Problem", "exact_match", "make_chain_problems", "make_problems"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,29 @@ def make_problems(rng: random.Random, n: int, min_operand: int = 0, max_operand:
         problems.append(Problem(prompt=f"{a}+{b}=", label=str(a + b)))
     return problems
 
+
+
+def make_chain_problems(
+    rng: random.Random, n: int, num_terms: int = 3, min_operand: int = 0, max_operand: int = 99
+) -> list[Problem]:
+    """Draws ``n`` chained sums ``x1+x2+...+xk=`` (k = ``num_terms``, each uniform in ``[min_operand, max_operand]``).
+
+    The label lists the partial sums ``x1+x2``, ``x1+x2+x3``, ... up to the total, separated by single spaces:
+    ``12+34+56=`` -> ``46 102`` (k - 1 steps). With ``num_terms=2`` the problems are exactly `make_problems`'s.
+    Deterministic given the state of ``rng``; duplicates are possible.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if num_terms < 2:
+        raise ValueError(f"num_terms must be >= 2 (a chain needs at least one sum), got {num_terms}")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(
+            f"operand range must satisfy 0 <= min_operand <= max_operand, got [{min_operand}, {max_operand}]"
+        )
+    problems = []
+    for _ in range(n):
+        terms = [rng.randint(min_operand, max_operand) for _ in range(num_terms)]
+        partial_sums = [sum(terms[: i + 1]) for i in range(1, num_terms)]
+        prompt = "+".join(map(str, terms)) + "="
+        problems.append(Problem(prompt=prompt, label=" ".join(map(str, partial_sums))))
+    return problems

@@ -235,6 +235,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     and start every actor (engines load their model).
 
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
+    from actors.process_reward_model import ProcessRewardModelWorker
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
     from cluster.fleet.learner_group import launch_learner_group
@@ -268,8 +269,9 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
                                                                           rc.max_tokens_per_micro_batch),
             ro.temperature)
         first += 1
-    reward_models = {
-        name: ray.remote(RewardModelWorker).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
+    reward_models = {  # a process reward model (level steps) scores steps, a sequence classifier completions
+        name: ray.remote(ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker).options(
+            **options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
             s.path, config.model.dtype, s.num_threads, MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch))
         for i, (name, s) in enumerate(reward_sources.items())
     }

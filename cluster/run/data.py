@@ -4,7 +4,8 @@ Owns: which problems step k trains on, and reading a user's prompt dataset (JSON
 directory) into problems: field checks, the chat template, the prompt-length filter, and the prompts' token ids
 (tokenised once, when the dataset loads; the engines get these ids). A batch depends only on (seed, cursor), so a
 resumed run draws exactly the batches an uninterrupted one would.
-Does not own: the arithmetic task (cluster/demo/task.py; its prompts go to the engines as text, which they tokenise)
+Does not own: the demo tasks, arithmetic and chain_sum (cluster/demo/task.py; their prompts go to the engines as
+text, which they tokenise)
 or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use only.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cluster.config import DataConfig
-from cluster.demo.task import Problem, make_problems
+from cluster.demo.task import Problem, make_chain_problems, make_problems
 
 SUPPORTED_FORMATS = "a .jsonl or .parquet file, or a directory written by datasets' save_to_disk"
 _TOKENIZE_CHUNK = 1024  # prompts tokenized per call
@@ -53,6 +54,10 @@ class ArithmeticPrompts:
     def next_batch(self) -> list[Problem]:
         rng = random.Random(f"relay-data:{self.seed}:{self.cursor}")
         self.cursor += 1
+        return self.draw(rng)
+
+    def draw(self, rng: random.Random) -> list[Problem]:
+        """One batch of the task's problems from `rng`."""
         return make_problems(rng, self.batch_size, self.config.min_operand, self.config.max_operand)
 
     def state(self) -> dict[str, int]:
@@ -65,6 +70,15 @@ class ArithmeticPrompts:
     def metrics(self) -> dict[str, float]:
         """Nothing: the stream has no epochs and filters nothing."""
         return {}
+
+
+class ChainSumPrompts(ArithmeticPrompts):
+    """`12+34+56=` problems (`config.num_terms` terms) labelled with their partial sums (`46 102`); otherwise as
+    `ArithmeticPrompts`: the same (seed, cursor) stream and state."""
+
+    def draw(self, rng: random.Random) -> list[Problem]:
+        return make_chain_problems(
+            rng, self.batch_size, self.config.num_terms, self.config.min_operand, self.config.max_operand)
 
 
 class PromptDataset:
@@ -138,11 +152,13 @@ class PromptDataset:
 
 
 def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
-                       max_prompt_tokens: int) -> ArithmeticPrompts | PromptDataset:
+                       max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | PromptDataset:
     """The prompt source `config.task` names; a dataset's templates and lengths use the model's tokenizer (`model_path`
     None: the demo model's, made in memory, the same as the one its directory will hold)."""
     if config.task == "arithmetic":
         return ArithmeticPrompts(config, seed, batch_size)
+    if config.task == "chain_sum":
+        return ChainSumPrompts(config, seed, batch_size)
     if model_path is None:
         from cluster.demo.model import build_char_tokenizer
 

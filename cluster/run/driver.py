@@ -38,6 +38,7 @@ from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging,
 from cluster.run.scoring import Scorer
 from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
+from rewards.steps import token_step_rewards
 from sync.calls import RunError, get
 
 
@@ -48,7 +49,8 @@ class Tally:
     sources: Any  # the reward sources' names
     kept: list[tuple[list[Any], list[float]]] = field(default_factory=list)
     uninformative: list[tuple[list[Any], list[float]]] = field(default_factory=list)  # set aside (dynamic sampling)
-    scored: list[float] = field(default_factory=list)  # every reward of the step, uninformative groups included
+    # every completion's total reward (outcome, shaped, plus its step rewards), uninformative groups included
+    scored: list[float] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
     per_source: dict[str, list[float]] = field(default_factory=dict)
 
@@ -89,7 +91,7 @@ class Trainer:
         ro = config.rollout
         self.sampling = SamplingSettings(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p)
         self.scorer = scorer
-        scorer.reward_models = fleet.reward_models
+        scorer.attach(fleet.reward_models, fleet.launcher.settings.model_path)
         self.rollouts = RolloutPool(config, fleet)
         self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts)  # `reference.refresh_every`
         self.weights_version = 0
@@ -270,12 +272,20 @@ class Trainer:
                 tally.counters.get(key, 0.0), value)
         for name, values in result.per_source.items():
             tally.per_source[name] += values
-        for group, group_rewards, lost in zip(groups, result.rewards, result.dropped):
+        steps = result.steps or [None] * len(groups)
+        for group, group_rewards, lost, group_steps in zip(groups, result.rewards, result.dropped, steps):
             if lost:
                 continue
-            informative = not dynamic or len(set(group_rewards)) > 1
+            distinct = set(group_rewards)
+            if group_steps is not None:  # process supervision: the steps' rewards go with the rollouts
+                for rollout, scored in zip(group, group_steps):
+                    rollout.step_ends, rollout.step_rewards = scored.ends, scored.rewards
+                # Normalised over all the group's steps: equal rewards everywhere are the only case without signal.
+                distinct |= {float(r) for scored in group_steps for r in scored.rewards}
+            informative = not dynamic or len(distinct) > 1
             shaped = self.shape(group_rewards, group)
-            tally.scored += shaped
+            tally.scored += shaped if group_steps is None else [
+                reward + float(scored.rewards.sum()) for reward, scored in zip(shaped, group_steps)]
             (tally.kept if informative else tally.uninformative).append((group, shaped))
 
     def choose(self, step: int, tally: Tally, rounds: int) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
@@ -366,6 +376,9 @@ class Trainer:
                            response_ids=Rows(r.response_ids for r in rollouts),
                            behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
                            group_size=self.config.rollout.group_size)  # Rows: packed across Ray
+        if self.config.reward.scores_steps:
+            dense = [token_step_rewards(r.step_ends, r.step_rewards, len(r.response_ids)) for r in rollouts]
+            batch.step_rewards, batch.step_ends = Rows(d[0] for d in dense), Rows(d[1] for d in dense)
         update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs), submitted)
         update.refs[0].future().add_done_callback(lambda _: update.done.append(time.monotonic()))
         return update
@@ -550,7 +563,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         if model_path is None:
             from cluster.demo.model import ensure_demo_model
 
-            model_path = str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr)))
+            model_path = str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr),
+                                               task=config.data.task))
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
         resolved = dump_config(resolved_config)

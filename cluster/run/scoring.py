@@ -3,9 +3,12 @@
 Owns: loading each source (`rule` verifiers by name or import path, `remote` verifier clients, `model` reward-model
 actors started by `cluster/fleet/placement.py`), scoring every completion with every source (reward models and remote
 services run concurrently with the in-process rules), per-source means and failure counts for the metrics, batch
-normalisation of reward-model scores, and the weighted sum. Samples a remote source could not score under
-`on_failure=drop` mark their whole group as dropped. Does not own: the verifiers (`rewards/`), the HTTP protocol
-(`rewards/remote.py`), the model (`actors/reward_model.py`), or what the driver does with dropped groups.
+normalisation of reward-model scores, and the weighted sum. With process supervision (sources of `level: steps`)
+also splitting each response into steps on its token ids (`rewards.steps.StepSplitter`, with the policy's
+tokenizer), scoring every step with every step source, and their weighted sum per step. Samples a remote source could
+not score under `on_failure=drop` mark their whole group as dropped. Does not own: the verifiers (`rewards/`), the
+HTTP protocol (`rewards/remote.py`), the models (`actors/reward_model.py`, `actors/process_reward_model.py`), or what
+the driver does with dropped groups.
 """
 
 from __future__ import annotations
@@ -15,18 +18,29 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rewards.config import ModelSource, RemoteSource, RewardConfig, RuleSource
 from sync.calls import RunError, get
+
+
+@dataclass(frozen=True)
+class ScoredSteps:
+    """One completion's steps and their combined reward (process supervision)."""
+
+    ends: np.ndarray  # [S] response index of each step's last token
+    rewards: np.ndarray  # [S] float32: the weighted sum of the step sources' rewards of each step
 
 
 @dataclass
 class RoundScores:
     """Rewards of one round's completions, grouped like the rollouts: [prompts][G]."""
 
-    rewards: list[list[float]]  # combined reward per completion (meaningless where the group is dropped)
+    rewards: list[list[float]]  # combined outcome reward per completion (meaningless where the group is dropped)
     dropped: list[bool]  # [prompts] the group lost a sample to a remote failure under on_failure=drop
     per_source: dict[str, list[float]] = field(default_factory=dict)  # name -> scores of the kept samples
     metrics: dict[str, float] = field(default_factory=dict)  # verifier/* counters of this round
+    steps: list[list[ScoredSteps]] | None = None  # [prompts][G] with sources of level steps, else None
 
 
 class Scorer:
@@ -34,46 +48,75 @@ class Scorer:
 
     def __init__(self, config: RewardConfig, reward_timeout: float):
         """Loads the rule verifiers and configures the remote clients; raises ValueError (one line, naming the
-        source) on a bad verifier name, import path, parameter or token variable. Reward-model actors are attached
-        later (`reward_models`), once the fleet has started them."""
+        source) on a bad verifier name, import path, parameter or token variable. Reward-model actors and the
+        policy's tokenizer (to split steps) are attached later (`attach`), once the fleet has started."""
         from rewards.remote import RemoteVerifier
         from rewards.verifiers import load_verifier
 
         self.config = config
-        self.reward_models: dict[str, Any] = {}  # name -> RewardModelWorker actor handle
+        self.reward_models: dict[str, Any] = {}  # name -> RewardModelWorker / ProcessRewardModelWorker actor handle
         self.reward_timeout = reward_timeout
+        self.splitter: Any = None  # a rewards.steps.StepSplitter with process supervision, once attached
         self.rules: dict[str, Any] = {}
         self.remotes: dict[str, Any] = {}
         for name, source in config.sources.items():
             try:
                 if isinstance(source, RuleSource):
-                    self.rules[name] = load_verifier(source.verifier, source.params)
+                    self.rules[name] = load_verifier(source.verifier, source.params, steps=source.level == "steps")
                 elif isinstance(source, RemoteSource):
                     self.remotes[name] = RemoteVerifier(name, source)
             except ValueError as err:
                 self.close()
                 raise ValueError(f"reward.sources.{name}: {err}") from None
 
+    def attach(self, reward_models: dict[str, Any], model_path: str) -> None:
+        """The fleet's reward-model actors, and (with process supervision) the policy's tokenizer from
+        `model_path`, whose token ids the steps are split on."""
+        self.reward_models = reward_models
+        if self.config.scores_steps:
+            from transformers import AutoTokenizer
+
+            from rewards.steps import StepSplitter
+
+            self.splitter = StepSplitter(AutoTokenizer.from_pretrained(model_path), self.config.steps.delimiter)
+
     def close(self) -> None:
         for client in self.remotes.values():
             client.close()
 
+    def level(self, name: str) -> str:
+        return self.config.sources[name].level
+
     def score(self, problems: list[Any], groups: list[list[Any]]) -> RoundScores:
-        """Every source scores every completion; returns combined rewards, dropped groups and metrics."""
+        """Every source scores every completion (or each of its steps); returns combined rewards, dropped groups and
+        metrics."""
         from rewards.remote import RemoteVerifierError, VerifierSample
 
         flat = [(i, problem, rollout) for i, (problem, group) in enumerate(zip(problems, groups)) for rollout in group]
         prompts = [problem.prompt for _, problem, _ in flat]
         completions = [rollout.text for _, _, rollout in flat]
+        steps = None
+        if self.config.scores_steps:
+            if self.splitter is None:
+                raise RuntimeError("Scorer.attach must give the policy's tokenizer before steps can be scored")
+            steps = [self.splitter.split(rollout.response_ids) for _, _, rollout in flat]
+            texts = [s.texts for s in steps]
         # Reward models first: they run in their actors while the driver does the rules and the HTTP calls.
-        pending = {name: self.reward_models[name].score.remote(prompts, completions) for name in self.reward_models}
-        scores: dict[str, list[float | None]] = {}
+        pending = {name: actor.score_steps.remote(prompts, texts, self.config.sources[name].separator
+                                                  or self.config.steps.delimiter)
+                   if self.level(name) == "steps" else actor.score.remote(prompts, completions)
+                   for name, actor in self.reward_models.items()}
+        scores: dict[str, list[Any]] = {}  # name -> per sample: a float (outcome) or a list (steps); None: dropped
         metrics = {"verifier/failures": 0.0, "verifier/retries": 0.0}
-        samples = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label)
-                   for k, (_, p, r) in enumerate(flat)] if self.remotes else []  # one list for every remote source
+        samples: dict[str, list[Any]] = {}  # one list per level, shared by the remote sources of that level
         for name, client in self.remotes.items():
+            level = self.level(name)
+            if level not in samples:
+                samples[level] = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label,
+                                                 steps=texts[k] if level == "steps" else None)
+                                  for k, (_, p, r) in enumerate(flat)]
             try:
-                result = client.score(samples)
+                result = client.score(samples[level])
             except RemoteVerifierError as err:  # on_failure=fail: the run stops with the client's one-line reason
                 raise RunError(str(err)) from err
             scores[name] = result.rewards
@@ -82,24 +125,63 @@ class Scorer:
             metrics[f"verifier/{name}/latency_mean_s"] = result.metrics["latency_mean_s"]
             metrics[f"verifier/{name}/latency_max_s"] = result.metrics["latency_max_s"]
         for name, verifier in self.rules.items():
-            scores[name] = [self._rule(name, verifier, p, r) for _, p, r in flat]
+            if self.level(name) == "steps":
+                scores[name] = [self._step_rule(name, verifier, p, texts[k]) for k, (_, p, _) in enumerate(flat)]
+            else:
+                scores[name] = [self._rule(name, verifier, p, r) for _, p, r in flat]
         for name, ref in pending.items():
             (values,) = get([ref], self.reward_timeout, [f"reward model '{name}'"], "reward")
-            if not all(math.isfinite(v) for v in values):
-                raise RunError(f"reward model '{name}' returned a non-finite score; check the model at "
-                               f"{self.config.sources[name].path}")
-            scores[name] = self._normalised(self.config.sources[name], values)
+            source = self.config.sources[name]
+            if source.level == "steps":
+                if [len(v) for v in values] != [len(t) for t in texts] or \
+                        not all(math.isfinite(x) for v in values for x in v):
+                    raise RunError(f"process reward model '{name}' returned scores that are not one finite number "
+                                   f"per step; check the model at {source.path}")
+                scores[name] = _split_like(self._normalised(source, [x for v in values for x in v]), values)
+            else:
+                if not all(math.isfinite(v) for v in values):
+                    raise RunError(f"reward model '{name}' returned a non-finite score; check the model at "
+                                   f"{source.path}")
+                scores[name] = self._normalised(source, values)
 
         dropped = [False] * len(groups)
         for values in scores.values():
             for (i, _, _), value in zip(flat, values):
                 dropped[i] |= value is None
-        combined = [sum(self.config.sources[name].weight * values[k] for name, values in scores.items())
+        outcome = [name for name in scores if self.level(name) == "outcome"]
+        combined = [sum((self.config.sources[name].weight * scores[name][k] for name in outcome), 0.0)
                     if not dropped[i] else math.nan for k, (i, _, _) in enumerate(flat)]
         size = len(groups[0]) if groups else 0
-        per_source = {name: [v for (i, _, _), v in zip(flat, values) if not dropped[i]] for name, values in scores.items()}
+        per_source = {}  # an outcome source's score per kept sample; a step source's mean over the sample's steps
+        for name, values in scores.items():
+            kept = [v for (i, _, _), v in zip(flat, values) if not dropped[i]]
+            per_source[name] = kept if self.level(name) == "outcome" else [statistics.fmean(v) for v in kept if v]
         metrics["verifier/dropped_groups"] = float(sum(dropped))
-        return RoundScores([combined[g * size:(g + 1) * size] for g in range(len(groups))], dropped, per_source, metrics)
+        scored_steps = None
+        if steps is not None:
+            stepped = [name for name in scores if self.level(name) == "steps"]
+            flat_steps = []
+            for k, ((i, _, _), split) in enumerate(zip(flat, steps)):
+                total = np.zeros(len(split.ends))
+                for name in stepped:
+                    values = scores[name][k]  # None where the group is dropped (never trained on)
+                    total += self.config.sources[name].weight * np.asarray(values if values is not None else 0.0)
+                flat_steps.append(ScoredSteps(split.ends, total.astype(np.float32)))
+            scored_steps = [flat_steps[g * size:(g + 1) * size] for g in range(len(groups))]
+        return RoundScores([combined[g * size:(g + 1) * size] for g in range(len(groups))], dropped, per_source, metrics,
+                           scored_steps)
+
+    def _step_rule(self, name: str, verifier: Any, problem: Any, steps: list[str]) -> list[float]:
+        """One step verifier's rewards, one finite number per step; anything else stops the run."""
+        try:
+            values = [float(v) for v in verifier(steps, problem.label)]
+        except Exception as err:
+            raise RunError(f"reward source '{name}' ({self.config.sources[name].verifier}) failed on prompt "
+                           f"{problem.prompt[:80]!r}: {err!r}") from err
+        if len(values) != len(steps) or not all(math.isfinite(v) for v in values):
+            raise RunError(f"reward source '{name}' returned {values} for the {len(steps)} steps of prompt "
+                           f"{problem.prompt[:80]!r}; a step verifier returns one finite number per step")
+        return values
 
     def _rule(self, name: str, verifier: Any, problem: Any, rollout: Any) -> float:
         """One rule score; a verifier that raises or returns a non-number stops the run (never a silent 0)."""
@@ -119,3 +201,12 @@ class Scorer:
             return values
         mean, std = statistics.fmean(values), statistics.stdev(values)
         return [(v - mean) / (std + 1e-6) for v in values]
+
+
+def _split_like(flat: list[float], rows: list[list[float]]) -> list[list[float]]:
+    """`flat` cut into rows of the lengths of `rows`."""
+    out, start = [], 0
+    for row in rows:
+        out.append(flat[start:start + len(row)])
+        start += len(row)
+    return out

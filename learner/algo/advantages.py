@@ -331,7 +331,7 @@ def reinforce(returns: Tensor, mask: Tensor, group_size: int, baseline: str,
 
 
 def process_group_relative(step_rewards: Tensor, step_ends: Tensor, mask: Tensor, group_size: int,
-                           eps: float = 1e-6) -> Tensor:
+                           scale: str = "std", eps: float = 1e-6) -> Tensor:
     """GRPO with process supervision: per-step rewards, normalised over the group, summed from each token onwards.
 
     Shao et al. 2024 ("DeepSeekMath", sec. 4.1.3): every step j of every output of a group has a reward r_j, taken
@@ -344,12 +344,13 @@ def process_group_relative(step_rewards: Tensor, step_ends: Tensor, mask: Tensor
         step_ends: [B, T] 1 (or True) at the tokens that end a step (each a response token), 0 elsewhere.
         mask: [B, T] 1 (or True) at response tokens, 0 at padding; right-padded.
         group_size: G; each prompt's G samples are consecutive rows.
+        scale: "std" divides by the std as above; "none" only centres, r~_j = r_j - mean(R) (Dr.GRPO's choice).
         eps: added to the std (Bessel-corrected over the group's steps) so a group whose step rewards are all equal
             gets 0; must be > 0.
 
     Returns:
-        [B, T] A_t at response tokens (0 after a row's last step end, and at padding). A group with fewer than two
-        steps in all gets 0 (its std is undefined).
+        [B, T] A_t at response tokens (0 after a row's last step end, and at padding). With scale "std" a group with
+        fewer than two steps in all gets 0 (its std is undefined).
 
     Notation: B: sequences, T: tokens, G: group size.
     """
@@ -358,6 +359,8 @@ def process_group_relative(step_rewards: Tensor, step_ends: Tensor, mask: Tensor
         raise ValueError(f"step_rewards, step_ends and mask must share one [B, T] shape, got {shapes}")
     if eps <= 0:
         raise ValueError(f"eps must be > 0 (it keeps equal step rewards at 0), got {eps}")
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     ends = step_ends.bool()
     if (ends & ~mask.bool()).any():
         raise ValueError("a step ends at a token that is not a response token (step_ends outside mask)")
@@ -369,8 +372,12 @@ def process_group_relative(step_rewards: Tensor, step_ends: Tensor, mask: Tensor
     count = grouped_ends.sum(dim=1, keepdim=True)  # [B/G, 1] steps in the group
     mean = grouped_rewards.sum(dim=1, keepdim=True) / count.clamp(min=1)
     centered = torch.where(grouped_ends, grouped_rewards - mean, 0.0)
-    std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-    normalised = torch.where(grouped_ends & (count >= 2), centered / (std + eps), 0.0).view_as(rewards)  # r~_j
+    if scale == "std":
+        std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        normalised = torch.where(grouped_ends & (count >= 2), centered / (std + eps), 0.0)  # r~_j
+    else:
+        normalised = centered  # r_j - mean(R)
+    normalised = normalised.view_as(rewards)
     # A_t = sum over steps ending at t' >= t: a reverse cumulative sum along the row.
     advantages = normalised.flip(1).cumsum(1).flip(1)
     return torch.where(mask.bool(), advantages, 0.0)
@@ -401,6 +408,10 @@ class AdvantageInputs:
     lam: float = 1.0  # gae only
     scale: str = "std"  # grpo only: "std" | "none" (Dr.GRPO)
     baseline: str = "none"  # reinforce only: "none" | "batch_mean" | "group_mean" | "value"
+    # [B, T] True at the tokens that end a step (process supervision; each row's last response token among them), or
+    # None. grpo then normalises the rewards at step ends over the group (process_group_relative); gae and reinforce
+    # read token_rewards as they are (step rewards on step ends); rloo and reinforce_pp do not take steps.
+    step_ends: Tensor | None = None
 
 
 class Advantages(NamedTuple):
@@ -434,7 +445,12 @@ def sequence_rewards(token_rewards: Tensor, mask: Tensor) -> Tensor:
 
 
 def grpo_advantages(inputs: AdvantageInputs) -> Advantages:
-    """GRPO (scale "std") or Dr.GRPO (scale "none") on the sequence rewards, spread over each sequence's tokens."""
+    """GRPO (scale "std") or Dr.GRPO (scale "none") on the sequence rewards, spread over each sequence's tokens; with
+    step ends, process supervision: the rewards at step ends (the outcome reward counts as the last step's) normalised
+    over the group's steps and summed from each token on (process_group_relative)."""
+    if inputs.step_ends is not None:
+        return Advantages(process_group_relative(inputs.token_rewards, inputs.step_ends, inputs.mask,
+                                                 inputs.group_size, scale=inputs.scale), None)
     rewards = sequence_rewards(inputs.token_rewards, inputs.mask)
     advantages = group_relative(rewards, inputs.group_size, scale=inputs.scale)
     return Advantages(broadcast_to_tokens(advantages, inputs.mask), None)

@@ -9,16 +9,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.demo.model import (
+    CHAIN_RECIPE,
     REPORT_FILE,
     build_char_tokenizer,
     demo_model_dir,
     ensure_demo_model,
     evaluate_accuracy,
+    generate_completions,
     make_random_model_dir,
     save_model_dir,
+    step_accuracy,
     tiny_qwen2_config,
 )
-from cluster.demo.task import make_problems
+from cluster.demo.task import make_chain_problems, make_problems
 
 
 @pytest.fixture
@@ -117,6 +120,15 @@ def test_demo_model_dir_follows_relay_cache_dir(monkeypatch: pytest.MonkeyPatch,
     assert demo_model_dir() == Path.home() / ".cache" / "relay" / "demo-model-v1"
 
 
+def test_each_task_has_its_demo_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
+    assert demo_model_dir("arithmetic") == demo_model_dir("dataset") == tmp_path / "demo-model-v1"
+    assert demo_model_dir("chain_sum") == tmp_path / "demo-chain-model-v1"
+    with pytest.raises(ValueError, match="no demo model for task 'sorting'; use one of arithmetic, chain_sum"):
+        ensure_demo_model(task="sorting")
+    assert not any(tmp_path.iterdir())  # nothing built for an unknown task
+
+
 @pytest.mark.slow
 def test_demo_model_is_built_once_and_meets_its_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
@@ -133,3 +145,22 @@ def test_demo_model_is_built_once_and_meets_its_targets(monkeypatch: pytest.Monk
     messages.clear()
     assert ensure_demo_model(log=messages.append) == path
     assert messages == []  # found in the cache, not rebuilt
+
+
+@pytest.mark.slow
+def test_chain_model_meets_its_targets(chain_model_dir: Path) -> None:
+    assert chain_model_dir.name == "demo-chain-model-v1"
+    report = json.loads((chain_model_dir / REPORT_FILE).read_text())
+    assert report["task"] == "chain_sum" and report["recipe"]["num_terms"] == 3
+    # Greedy: the whole answer mostly right. Sampled at T=1: whole answers seldom, single steps more often.
+    assert report["greedy_accuracy"] >= 0.9
+    assert 0.15 <= report["sampled_accuracy"] <= 0.35
+    assert report["sampled_step_accuracy"] >= report["sampled_accuracy"] + 0.1
+
+    # The saved model answers fresh problems in the label's format (as the engines load it: the reloaded tokenizer).
+    model = AutoModelForCausalLM.from_pretrained(chain_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(chain_model_dir)
+    problems = make_chain_problems(random.Random(2024), 128)
+    greedy = generate_completions(model, tokenizer, problems, 0.0, CHAIN_RECIPE.max_new_tokens)
+    assert sum(c == p.label for p, c in zip(problems, greedy)) / len(problems) >= 0.8
+    assert step_accuracy(problems, greedy) >= 0.85

@@ -382,3 +382,45 @@ def test_reference_takes_the_learners_weights_reports_them_and_saves_them(tiny_m
     partial = learner.export_weights(bucket_bytes=2**40)[0][1:]
     with pytest.raises(KeyError, match="lack 1 of the reference's parameters"):
         fresh.load_weights(2, partial)
+
+
+def step_rows(ends: list[list[int]], rewards: list[list[float]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Dense per-token step rows (the driver's `token_step_rewards`) for RESPONSES."""
+    from rewards.steps import token_step_rewards
+
+    dense = [token_step_rewards(np.array(e), np.array(r, np.float32), len(resp))
+             for e, r, resp in zip(ends, rewards, RESPONSES)]
+    return [d[0] for d in dense], [d[1] for d in dense]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_process_supervision_with_one_step_per_completion_is_grpo_and_with_two_it_is_not(tiny_model_dir, dtype):
+    """One step per completion (ending at its last token) with reward 0 and the outcome reward r: the group's step
+    rewards are the outcome rewards, so the update is GRPO's, bit for bit. Rewarding the first of two steps instead
+    moves the weights elsewhere, and the advantage's size matches the hand-computed process advantages."""
+    outcome = [1.0, 0.0, 0.5, 1.0]
+
+    def trained(steps: tuple | None, rewards=outcome) -> tuple[Learner, dict]:
+        learner = Learner(str(tiny_model_dir), LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2), dtype=dtype, seed=0,
+                          norm_length=4)
+        use_sgd(learner)
+        batch = batch_for(learner, rewards)
+        if steps is not None:
+            batch.step_rewards, batch.step_ends = step_rows(*steps)
+        return learner, learner.train_step(batch)
+
+    plain, plain_metrics = trained(None)
+    last = [[len(r) - 1] for r in RESPONSES]
+    one_step, one_metrics = trained((last, [[0.0]] * 4))
+    for (name, a), b in zip(plain.model.state_dict().items(), one_step.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert one_metrics["advantage/mean_abs"] == plain_metrics["advantage/mean_abs"]
+    # Two steps in the 3-token responses (ends 0 and 2), one in the 2-token ones; step rewards only (outcome 0).
+    # Group 0 step rewards (1, 0 | 0, 0): mean 1/4, std 1/2: (1.5, -0.5 | -0.5, -0.5); tokens: row 0 (1, -0.5, -0.5),
+    # row 1 (-1, -0.5, -0.5). Group 1 (1 | 0): (0.7071, -0.7071) over 2 tokens each. Token-mean of |A|:
+    # (2 + 2 + 4 x 0.7071) / 10.
+    two_step, two_metrics = trained(([[0, 2], [0, 2], [1], [1]], [[1.0, 0.0], [0.0, 0.0], [1.0], [0.0]]),
+                                    rewards=[0.0] * 4)
+    assert two_metrics["advantage/mean_abs"] == pytest.approx((2 + 2 + 4 * math.sqrt(0.5)) / 10, abs=1e-5)
+    assert not all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(),
+                                                      two_step.model.state_dict().values()))

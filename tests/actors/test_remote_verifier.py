@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from cluster.demo.task import exact_match
 from rewards.config import RemoteSource
 from rewards.remote import RemoteVerifier, RemoteVerifierError, VerifierSample
-from rewards.service import create_app, run_in_thread
+from rewards.service import app_from_spec, create_app, run_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).parent / "relay"
@@ -439,3 +439,176 @@ def test_relay_verifier_serve_cli(serve_verifier, monkeypatch):
     unauthorized = httpx.post(f"{url}/verify", json={"samples": []})
     assert scores.rewards == expected(samples) and scores.metrics["requests"] == 5
     assert unauthorized.status_code == 401
+
+
+# Per-step scoring (process supervision): `steps` in the request, `step_rewards` in the reply.
+
+
+def count_up(steps: list[str], label: int) -> list[float]:
+    """A step verifier: step k is right iff it is the number label + k."""
+    return [1.0 if step == str(label + k) else 0.0 for k, step in enumerate(steps)]
+
+
+def make_step_samples(n: int) -> list[VerifierSample]:
+    """Sample i counts up from i in i % 3 + 1 steps; for odd i the last step is wrong (-1)."""
+    samples = []
+    for i in range(n):
+        steps = [str(i + k) for k in range(i % 3 + 1)]
+        if i % 2:
+            steps[-1] = "-1"
+        samples.append(VerifierSample(id=f"s{i}", prompt=f"count from {i}:", completion=" ".join(steps), label=i,
+                                      steps=steps))
+    return samples
+
+
+def expected_steps(samples: list[VerifierSample]) -> list[list[float]]:
+    return [count_up(s.steps, s.label) for s in samples]
+
+
+def test_step_rewards_round_trip_and_outcome_clients_are_unchanged():
+    samples, outcome_samples = make_step_samples(20), make_samples(20)
+    with run_in_thread(create_app(exact_match, step_verifier=count_up)) as url:
+        with RemoteVerifier("judge", source([url], level="steps")) as verifier:
+            scores, _ = score_timed(verifier, samples)
+        with RemoteVerifier("judge", source([url])) as verifier:
+            outcome, _ = score_timed(verifier, outcome_samples)
+    assert scores.rewards == expected_steps(samples)
+    assert scores.rewards[:4] == [[1.0], [1.0, 0.0], [1.0, 1.0, 1.0], [0.0]]  # s1: "1", "-1"; s3: "-1"
+    assert scores.metrics["failures"] == 0 and scores.metrics["requests"] == 3  # 20 samples in batches of 8
+    assert outcome.rewards == expected(outcome_samples) and outcome.metrics["failures"] == 0
+
+
+def test_steps_are_sent_only_when_given():
+    seen: list[list[dict]] = []
+
+    def record(samples, request):
+        seen.append(samples)
+        return {"results": [{"id": s["id"], "reward": 1.0, "step_rewards": [0.5] * len(s.get("steps", []))}
+                            for s in samples]}
+
+    with run_in_thread(fake_service(record)) as url:
+        with RemoteVerifier("judge", source([url])) as verifier:
+            outcome, _ = score_timed(verifier, make_samples(2))
+        with RemoteVerifier("judge", source([url], level="steps")) as verifier:
+            steps, _ = score_timed(verifier, make_step_samples(2))
+    assert ["steps" in s for s in seen[0]] == [False, False] and outcome.rewards == [1.0, 1.0]
+    assert [s["steps"] for s in seen[1]] == [["0"], ["1", "-1"]]
+    assert steps.rewards == [[0.5], [0.5, 0.5]]  # `reward` beside `step_rewards` is ignored
+
+
+def test_a_steps_client_needs_steps_on_every_sample(service_url):
+    samples = make_step_samples(3)
+    samples[1] = VerifierSample(id="s1", prompt="p", completion="c")
+    with RemoteVerifier("judge", source([service_url], level="steps")) as verifier:
+        with pytest.raises(ValueError, match="level 'steps': sample 's1' has no steps"):
+            verifier.score(samples)
+
+
+@pytest.mark.parametrize("service", ["old", "no step verifier"])
+@pytest.mark.parametrize("policy", ["fail", "drop", "default"])
+def test_a_service_without_steps_fails_each_sample_without_retry(service, policy):
+    app = (fake_service(lambda samples, request: {"results": _results(samples)}) if service == "old"
+           else create_app(exact_match))  # ignores `steps`, scores the completion
+    samples = make_step_samples(6)
+    with run_in_thread(app) as url:
+        config = source([url], level="steps", on_failure=policy, default_reward=-1.0 if policy == "default" else None)
+        with RemoteVerifier("judge", config) as verifier:
+            outcome, _ = score_timed(verifier, samples)
+    if policy == "fail":
+        assert isinstance(outcome, RemoteVerifierError)
+        assert str(outcome) == (f"verifier 'judge' at {url} failed: sample 's0': the service returned no step_rewards: "
+                                "it probably does not support steps (docs/verifiers.md, --step-verifier) (6 samples "
+                                "unscored)")
+        return
+    assert outcome.rewards == ([None] * 6 if policy == "drop" else [[-1.0] * len(s.steps) for s in samples])
+    assert outcome.metrics["failures"] == 6 and outcome.metrics["retries"] == 0 and outcome.metrics["requests"] == 1
+
+
+def _step_results(samples, last):
+    """Right-length step rewards for all but the last sample, whose result is `last`."""
+    return [{"id": s["id"], "step_rewards": [1.0] * len(s["steps"])} for s in samples[:-1]] + \
+        [{"id": samples[-1]["id"], **last}]
+
+
+# (case, the last sample's result, message); the last of make_step_samples(8) has 2 steps
+BAD_STEP_REPLIES = [
+    ("too few", {"step_rewards": [1.0]}, "1 step_rewards for 2 steps"),
+    ("too many", {"step_rewards": [1.0, 1.0, 1.0]}, "3 step_rewards for 2 steps"),
+    ("empty", {"step_rewards": []}, "0 step_rewards for 2 steps"),
+    ("not a list", {"step_rewards": 1.0}, "step_rewards 1.0 is not a list"),
+    ("non-finite", {"step_rewards": [1.0, float("inf")]}, "step 1's reward Infinity is not a finite number"),
+    ("string", {"step_rewards": ["1.0", 1.0]}, "step 0's reward \"1.0\" is not a finite number"),
+    ("null", {"step_rewards": [1.0, None]}, "step 1's reward null is not a finite number"),
+    ("boolean", {"step_rewards": [True, 1.0]}, "step 0's reward true is not a finite number"),
+    ("reward only", {"reward": 1.0}, "the service returned no step_rewards"),
+]
+
+
+@pytest.mark.parametrize("case, last, message", BAD_STEP_REPLIES, ids=[c[0] for c in BAD_STEP_REPLIES])
+def test_bad_step_rewards_fail_that_sample_without_retry(case, last, message):
+    app = fake_service(lambda samples, request: Response(json.dumps({"results": _step_results(samples, last)}),
+                                                         media_type="application/json"))  # json.dumps: inf allowed
+    samples = make_step_samples(8)
+    with run_in_thread(app) as url:
+        config = source([url], level="steps", on_failure="default", default_reward=-1.0)
+        with RemoteVerifier("judge", config) as verifier:
+            scores, _ = score_timed(verifier, samples)
+        with RemoteVerifier("judge", source([url], level="steps")) as verifier:
+            error, _ = score_timed(verifier, samples)
+    assert scores.rewards == [[1.0] * len(s.steps) for s in samples[:-1]] + [[-1.0, -1.0]]
+    assert scores.metrics["failures"] == 1 and scores.metrics["retries"] == 0
+    assert isinstance(error, RemoteVerifierError) and app.state.calls == 2
+    assert str(error).startswith(f"verifier 'judge' at {url} failed: sample 's7': {message}"), str(error)
+
+
+def test_service_step_verifier_faults_are_per_sample_errors():
+    def faulty(steps, label):
+        if label == 1:
+            return [1.0] * (len(steps) + 1)
+        if label == 2:
+            return [float("nan")] * len(steps)
+        if label == 3:
+            raise ZeroDivisionError("/secret/path")
+        if label == 4:
+            return "1.0"
+        if label == 5:
+            time.sleep(0.6)
+        return count_up(steps, label)
+
+    samples = make_step_samples(8)
+    with run_in_thread(create_app(step_verifier=faulty, workers=4, sample_timeout=0.3)) as url:
+        with RemoteVerifier("judge", source([url], level="steps", on_failure="drop")) as verifier:
+            scores, _ = score_timed(verifier, samples)
+        reply = httpx.post(f"{url}/verify", json={"samples": [
+            {"id": s.id, "prompt": s.prompt, "completion": s.completion, "label": s.label, "steps": s.steps}
+            for s in samples[:6]]})
+    assert scores.rewards == [count_up(s.steps, s.label) if s.label in (0, 6, 7) else None for s in samples]
+    assert scores.metrics["failures"] == 5 and scores.metrics["retries"] == 0
+    assert {r["id"]: r.get("error") for r in reply.json()["results"]} == {
+        "s0": None,
+        "s1": "step verifier returned 3 rewards for 2 steps",
+        "s2": "step verifier returned nan, not a finite number",
+        "s3": "verifier raised an exception; see the service's log",
+        "s4": "step verifier returned str, not a list of numbers",
+        "s5": "verifier took longer than sample_timeout=0.3s",
+    }
+
+
+def test_a_steps_only_service_refuses_samples_without_steps():
+    with run_in_thread(create_app(step_verifier=count_up)) as url:
+        with RemoteVerifier("judge", source([url], on_failure="drop")) as verifier:
+            outcome, _ = score_timed(verifier, make_samples(3))
+        with RemoteVerifier("judge", source([url], max_retries=0)) as verifier:
+            error, _ = score_timed(verifier, make_samples(1))
+        with RemoteVerifier("judge", source([url], level="steps")) as verifier:
+            steps, _ = score_timed(verifier, make_step_samples(3))
+        with RemoteVerifier("judge", source([url], max_retries=0)) as verifier:  # steps sent, but level outcome
+            mismatch, _ = score_timed(verifier, make_step_samples(1))
+    assert outcome.rewards == [None] * 3 and outcome.metrics["failures"] == 3 and outcome.metrics["retries"] == 0
+    assert steps.rewards == expected_steps(make_step_samples(3))
+    assert str(mismatch) == (f"verifier 'judge' at {url} failed: sample 's0': the service returned step_rewards but "
+                             "no reward: set level=steps, or send no steps")
+    assert str(error) == (f"verifier 'judge' at {url} failed: sample 's0': service error: this service scores steps "
+                          "only: send steps")
+    with pytest.raises(ValueError, match="give a verifier, a step verifier, or both"):
+        app_from_spec(None)

@@ -443,3 +443,33 @@ def test_process_supervision_with_equal_step_rewards_or_one_step_gives_zero_and_
         process_group_relative(rewards, ends, torch.tensor([[1, 1, 0]] * 4), 2)
     with pytest.raises(ValueError, match="not divisible by group_size 3"):
         process_group_relative(rewards, ends, mask, 3)
+
+
+def test_grpo_with_step_ends_is_process_supervision_with_the_outcome_as_the_last_steps_reward():
+    # One group of 2 outputs of 3 tokens. Output 0: steps end at tokens 1 (reward 1) and 2 (reward 0, plus the
+    # outcome reward 1 on the last token); output 1: one step ending at token 2, reward 0. The group's step rewards
+    # (1, 1, 0): mean 2/3, Bessel std sqrt(1/3); normalised (a, a, -2a) with a = (1/3) / sqrt(1/3).
+    mask = torch.ones(2, 3)
+    ends = torch.tensor([[False, True, True], [False, False, True]])
+    token_rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]) + last_token_rewards(torch.tensor([1.0, 0.0]),
+                                                                                           mask)
+    a = (1 / 3) / math.sqrt(1 / 3)
+    out = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=2,
+                                                       step_ends=ends))
+    assert out.returns is None
+    assert_close(out.advantages, torch.tensor([[2 * a, 2 * a, a], [-2 * a] * 3]), atol=1e-5, rtol=0)
+    centred = ADVANTAGE_ESTIMATORS["grpo"](AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=2,
+                                                           scale="none", step_ends=ends))  # Dr.GRPO: no std
+    assert_close(centred.advantages, torch.tensor([[2 / 3, 2 / 3, 1 / 3], [-2 / 3] * 3]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="scale must be 'std' or 'none'"):
+        process_group_relative(token_rewards, ends, mask, 2, scale="max")
+
+
+def test_gae_and_reinforce_read_step_rewards_where_they_lie():
+    # REINFORCE, gamma 1, no baseline: G_t sums the step rewards at and after t plus the outcome: row 0 gets
+    # (1 + 0 + 1, 0 + 1, 1) from a step reward 1 at token 0 and the outcome 1 at token 2.
+    mask = torch.ones(1, 3)
+    token_rewards = torch.tensor([[1.0, 0.0, 0.0]]) + last_token_rewards(torch.tensor([1.0]), mask)
+    out = ADVANTAGE_ESTIMATORS["reinforce"](AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=1,
+                                                            step_ends=torch.tensor([[True, False, True]])))
+    assert_close(out.advantages, torch.tensor([[2.0, 1.0, 1.0]]))
