@@ -72,6 +72,13 @@ class DataConfig(_Section):
     """Terms of the chain_sum task (its demo model learned 3; its answers then fit `rollout.max_new_tokens=8`)."""
     prompts_per_step: int = Field(32, ge=1, le=1_000_000)
     """Prompts drawn per step (B); each gets `rollout.group_size` completions."""
+    replay_fraction: float = Field(0.0, ge=0, le=0.5)
+    """Iterative GRPO's replay: the share of each step's batch made of past scored groups (prompt, completions,
+    rewards, behaviour logprobs, the version that sampled them) drawn from a buffer, reproducibly, on top of the
+    `prompts_per_step` fresh groups: round(prompts_per_step x f / (1 - f)) groups (e.g. 0.1 with 32 prompts: 4).
+    Replayed groups are off-policy: an unset `learner.rollout_correction` becomes `tis`. 0 turns it off."""
+    replay_buffer_size: int = Field(256, ge=1, le=1_000_000)
+    """Groups the replay buffer keeps (the most recent fresh ones; older ones leave first)."""
 
     @model_validator(mode="after")
     def _operands_ordered(self) -> DataConfig:
@@ -171,15 +178,20 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _decoupled_by_default(cls, data: Any) -> Any:
-        """Asynchronous training corrects for its stale behaviour policy unless told otherwise: with
-        `rollout.max_staleness` >= 1 an unset `learner.rollout_correction` is `tis` (decoupled PPO)."""
+        """Off-policy batches are corrected for their stale behaviour policy unless told otherwise: with
+        `rollout.max_staleness` >= 1 (asynchronous training) or `data.replay_fraction` > 0 (replayed groups) an unset
+        `learner.rollout_correction` is `tis` (decoupled PPO)."""
         if not isinstance(data, dict):
             return data
-        rollout, learner = data.get("rollout"), data.get("learner")
+        rollout, learner, source = data.get("rollout"), data.get("learner"), data.get("data")
         staleness = rollout.get("max_staleness", 0) if isinstance(rollout, dict) else getattr(rollout, "max_staleness",
                                                                                               0)
-        if not isinstance(staleness, int) or staleness < 1:
-            return data  # too: a malformed value, which the field's own check reports
+        replay = source.get("replay_fraction", 0) if isinstance(source, dict) else getattr(source, "replay_fraction",
+                                                                                            0)
+        stale = isinstance(staleness, int) and staleness >= 1  # else (too: malformed) the field's own check reports
+        replayed = isinstance(replay, (int, float)) and not isinstance(replay, bool) and replay > 0
+        if not stale and not replayed:
+            return data
         if learner is None:
             return {**data, "learner": {"rollout_correction": "tis"}}
         if isinstance(learner, dict) and "rollout_correction" not in learner:

@@ -75,11 +75,35 @@ class RemoteSource(_Section):
         return self
 
 
+class RewardModelTraining(_Section):
+    every: int = Field(ge=1, le=1_000_000)
+    """Steps between fine-tunings: at every step that is a multiple of it, after the update, the reward model is
+    fine-tuned on that step's completions (its fresh groups), then scores the next steps with the new weights."""
+    label_source: str = Field(min_length=1)
+    """Name of the outcome source (`type` rule or remote) whose scores are the targets, e.g. `correct`."""
+    loss: Literal["bradley_terry", "regression"] = "bradley_terry"
+    """`bradley_terry`: -log sigmoid(s_i - s_j) over every pair of one prompt's completions whose targets differ
+    (the higher one preferred), as InstructGPT's reward model; `regression`: squared error to the target."""
+    lr: float = Field(1e-5, gt=0, le=1)
+    """AdamW learning rate of the reward model."""
+    epochs: int = Field(1, ge=1, le=100)
+    """Passes (each one optimizer step) over the step's completions per fine-tuning."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+
+
 class ModelSource(_Section):
     type: Literal["model"]
-    """A frozen reward model (`AutoModelForSequenceClassification`) in its own Ray actor."""
-    path: str = Field(min_length=1)
-    """Hugging Face directory of the reward model (one output: the score)."""
+    """A reward model (`AutoModelForSequenceClassification`) in its own Ray actor: frozen, or fine-tuned during the
+    run with `train`."""
+    path: str | None = Field(None, min_length=1)
+    """Hugging Face directory of the reward model (one output: the score). Empty (only with `train`): the policy's
+    model with a new, seeded scalar head, as InstructGPT starts its reward model from the SFT model."""
+    train: RewardModelTraining | None = None
+    """Iterative GRPO: fine-tune the reward model during the run on completions labelled by a verifier source
+    (weights and optimizer checkpointed); empty: frozen."""
     weight: float = Field(1.0, ge=-1000, le=1000)
     """Weight of this source in the combined reward."""
     normalize: Literal["none", "batch"] = "none"
@@ -102,6 +126,15 @@ class ModelSource(_Section):
     separator: str | None = Field(None, min_length=1)
     """With `level: steps`: the text the reward model reads after each step, and where it reads the step's score
     (e.g. Qwen2.5-Math-PRM's `<extra_0>`); empty: `reward.steps.delimiter`."""
+
+    @model_validator(mode="after")
+    def _trained(self) -> ModelSource:
+        if self.path is None and self.train is None:
+            raise ValueError("path is empty: give the reward model's directory (an empty path, the policy's model "
+                             "with a new head, needs train)")
+        if self.train is not None and self.level == "steps":
+            raise ValueError("train fine-tunes an outcome reward model; a process reward model (level steps) is frozen")
+        return self
 
 
 def _source_type(value: Any) -> str:
@@ -148,6 +181,12 @@ class RewardConfig(_Section):
                 raise ValueError(f"source name {name!r} must be lower-case letters, digits and _ (it names metrics)")
             if name in ("mean", "std"):
                 raise ValueError(f"source name {name!r} would hide the metric reward/{name}; choose another name")
+        for name, source in self.sources.items():
+            if isinstance(source, ModelSource) and source.train is not None:
+                label = self.sources.get(source.train.label_source)
+                if label is None or isinstance(label, ModelSource) or label.level != "outcome":
+                    raise ValueError(f"sources.{name}.train.label_source {source.train.label_source!r} must name an "
+                                     "outcome source of type rule or remote (the verifier whose scores it learns)")
         stepped = [name for name, source in self.sources.items() if source.level == "steps"]
         if stepped and self.steps.delimiter is None:
             raise ValueError(f"source {stepped[0]!r} has level 'steps' but reward.steps.delimiter is empty: set it (e.g. "

@@ -21,7 +21,8 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 2 vLLM rollout workers, a reference worker for the KL penalty and a learner, on a local Ray instance.
 
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
-Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process}.yaml,
+Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process,
+  iterative_grpo}.yaml, e.g.
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
 Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl, tensorboard/, checkpoints/step_N/.
 A killed or failed run continues exactly with:  relay train [CONFIG.yaml] run_dir=PATH resume=auto

@@ -230,6 +230,17 @@ def start_rollout_slots(launcher: RolloutLauncher, ids: list[int], busy_nodes: l
     return slots
 
 
+def reward_model_training(source: Any, seed: int) -> dict[str, Any]:
+    """`RewardModelWorker`'s training arguments for a `type: model` source that is fine-tuned during the run (none for
+    a frozen one, or a process reward model)."""
+    training = getattr(source, "train", None)
+    if training is None:
+        return {}
+    return {"training": {"lr": training.lr, "loss": training.loss, "epochs": training.epochs,
+                         "weight_decay": training.weight_decay, "max_grad_norm": training.max_grad_norm,
+                         "seed": seed, "new_head": source.path is None}}
+
+
 def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None) -> Fleet:
     """Reserve resources (one placement group for learner, reference and reward models; one per rollout worker)
     and start every actor (engines load their model).
@@ -272,7 +283,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     reward_models = {  # a process reward model (level steps) scores steps, a sequence classifier completions
         name: ray.remote(ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker).options(
             **options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
-            s.path, config.model.dtype, s.num_threads, MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch))
+            s.path or model_path, config.model.dtype, s.num_threads,
+            MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch), **reward_model_training(s, config.seed))
         for i, (name, s) in enumerate(reward_sources.items())
     }
     launcher = RolloutLauncher(config, model_path, rollout_cls)

@@ -4,8 +4,9 @@ Owns: `run_dir/checkpoints/step_<N>/` and its commit protocol (fill a temporary 
 the `COMPLETE` marker last, rename into place, fsync the parent), so that a run killed at any moment leaves every
 earlier checkpoint intact and never a half-written one under a `step_<N>` name; deleting checkpoints beyond the last
 `keep` and stale temporary directories; the driver's part (`driver_state.json`, JSON only, and `config.yaml`).
-Does not own: what the learner writes (`Learner.save_checkpoint`: `policy/`, `critic/`, `learner_state.pt`) or the
-reference (`reference/`, cluster/fleet/reference_refresh.py), when
+Does not own: what the learner writes (`Learner.save_checkpoint`: `policy/`, `critic/`, `learner_state.pt`), the
+reference (`reference/`, cluster/fleet/reference_refresh.py), the replay buffer (`replay.npz`, cluster/run/replay.py)
+or the fine-tuned reward models (`reward_models/`, `RewardModelWorker.save_state`), when
 to checkpoint (cluster/run/driver.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
 imports neither Ray nor torch.
 
@@ -14,6 +15,8 @@ Layout of a complete checkpoint:
     step_<N>/critic/            the value model, with a critic only
     step_<N>/reference/         the reference's weights, once `reference.refresh_every` refreshed it
     step_<N>/learner_state.pt   optimizers, schedulers, RNG states, counters (`torch.load(weights_only=True)`)
+    step_<N>/replay.npz         the replay buffer's groups, with `data.replay_fraction` > 0 (flat arrays, no pickle)
+    step_<N>/reward_models/<name>/  a reward model fine-tuned during the run (`train`): weights and optimizer state
     step_<N>/driver_state.json  step, weights version, data cursor, ...
     step_<N>/config.yaml        the run's resolved config
     step_<N>/COMPLETE           written last: a directory without it is never a checkpoint

@@ -2,12 +2,14 @@
 
 Owns: `Trainer.step` (docs/architecture.md, one step: take `relay scale` requests -> sample prompts -> generate ->
 score -> reference logprobs -> learn -> sync weights -> record), DAPO's dynamic sampling and overlong shaping of a
-step's groups, writing and restoring checkpoints through the fleet, and a run from start to end (`run_training`:
+step's groups, iterative GRPO's schedule (mixing replayed groups into a batch, fine-tuning reward models with `train`
+on a step's completions after its update), writing and restoring checkpoints through the fleet (the replay buffer
+and fine-tuned reward models included), and a run from start to end (`run_training`:
 checking every input first, starting Ray, the control actor and the fleet, the step loop, cleaning up).
 Does not own: the math (learner/), the engines (actors/), placement (cluster/fleet/placement.py), balancing, recovery
 and the verified weight sync (cluster/fleet/rollout_pool.py), prompts (cluster/run/data.py), combining rewards
-(cluster/run/scoring.py), metrics (cluster/run/metrics.py), checkpoint files (cluster/run/checkpoint.py) or call
-deadlines (sync/calls.py).
+(cluster/run/scoring.py), the replay buffer itself (cluster/run/replay.py), metrics (cluster/run/metrics.py),
+checkpoint files (cluster/run/checkpoint.py) or call deadlines (sync/calls.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from cluster.fleet.rollout_pool import Batch, RolloutPool
 from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
+from cluster.run.replay import ReplayBuffer
+
+REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 from cluster.run.scoring import Scorer
 from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
@@ -94,6 +99,9 @@ class Trainer:
         scorer.attach(fleet.reward_models, fleet.launcher.settings.model_path)
         self.rollouts = RolloutPool(config, fleet)
         self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts)  # `reference.refresh_every`
+        dc = config.data
+        self.replay = ReplayBuffer(dc.replay_fraction, dc.replay_buffer_size, config.seed, dc.prompts_per_step)
+        self.fit_data: dict[int, dict[str, tuple[list, list, list]]] = {}  # step -> reward model -> its examples
         self.weights_version = 0
         self.timings: dict[str, float] = {}
         self.control = control  # the run's RunControl actor (`relay scale`), if any
@@ -118,12 +126,14 @@ class Trainer:
         with self.timed("scale"):
             self.apply_scale_request()
         groups, rewards, sampling = self.sample(step)
+        groups, rewards = self.replay.mix(step, groups, rewards, self.weights_version, sampling)
         rollouts = [r for group in groups for r in group]
         with self.timed("reference"):
             self.refresh_reference(step, sampling)
             ref_logprobs = self.reference_logprobs(rollouts)
         with self.timed("train"):
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
+        self.fit_reward_models(step, sampling)
         with self.timed("sync"):
             self.sync_weights(now=step == self.config.max_steps)
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering  # inside generate and sync
@@ -163,6 +173,7 @@ class Trainer:
         if self.weights_version != version:
             raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
                            f"{version}: its updates and the driver's steps are out of step")
+        self.fit_reward_models(step, ready.stats)
         if step == self.config.max_steps:
             with self.timed("sync"):
                 self.sync_weights(now=True)  # the run ends with every engine verified on the final weights
@@ -215,6 +226,7 @@ class Trainer:
         outer, self.timings = self.timings, {}
         try:
             groups, rewards, stats = self.sample(step, collect)
+            groups, rewards = self.replay.mix(step, groups, rewards, batch.version, stats)
             rollouts = [r for group in groups for r in group]
             with self.timed("reference"):
                 self.refresh_reference(step, stats)
@@ -259,6 +271,10 @@ class Trainer:
                 problems, groups = rounds_from(rounds)
             with self.timed("score"):
                 result = self.scorer.score(problems, groups)
+            for name, (prompts, completions, targets) in result.fit.items():  # reward models fine-tuned in the run
+                data = self.fit_data.setdefault(step, {}).setdefault(name, ([], [], []))
+                for kept, new in zip(data, (prompts, completions, targets)):
+                    kept += new
             self.add_round(tally, groups, result)
             rounds += 1
         return self.choose(step, tally, rounds)
@@ -321,6 +337,26 @@ class Trainer:
         max_length = self.config.rollout.max_new_tokens
         return [reward + overlong_penalty(len(rollout.response_ids), max_length, rc.overlong_buffer,
                                           rc.overlong_penalty) for reward, rollout in zip(rewards, group)]
+
+    def fit_reward_models(self, step: int, stats: dict[str, Any]) -> None:
+        """Iterative GRPO: at steps that are multiples of a reward model's `train.every`, fine-tune it on step `step`'s
+        completions labelled by its `train.label_source` (the next scoring uses the new weights); its
+        `reward_model/<name>/*` metrics and `time/reward_fit` go into `stats`. Examples of steps up to `step` are let
+        go."""
+        data = self.fit_data.pop(step, {})
+        for old in [s for s in self.fit_data if s < step]:
+            del self.fit_data[old]
+        due = {name: examples for name, examples in data.items()
+               if step % self.config.reward.sources[name].train.every == 0}
+        if not due:
+            return
+        with self.timed("reward_fit"):
+            refs = [self.fleet.reward_models[name].fit.remote(*examples, self.config.rollout.group_size)
+                    for name, examples in due.items()]
+            results = get(refs, self.config.timeouts.reward, [f"reward model '{name}' fine-tuning" for name in due],
+                          "reward")
+        for name, result in zip(due, results):
+            stats.update({f"reward_model/{name}/{key}": float(value) for key, value in result.items()})
 
     def refresh_reference(self, step: int, stats: dict[str, Any]) -> None:
         """Iterative GRPO (`reference.refresh_every`): before step `step`'s reference pass, when due, the reference
@@ -398,14 +434,34 @@ class Trainer:
         self.fleet.learner_group.save_checkpoint(str(tmp))
         checkpoint.write_driver_state(tmp, {"step": step, "weights_version": self.weights_version,
                                             "data": self.data.state(), **self.reference_refresh.save(tmp)})
+        self.replay.save(tmp)
+        self.save_reward_models(tmp)
         checkpoint.write_config(tmp, resolved_config)
         return checkpoint.commit(tmp, run_dir, step, self.config.checkpoint.keep)
+
+    def trained_reward_models(self) -> list[str]:
+        return [name for name, source in self.config.reward.sources.items() if getattr(source, "train", None)]
+
+    def save_reward_models(self, directory: Path) -> None:
+        """The fine-tuned reward models' weights and optimizer states, in `reward_models/<name>/`."""
+        names = self.trained_reward_models()
+        refs = [self.fleet.reward_models[name].save_state.remote(str(directory / REWARD_MODELS_DIR / name))
+                for name in names]
+        get(refs, self.config.timeouts.reward, [f"reward model '{name}'" for name in names], "checkpoint")
+
+    def restore_reward_models(self, directory: Path) -> None:
+        names = self.trained_reward_models()
+        refs = [self.fleet.reward_models[name].load_state.remote(str(directory / REWARD_MODELS_DIR / name))
+                for name in names]
+        get(refs, self.config.timeouts.reward, [f"reward model '{name}'" for name in names], "checkpoint")
 
     def restore(self, point: resume.ResumePoint) -> int:
         """Load a checkpoint into the learner, the data cursor and every engine (probe-checked); returns its step."""
         version = self.fleet.learner_group.load_checkpoint(str(point.path))
         self.data.load_state(point.state["data"])
         self.reference_refresh.restore(point.path, point.state)
+        self.replay.load(point.path)
+        self.restore_reward_models(point.path)
         self.weights_version = version
         if self.staleness:  # the first batches load it, as in the run that drained at this checkpoint
             self.rollouts.restored(version)
@@ -507,7 +563,8 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
         raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
                           "pass model.path=DIR or leave it empty for the demo model")
     for name, source in config.reward.sources.items():
-        if isinstance(source, ModelSource) and not (Path(source.path) / "config.json").is_file():
+        if isinstance(source, ModelSource) and source.path is not None and \
+                not (Path(source.path) / "config.json").is_file():
             raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
                               "(no config.json)")
     ro = config.rollout

@@ -41,6 +41,9 @@ class RoundScores:
     per_source: dict[str, list[float]] = field(default_factory=dict)  # name -> scores of the kept samples
     metrics: dict[str, float] = field(default_factory=dict)  # verifier/* counters of this round
     steps: list[list[ScoredSteps]] | None = None  # [prompts][G] with sources of level steps, else None
+    # Reward models fine-tuned during the run (`train`): name -> (prompts, completions, targets) of this round's
+    # samples in whole groups (dropped groups left out), the targets from the source's `train.label_source`.
+    fit: dict[str, tuple[list[str], list[str], list[float]]] = field(default_factory=dict)
 
 
 class Scorer:
@@ -168,8 +171,15 @@ class Scorer:
                     total += self.config.sources[name].weight * np.asarray(values if values is not None else 0.0)
                 flat_steps.append(ScoredSteps(split.ends, total.astype(np.float32)))
             scored_steps = [flat_steps[g * size:(g + 1) * size] for g in range(len(groups))]
+        fit = {}
+        for name in self.reward_models:
+            training = getattr(self.config.sources[name], "train", None)
+            if training is not None:
+                kept = [k for k, (i, _, _) in enumerate(flat) if not dropped[i]]
+                targets = scores[training.label_source]
+                fit[name] = ([prompts[k] for k in kept], [completions[k] for k in kept], [targets[k] for k in kept])
         return RoundScores([combined[g * size:(g + 1) * size] for g in range(len(groups))], dropped, per_source, metrics,
-                           scored_steps)
+                           scored_steps, fit)
 
     def _step_rule(self, name: str, verifier: Any, problem: Any, steps: list[str]) -> list[float]:
         """One step verifier's rewards, one finite number per step; anything else stops the run."""

@@ -169,3 +169,23 @@ def test_bfloat16_master_weights_need_bfloat16_compute():
         load_config(None, ["learner.master_dtype=bfloat16"])
     assert load_config(None, ["learner.master_dtype=bfloat16", "model.dtype=bfloat16"]).learner.master_dtype == (
         "bfloat16")
+
+
+def test_every_reward_model_loss_the_config_names_exists():
+    from actors.reward_model import REWARD_MODEL_LOSSES
+    from rewards.config import RewardModelTraining
+
+    assert set(typing.get_args(RewardModelTraining.model_fields["loss"].annotation)) == set(REWARD_MODEL_LOSSES)
+
+
+def test_replay_defaults_the_rollout_correction_to_tis_and_a_trained_reward_model_needs_a_verifier_label():
+    assert load_config(None, ["data.replay_fraction=0.1"]).learner.rollout_correction == "tis"
+    assert load_config(None, ["data.replay_fraction=0.1", "learner.rollout_correction=none"]
+                       ).learner.rollout_correction == "none"
+    with pytest.raises(ConfigError, match="label_source 'judge' must name an outcome source"):
+        load_config(None, ["reward.sources.rm.type=model", "reward.sources.rm.train.every=2",
+                           "reward.sources.rm.train.label_source=judge"])
+    with pytest.raises(ConfigError, match="needs train"):
+        load_config(None, ["reward.sources.rm.type=model"])
+    with pytest.raises(ConfigError, match="data.replay_fraction"):
+        load_config(None, ["data.replay_fraction=0.6"])
