@@ -31,23 +31,12 @@ class Problem:
 
 
 def make_problems(rng: random.Random, n: int, min_operand: int = 0, max_operand: int = 99) -> list[Problem]:
-    """Draws ``n`` addition problems ``a+b=`` with ``a, b`` uniform in ``[min_operand, max_operand]``.
+    """Draws ``n`` addition problems ``a+b=`` with ``a, b`` uniform in ``[min_operand, max_operand]`` (a chain of two
+    terms: its one partial sum is the answer).
 
     Deterministic given the state of ``rng``; duplicates are possible.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if not 0 <= min_operand <= max_operand:
-        raise ValueError(
-            f"operand range must satisfy 0 <= min_operand <= max_operand, got [{min_operand}, {max_operand}]"
-        )
-    problems = []
-    for _ in range(n):
-        a = rng.randint(min_operand, max_operand)
-        b = rng.randint(min_operand, max_operand)
-        problems.append(Problem(prompt=f"{a}+{b}=", label=str(a + b)))
-    return problems
-
+    return make_chain_problems(rng, n, 2, min_operand, max_operand)
 
 
 def make_chain_problems(

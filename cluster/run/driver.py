@@ -582,6 +582,12 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
         scorer = Scorer(config.reward, config.timeouts.reward)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
+    cpus = config.ray.num_cpus or os.cpu_count() or 1
+    if local and not ray.is_initialized() and cpus_asked(config) > cpus + 1e-9:
+        raise ConfigError(f"the run asks Ray for {cpus_asked(config):g} CPUs ({cpus_asked(config, itemised=True)}) but "
+                          f"the local Ray instance has {cpus}: lower those num_cpus (fractions are fine: they only "
+                          "book Ray's CPUs, the threads are set by num_threads) or set ray.num_cpus")
     threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
                + (config.reference.num_threads if config.uses_reference else 0))
     if ro.max_staleness and config.ray.address is None and not os.environ.get("RAY_ADDRESS") and \
@@ -595,6 +601,19 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
               "(docs/operations.md)", file=sys.stderr, flush=True)
     return data, scorer
+
+
+def cpus_asked(config: RunConfig, itemised: bool = False) -> Any:
+    """The CPUs the run's actors book in Ray at the start (placement groups); `itemised`: as a readable sum."""
+    lc, rc, ro = config.learner, config.reference, config.rollout
+    parts = {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
+             "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
+             "rollout.num_cpus x num_workers x tensor_parallel_size": ro.num_cpus * ro.num_workers * ro.tensor_parallel_size,
+             **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
+                if isinstance(s, ModelSource)}}
+    if itemised:
+        return " + ".join(f"{name} {value:g}" for name, value in parts.items() if value)
+    return sum(parts.values())
 
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,

@@ -61,3 +61,12 @@ def test_remote_step_rewards_give_exactly_the_in_process_run_and_a_process_rewar
     for record in remote:
         assert record["verifier/failures"] == 0 and record["verifier/steps/latency_mean_s"] > 0
         assert math.isfinite(record["reward/prm"]) and record["reward/prm"] != 0  # a random PRM: some score per step
+
+
+def test_reinforce_takes_the_step_rewards_as_per_token_rewards(ray_local, tmp_path, chain_model_dir):
+    records = run(tmp_path, chain_model_dir, "reinforce", "learner.advantage=reinforce", "learner.baseline=group_mean",
+                  "learner.policy_loss=vanilla", "learner.loss_agg=token-mean")
+    for record in records:
+        # gamma 1: every token's return counts the rewards (0 or 1) of the steps that end at or after it, at most
+        # the two partial sums; the group baseline leaves a non-zero advantage.
+        assert 0 < record["returns/mean"] <= 2 and record["advantage/mean_abs"] > 0
