@@ -4,8 +4,8 @@ Usage: python bench/algorithms.py [--steps N] [--algorithms ppo grpo rloo] [dott
 Runs each preset of configs/ for N steps (default 80) through the real loop and prints, per algorithm: trained
 parameters (policy + value model), the learner process's peak resident memory (and its growth over the process
 before any model was loaded), median seconds per step and per phase, and the steps and training wall time until the
-mean reward over 10 consecutive steps first reaches 0.9 (start-up excluded; "-" if never): for grpo_process, whose
-rewards are per step, the whole answer's accuracy (`reward/correct`) instead.
+mean reward over 10 consecutive steps first reaches 0.9 (start-up excluded; "-" if never): for grpo_process and
+iterative_grpo, whose rewards are not the verifier's alone, the verifier's accuracy (`reward/correct`) instead.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ PHASES = ["generate", "score", "reference", "train", "sync"]
 TARGET, WINDOW = 0.9, 10
 
 
-# The reward each preset is measured by: the mean reward, or for grpo_process (whose reward/mean sums the step
-# rewards) the whole answer's accuracy, its weight-0 source `correct`.
-METRIC = {"grpo_process": "reward/correct"}
+# The reward each preset is measured by: the mean reward, or the verifier's accuracy `reward/correct` where the mean
+# reward is something else: grpo_process's sums the step rewards (`correct` has weight 0), iterative_grpo's adds a
+# reward model's scores (whose level Bradley-Terry leaves free).
+METRIC = {"grpo_process": "reward/correct", "iterative_grpo": "reward/correct"}
 
 
 def steps_to_target(records: list[dict], key: str = "reward/mean") -> int | None:
