@@ -1,1 +1,2 @@
-"""Scoring completions: rule verifiers, the remote verifier client and service, reward shaping, and their config."""
+"""Scoring completions: rule and step verifiers, the remote verifier client and service, reward shaping, process
+supervision's steps, environments (`rewards/environments/`), and their config."""

@@ -189,6 +189,6 @@ class RewardConfig(_Section):
                                      "outcome source of type rule or remote (the verifier whose scores it learns)")
         stepped = [name for name, source in self.sources.items() if source.level == "steps"]
         if stepped and self.steps.delimiter is None:
-            raise ValueError(f"source {stepped[0]!r} has level 'steps' but reward.steps.delimiter is empty: set it (e.g. "
-                             "reward.steps.delimiter='\\n')")
+            raise ValueError(f"source {stepped[0]!r} has level 'steps' but reward.steps.delimiter is empty: set it "
+                             "(e.g. reward.steps.delimiter='\\n')")
         return self

@@ -341,10 +341,12 @@ def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: 
 
 
 def _warn_if_open(app: Any, host: str) -> None:
-    if getattr(getattr(app, "state", None), "requires_token", True) or _is_loopback(host):
+    state = getattr(app, "state", None)
+    if getattr(state, "requires_token", True) or _is_loopback(host):
         return  # apps not made by create_app (no `requires_token`) manage their own access
-    log.warning("serving on %s without a token: anyone who can reach it can use it; set a token (relay verifier "
-                "serve --token-env VAR) or bind 127.0.0.1", host)
+    command = getattr(state, "serve_command", "relay verifier serve")  # the environment service sets its own
+    log.warning("serving on %s without a token: anyone who can reach it can use it; set a token (%s --token-env VAR) "
+                "or bind 127.0.0.1", host, command)
 
 
 def _is_loopback(host: str) -> bool:

@@ -125,3 +125,45 @@ def serve_verifier():
         if process.poll() is None:
             process.terminate()
             process.communicate(timeout=30)
+
+
+@pytest.fixture
+def serve_env():
+    """Start `relay env serve ARGS` (the console script), with `env` added to this process's environment, on a free
+    port; wait until its /health answers. A factory: call it as `serve_env(args, env)`, get (process, base URL);
+    every process still running at the end of the test is stopped."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    script = Path(sys.executable).parent / "relay"
+    relay = [str(script)] if script.exists() else [sys.executable, "-m", "cluster.cli"]
+    started: list[subprocess.Popen] = []
+
+    def serve(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        process = subprocess.Popen([*relay, "env", "serve", "--port", str(port), *args], cwd=ROOT,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        started.append(process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "relay env serve did not become healthy in 60 s"
+            time.sleep(0.1)
+
+    yield serve
+    for process in started:
+        if process.poll() is None:
+            process.terminate()
+            process.communicate(timeout=30)

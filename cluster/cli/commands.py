@@ -1,5 +1,5 @@
 """The `relay` command line: train, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
-build-demo-model, verifier serve.
+build-demo-model, verifier serve, env serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--task", choices=["arithmetic", "chain_sum"], default="arithmetic",
                        help="which demo task's model: arithmetic (a+b=) or chain_sum (12+34+56= -> 46 102)")
     _add_verifier_commands(commands)
+    _add_env_commands(commands)
     plot = commands.add_parser("plot", help="draw a run's charts from its metrics.jsonl into a PNG",
                                description="Draw reward, KL, response length, logprob mismatch and seconds per "
                                            "phase per step from RUN_DIR/metrics.jsonl into one PNG "
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.items, quiet=args.quiet)
         if args.command == "verifier":
             return _verifier_serve(args)
+        if args.command == "env":
+            return _env_serve(args)
         if args.command == "plot":
             return _plot(Path(args.run_dir), Path(args.out) if args.out else None)
         if args.command in ("submit", "jobs", "stop"):
@@ -288,6 +291,62 @@ def _verifier_serve(args: argparse.Namespace) -> int:
         app = app_from_spec(args.verifier, params=params, step_spec=args.step_verifier, step_params=step_params,
                             token_env=args.token_env, workers=args.workers, max_batch=args.max_batch,
                             sample_timeout=args.sample_timeout)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    run_app(app, args.host, args.port)
+    return 0
+
+
+ENV_SERVE_HELP = """\
+Serve an environment class over HTTP with the remote environment protocol (POST /reset, /step, /close, GET /health;
+docs/environments.md): one instance of the class per episode session. Binds 127.0.0.1 unless --host says otherwise.
+
+  relay env serve --env rewards.environments.examples:GuessNumber --param max_turns=4
+  ENV_TOKEN=... relay env serve --env mypkg.envs:Shell --host 0.0.0.0 --token-env ENV_TOKEN --workers 16
+"""
+
+
+def _add_env_commands(commands) -> None:
+    env = commands.add_parser("env", help="environment services (`relay env serve`)",
+                              description="Environment services speaking the remote environment protocol.")
+    actions = env.add_subparsers(dest="action", metavar="ACTION", required=True)
+    serve = actions.add_parser("serve", help="serve an environment over HTTP", description=ENV_SERVE_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--env", metavar="module:Class",
+                       help="the environment class, package.module:Class (on PYTHONPATH), with reset and step")
+    serve.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                       help="keyword argument for the class's constructor, value read as YAML; repeatable")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
+    serve.add_argument("--max-sessions", type=int, default=1024, metavar="N",
+                       help="sessions open at once; a reset beyond that gets 503 (default: 1024)")
+    serve.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
+                       help="seconds a session may stay idle before it expires (default: 600)")
+    serve.add_argument("--step-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a reply waits for its reset or step call before it is a 504 (default: 30)")
+    serve.add_argument("--workers", type=int, default=8, metavar="N",
+                       help="threads running environment calls (default: 8)")
+
+
+def _env_serve(args: argparse.Namespace) -> int:
+    if args.env is None:
+        raise ConfigError("give --env package.module:Class (e.g. --env rewards.environments.examples:GuessNumber)")
+    for flag, value in (("--workers", args.workers), ("--max-sessions", args.max_sessions)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    for flag, value in (("--step-timeout", args.step_timeout), ("--session-ttl", args.session_ttl)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be positive (got {value})")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (got {args.port})")
+    params = _serve_params("--param", args.param)
+    from rewards.environments.service import app_from_spec
+    from rewards.service import run_app
+
+    try:
+        app = app_from_spec(args.env, params=params, token_env=args.token_env, max_sessions=args.max_sessions,
+                            session_ttl=args.session_ttl, step_timeout=args.step_timeout, workers=args.workers)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run_app(app, args.host, args.port)

@@ -38,14 +38,13 @@ from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.run.replay import ReplayBuffer
-
-REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 from cluster.run.scoring import Scorer
 from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
 from rewards.steps import token_step_rewards
 from sync.calls import RunError, get
 
+REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
 @dataclass
 class Tally:
@@ -583,15 +582,15 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
-    cpus = config.ray.num_cpus or os.cpu_count() or 1
-    if local and not ray.is_initialized() and cpus_asked(config) > cpus + 1e-9:
-        raise ConfigError(f"the run asks Ray for {cpus_asked(config):g} CPUs ({cpus_asked(config, itemised=True)}) but "
-                          f"the local Ray instance has {cpus}: lower those num_cpus (fractions are fine: they only "
-                          "book Ray's CPUs, the threads are set by num_threads) or set ray.num_cpus")
+    cpus, asked = config.ray.num_cpus or os.cpu_count() or 1, cpus_asked(config)
+    if local and not ray.is_initialized() and sum(asked.values()) > cpus + 1e-9:
+        parts = " + ".join(f"{name} {value:g}" for name, value in asked.items() if value)
+        raise ConfigError(f"the run asks Ray for {sum(asked.values()):g} CPUs ({parts}) but the local Ray instance has "
+                          f"{cpus}: lower those num_cpus (fractions are fine: they only book Ray's CPUs, the threads "
+                          "are set by num_threads) or set ray.num_cpus")
     threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
                + (config.reference.num_threads if config.uses_reference else 0))
-    if ro.max_staleness and config.ray.address is None and not os.environ.get("RAY_ADDRESS") and \
-            threads > (os.cpu_count() or 1):
+    if ro.max_staleness and local and threads > (os.cpu_count() or 1):
         print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines and the learner at once, "
               f"and this local run gives them {threads} threads on {os.cpu_count()} cores: they will slow each other "
               "down more than the overlap gains; lower learner/rollout/reference.num_threads (docs/operations.md)",
@@ -603,17 +602,15 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
     return data, scorer
 
 
-def cpus_asked(config: RunConfig, itemised: bool = False) -> Any:
-    """The CPUs the run's actors book in Ray at the start (placement groups); `itemised`: as a readable sum."""
+def cpus_asked(config: RunConfig) -> dict[str, float]:
+    """The CPUs the run's actors book in Ray at the start (placement groups), by the config keys that set them."""
     lc, rc, ro = config.learner, config.reference, config.rollout
-    parts = {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
-             "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
-             "rollout.num_cpus x num_workers x tensor_parallel_size": ro.num_cpus * ro.num_workers * ro.tensor_parallel_size,
-             **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
-                if isinstance(s, ModelSource)}}
-    if itemised:
-        return " + ".join(f"{name} {value:g}" for name, value in parts.items() if value)
-    return sum(parts.values())
+    engines = ro.num_cpus * ro.num_workers * ro.tensor_parallel_size
+    return {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
+            "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
+            "rollout.num_cpus x num_workers x tensor_parallel_size": engines,
+            **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
+               if isinstance(s, ModelSource)}}
 
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,

@@ -178,8 +178,8 @@ class Scorer:
                 kept = [k for k, (i, _, _) in enumerate(flat) if not dropped[i]]
                 targets = scores[training.label_source]
                 fit[name] = ([prompts[k] for k in kept], [completions[k] for k in kept], [targets[k] for k in kept])
-        return RoundScores([combined[g * size:(g + 1) * size] for g in range(len(groups))], dropped, per_source, metrics,
-                           scored_steps, fit)
+        grouped = [combined[g * size:(g + 1) * size] for g in range(len(groups))]
+        return RoundScores(grouped, dropped, per_source, metrics, scored_steps, fit)
 
     def _step_rule(self, name: str, verifier: Any, problem: Any, steps: list[str]) -> list[float]:
         """One step verifier's rewards, one finite number per step; anything else stops the run."""

@@ -19,8 +19,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOLATILE = ("time/", "throughput/", "memory/")
 # 8 prompts a step: replay_fraction 0.2 replays round(8 x 0.2 / 0.8) = 2 groups; the reward model trains every 2 steps
 # and the reference refreshes every 3.
-SMALL = ["data.prompts_per_step=8", "rollout.num_workers=1", "data.replay_fraction=0.2", "reward.sources.rm.train.every=2",
-         "reference.refresh_every=3"]
+SMALL = ["data.prompts_per_step=8", "rollout.num_workers=1", "data.replay_fraction=0.2",
+         "reward.sources.rm.train.every=2", "reference.refresh_every=3"]
 
 
 def run(tmp_path, model_dir, name, steps, *overrides):

@@ -47,7 +47,8 @@ def test_a_step_replays_earlier_groups_only_reproducibly_and_reports_it():
         assert all(r.text.startswith("s1") for g in replayed for r in g)  # from step 1, not the fresh step 3
         for g, rewards in zip(replayed, np.reshape(mixed_rewards[8:], (4, 2))):  # each group keeps its rewards
             assert rewards.tolist() == [1 + int(g[0].prompt_ids[0]), 1 + int(g[0].prompt_ids[0]) + 0.1]
-        assert stats["replay/fraction"] == 0.5 and stats["replay/staleness"] == 2  # trained from version 2, sampled by 0
+        # 4 of 8 groups replayed; the learner trains from version 2, the replayed groups were sampled by 0.
+        assert stats["replay/fraction"] == 0.5 and stats["replay/staleness"] == 2
         runs.append([r.text for g in mixed for r in g])
     assert runs[0] == runs[1]
     draws = []
@@ -87,7 +88,8 @@ def test_saved_and_loaded_exactly(tmp_path, kwargs):
                 if getattr(x, name) is not None:
                     assert np.array_equal(getattr(x, name), getattr(y, name))
     # The next step draws the same groups from either.
-    texts = [[r.text for g in b.mix(3, *batch(3, **kwargs), version=2, stats={})[0] for r in g] for b in (buffer, loaded)]
+    texts = [[r.text for g in b.mix(3, *batch(3, **kwargs), version=2, stats={})[0] for r in g]
+             for b in (buffer, loaded)]
     assert texts[0] == texts[1]
 
 

@@ -1,0 +1,1 @@
+"""Environments for multi-turn episodes: the interface, in-process and remote sessions, and the reference service."""

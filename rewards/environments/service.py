@@ -1,0 +1,360 @@
+"""The reference environment service (docs/environments.md): any in-process environment class over HTTP.
+
+Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET /health`, `POST /reset`,
+`POST /step`, `POST /close`; sessions, idempotent steps, deadlines, limits, optional bearer token) and
+`app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
+rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service, as are its bearer-token check
+and body reading.
+Does not own: environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
+(rewards/environments/remote.py).
+
+Decisions:
+- Each session is one `InProcessEnvironments` session: its own environment object, every call in a pool of
+  `workers` threads, so a slow episode holds one thread and not the others.
+- Idempotent steps: a step carries its `turn` (0, 1, ...). A new turn is applied once and its call kept; the same
+  (session, turn) again gets that call's reply (waiting for it if it still runs), never a second application.
+  Any other turn is 409.
+- Deadlines: a reply waits at most `step_timeout` for its call (counted from the request's arrival), else 504. The
+  call goes on (Python cannot stop a thread): a retry of the same turn waits for it again and gets its reply once
+  it finishes. A reset past the deadline discards its session (its environment is closed when the call returns),
+  and the client's retry opens a new one. `GET /health` answers 503 once `workers` calls are past their deadline
+  and unfinished, so clients and load balancers see the replica is stalled.
+- An environment that raises, or returns something that is not a valid `StepResult`, gives a generic 500: the
+  exception's text may hold data the client should not see, so it goes to the service's log, with the session id.
+  The turn's retries get the same 500 (the call is kept like any other), and the session takes no further turn.
+- Sessions end on `/close` (idempotent: unknown ids are fine), and expire after `session_ttl` seconds idle (no
+  call running). Ending one closes its environment (its `close()`, if any) in the background, after its last call
+  has finished. At most `max_sessions` exist at once: a reset beyond that gets 503, which the client retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rewards.environments.interface import (
+    Environment,
+    EpisodeError,
+    EpisodeSession,
+    InProcessEnvironments,
+    StepResult,
+)
+from rewards.service import _authorized, _read_body
+
+log = logging.getLogger(__name__)
+
+ENVIRONMENT_FAILED = "the environment raised an exception or returned an invalid result; see the service's log"
+"""The `detail` of a 500 reply: the environment failed."""
+
+
+class ResetRequest(BaseModel):
+    """Body of `POST /reset`."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: str
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+
+class ResetResponse(BaseModel):
+    """Body of a 200 reply to `POST /reset`."""
+
+    session_id: str
+    observation: str
+
+
+class StepRequest(BaseModel):
+    """Body of `POST /step`."""
+
+    model_config = ConfigDict(extra="ignore")
+    session_id: str
+    action: str
+    turn: int = Field(ge=0)
+    """0 for the first step after reset, then 1, 2, ...; the same turn again is a retry."""
+
+
+class StepResponse(BaseModel):
+    """Body of a 200 reply to `POST /step`."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = {}
+
+
+class CloseRequest(BaseModel):
+    """Body of `POST /close`."""
+
+    model_config = ConfigDict(extra="ignore")
+    session_id: str
+
+
+class _Reply(Exception):
+    """An error reply: status and detail."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+@dataclass(eq=False)
+class _Session:
+    id: str
+    episode: EpisodeSession
+    last_used: float  # monotonic time of the last request's arrival or reply
+    next_turn: int = 0
+    task: asyncio.Task | None = None  # the last call: the reset, then the step of turn next_turn - 1
+
+    def idle_since(self) -> float | None:
+        """When the session went idle, or None while its last call runs."""
+        return self.last_used if self.task is None or self.task.done() else None
+
+
+class _Sessions:
+    """The service's sessions, its calls past their deadline and its background closes; used on the event loop."""
+
+    def __init__(self, environments: InProcessEnvironments, max_sessions: int, session_ttl: float,
+                 step_timeout: float):
+        self.environments, self.max_sessions = environments, max_sessions
+        self.session_ttl, self.step_timeout = session_ttl, step_timeout
+        self.open: dict[str, _Session] = {}
+        self.overdue: set[asyncio.Task] = set()  # calls whose reply gave up on them, until they finish
+        self._closing: set[asyncio.Task] = set()
+
+    def new(self) -> _Session:
+        if len(self.open) >= self.max_sessions:
+            self.expire_idle()
+        if len(self.open) >= self.max_sessions:
+            raise _Reply(503, f"max_sessions={self.max_sessions} sessions are open; retry later")
+        session = _Session(uuid.uuid4().hex, self.environments.open(), time.monotonic())
+        self.open[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> _Session:
+        session = self.open.get(session_id)
+        if session is not None and self._expired(session, time.monotonic()):
+            self.end(session, "expired")
+            session = None
+        if session is None:
+            raise _Reply(404, f"unknown session {session_id[:64]!r}: closed, expired after session_ttl="
+                              f"{self.session_ttl:g}s idle, or never created; reset a new one")
+        return session
+
+    def _expired(self, session: _Session, now: float) -> bool:
+        since = session.idle_since()
+        return since is not None and now - since > self.session_ttl
+
+    def expire_idle(self) -> None:
+        now = time.monotonic()
+        for session in [s for s in self.open.values() if self._expired(s, now)]:
+            self.end(session, "expired")
+
+    def end(self, session: _Session, why: str, cancel: bool = False) -> None:
+        """Forget the session and close its environment in the background, once its last call has finished (or, with
+        `cancel`, at once: a call in a thread still runs on, and the environment is closed after it)."""
+        if self.open.pop(session.id, None) is None:
+            return
+        log.debug("session %s %s", session.id, why)
+        if cancel and session.task is not None:
+            session.task.cancel()
+        closing = asyncio.create_task(self._close(session))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close(session: _Session) -> None:
+        if session.task is not None:  # its outcome went to a reply or the log; waiting keeps `overdue` true
+            await asyncio.wait([session.task])
+        await session.episode.close()
+
+    def start(self, session: _Session, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(lambda done: _log_failure(session.id, done))
+        session.task = task
+        return task
+
+    async def reply(self, session: _Session, what: str) -> Any:
+        """The result of the session's last call, waiting at most `step_timeout`; else raise `_Reply`."""
+        task = session.task
+        session.last_used = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.step_timeout)
+        except TimeoutError:
+            if task not in self.overdue:
+                self.overdue.add(task)
+                task.add_done_callback(self.overdue.discard)
+            raise _Reply(504, f"{what} took longer than step_timeout={self.step_timeout:g}s") from None
+        except EpisodeError:
+            raise _Reply(500, ENVIRONMENT_FAILED) from None
+        except asyncio.CancelledError:
+            if task.cancelled():  # the service is shutting down
+                raise _Reply(503, f"the service shut down during {what}") from None
+            raise
+        finally:
+            session.last_used = time.monotonic()
+
+    async def sweep(self) -> None:
+        """Expire idle sessions every so often, for ever (cancelled at shutdown)."""
+        while True:
+            await asyncio.sleep(max(0.05, min(self.session_ttl / 2, 30.0)))
+            self.expire_idle()
+
+    async def shutdown(self) -> None:
+        for session in list(self.open.values()):
+            self.end(session, "closed at shutdown", cancel=True)
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=5)
+
+
+def _log_failure(session_id: str, task: asyncio.Task) -> None:
+    if task.cancelled() or task.exception() is None:
+        return
+    error = task.exception()
+    if isinstance(error, EpisodeError):
+        log.error("session %s: %s", session_id, error, exc_info=error)
+    else:  # a bug of this service, not of the environment
+        log.error("session %s: unexpected error", session_id, exc_info=error)
+
+
+def create_app(factory: Callable[[], Environment], *, token: str | None = None, max_sessions: int = 1024,
+               session_ttl: float = 600.0, step_timeout: float = 30.0, workers: int = 8,
+               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """A FastAPI app serving the environments `factory` makes (one per session) with the remote environment protocol.
+
+    token: bearer token required by every endpoint but `/health` (None: no authentication). max_sessions: sessions
+    open at once (more: 503). session_ttl: seconds a session may stay idle before it expires. step_timeout: seconds
+    a reply waits for its call (reset or step; longer: 504). workers: threads running environment calls.
+    max_body_bytes: largest request body (more: 413).
+    """
+    if min(max_sessions, workers, max_body_bytes) < 1 or not (session_ttl > 0 and step_timeout > 0):
+        raise ValueError("max_sessions, session_ttl, step_timeout, workers and max_body_bytes must be positive")
+    environments = InProcessEnvironments(factory, max_concurrency=workers, timeout=None)  # deadlines: `reply`
+    sessions = _Sessions(environments, max_sessions, session_ttl, step_timeout)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        sweeper = asyncio.create_task(sessions.sweep())
+        yield
+        sweeper.cancel()
+        await sessions.shutdown()
+        environments.close()
+
+    app = FastAPI(title="relay environment service", lifespan=lifespan,
+                  description="The remote environment protocol of relay (docs/environments.md).")
+    app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
+    app.state.serve_command = "relay env serve"
+    app.state.sessions = sessions
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        if token is not None and not _authorized(request, token):
+            raise _Reply(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        body = await _read_body(request, max_body_bytes)
+        if body is None:
+            raise _Reply(413, f"request body exceeds max_body_bytes={max_body_bytes}")
+        return model.model_validate_json(body)
+
+    @app.exception_handler(_Reply)
+    async def error_reply(_: Request, reply: _Reply):
+        headers = {"WWW-Authenticate": "Bearer"} if reply.status == 401 else None
+        return JSONResponse({"detail": reply.detail}, status_code=reply.status, headers=headers)
+
+    @app.exception_handler(ValidationError)
+    async def invalid_body(_: Request, err: ValidationError):
+        detail = err.errors(include_url=False, include_input=False, include_context=False)
+        return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
+
+    @app.get("/health")
+    async def health():
+        if len(sessions.overdue) >= workers:
+            return JSONResponse({"status": "stalled", "detail": f"{len(sessions.overdue)} calls are past "
+                                 f"step_timeout={step_timeout:g}s and unfinished ({workers} workers)"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.post("/reset", response_model=ResetResponse, responses=_ERRORS)
+    async def reset(request: Request):
+        body: ResetRequest = await parse(request, ResetRequest)
+        session = sessions.new()
+        sessions.start(session, session.episode.reset(body.prompt, body.label))
+        try:
+            observation = await sessions.reply(session, "reset")
+        except _Reply:
+            sessions.end(session, "discarded: its reset failed")
+            raise
+        return ResetResponse(session_id=session.id, observation=observation)
+
+    @app.post("/step", response_model=StepResponse, responses=_ERRORS)
+    async def step(request: Request):
+        body: StepRequest = await parse(request, StepRequest)
+        session = sessions.get(body.session_id)
+        if body.turn == session.next_turn:
+            _check_can_step(session, body.turn)
+            sessions.start(session, session.episode.step(body.action))
+            session.next_turn += 1
+        elif body.turn != session.next_turn - 1 or session.next_turn == 0:
+            raise _Reply(409, f"turn {body.turn} is out of order: the session's next turn is {session.next_turn}")
+        result = await sessions.reply(session, f"step {body.turn}")
+        return StepResponse(observation=result.observation, reward=result.reward, done=result.done, info=result.info)
+
+    @app.post("/close", responses=_ERRORS)
+    async def close(request: Request):
+        body: CloseRequest = await parse(request, CloseRequest)
+        session = sessions.open.get(body.session_id)
+        if session is not None:
+            sessions.end(session, "closed")
+        return {}
+
+    return app
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "missing or wrong bearer token"},
+    404: {"description": "unknown session: closed, expired or never created"},
+    409: {"description": "turn out of order, the previous turn still running or failed, or the episode is done"},
+    413: {"description": "body larger than max_body_bytes"},
+    422: {"description": "body is not a valid request"},
+    500: {"description": "the environment raised or returned an invalid result (details in the service's log)"},
+    503: {"description": "max_sessions sessions are open"},
+    504: {"description": "the call ran past step_timeout; the same request again waits for it"},
+}
+
+
+def _check_can_step(session: _Session, turn: int) -> None:
+    """Raise 409 unless the session can take a new turn: its last call finished, succeeded, and was not done."""
+    last, previous = session.task, "the reset" if turn == 0 else f"turn {turn - 1}"
+    if last is None:
+        return
+    if not last.done():
+        raise _Reply(409, f"{previous} is still running: send it again for its reply, then turn {turn}")
+    if last.cancelled() or last.exception() is not None:
+        raise _Reply(409, f"{previous} failed: the session takes no further turn; close it")
+    if isinstance(last.result(), StepResult) and last.result().done:  # whether or not a reply carried it
+        raise _Reply(409, f"the episode is done ({previous} answered done=true); close the session")
+
+
+def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_env: str | None = None,
+                  **options: Any) -> FastAPI:
+    """`create_app` for the environment class `spec` (`package.module:Class`) with `params` bound as constructor
+    keyword arguments. The token, if any, is read from the environment variable `token_env`. Raises ValueError (one
+    line) for a bad spec or params, an unset token variable or a bad option."""
+    from rewards.environments.interface import load_environment
+
+    factory = load_environment(spec, params)
+    token = None
+    if token_env:
+        token = os.environ.get(token_env, "")
+        if not token:
+            raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token "
+                             "in it or drop --token-env")
+    return create_app(factory, token=token, **options)
