@@ -29,9 +29,17 @@ def run(tmp_path, model_dir, name, steps, *overrides):
     return run_training(config, tmp_path / name, str(model_dir), display=False)
 
 
+@pytest.fixture(scope="module")
+def whole(ray_local, tmp_path_factory, demo_model_dir):
+    """5 steps of the preset in float32, with a checkpoint at step 3: (records, run directory)."""
+    base = tmp_path_factory.mktemp("iterative")
+    return run(base, demo_model_dir, "whole", 5, "checkpoint.every=3"), base / "whole"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_preset_refreshes_replays_and_fine_tunes_its_reward_model(ray_local, tmp_path, demo_model_dir, dtype):
-    records = run(tmp_path, demo_model_dir, "preset", 4, f"model.dtype={dtype}")
+def test_the_preset_refreshes_replays_and_fine_tunes_its_reward_model(whole, ray_local, tmp_path, demo_model_dir,
+                                                                      dtype):
+    records = whole[0][:4] if dtype == "float32" else run(tmp_path, demo_model_dir, "preset", 4, f"model.dtype={dtype}")
     assert [r["replay/fraction"] for r in records] == [0.0, 0.2, 0.2, 0.2]  # 2 of 10 groups once the buffer has them
     assert [r["rollout/completions"] for r in records] == [64, 80, 80, 80]
     assert records[1]["replay/staleness"] == 1 and records[3]["replay/staleness"] > 1  # from steps 1..3
@@ -40,26 +48,25 @@ def test_the_preset_refreshes_replays_and_fine_tunes_its_reward_model(ray_local,
     assert [r["step"] for r in fits] == [2, 4]
     assert all(r["reward_model/rm/pairs"] > 0 for r in fits)
     assert all("rollout_correction/weight_mean" in r and r["train/skipped_updates"] == 0 for r in records)
-    # The reward model's scores changed after its first fine-tuning: the combined reward is correct + 0.5 rm.
-    for record in records:
+    for record in records:  # the combined reward: correct + 0.5 x the reward model's whitened score
         assert record["reward/mean"] == pytest.approx(record["reward/correct"] + 0.5 * record["reward/rm"], abs=1e-6)
 
 
-def test_a_resumed_run_equals_the_uninterrupted_one(ray_local, tmp_path, demo_model_dir):
+def test_a_resumed_run_equals_the_uninterrupted_one(whole, ray_local, tmp_path, demo_model_dir):
     """Stopped after the checkpoint at step 3 (the reward model fine-tuned at step 2, the buffer holding 3 steps'
     groups) and resumed: steps 4 and 5 and the final weights equal the uninterrupted run's."""
-    whole = run(tmp_path, demo_model_dir, "whole", 5, "checkpoint.every=3")
+    records, whole_dir = whole
     run(tmp_path, demo_model_dir, "parts", 3, "checkpoint.every=3")
     saved = tmp_path / "parts" / "checkpoints" / "step_3"
     assert (saved / "replay.npz").is_file() and (saved / "reward_models" / "rm" / "config.json").is_file()
     resumed = run(tmp_path, demo_model_dir, "parts", 5, "checkpoint.every=3", "resume=auto")
-    stable = [[{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
-              for records in (whole[3:], resumed)]
+    stable = [[{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in part]
+              for part in (records[3:], resumed)]
     assert [r["step"] for r in resumed] == [4, 5] and stable[0] == stable[1]
     assert "reward_model/rm/loss" in resumed[0] and resumed[0]["replay/fraction"] > 0
     for part in ("policy", "reward_models/rm"):
-        weights = [load_file(tmp_path / name / "checkpoints" / "step_5" / part / "model.safetensors")
-                   for name in ("whole", "parts")]
+        weights = [load_file(root / "checkpoints" / "step_5" / part / "model.safetensors")
+                   for root in (whole_dir, tmp_path / "parts")]
         assert all((weights[0][key] == weights[1][key]).all() for key in weights[0]), part
 
 

@@ -40,6 +40,7 @@ TRAINED_RM = ["reward.sources.correct.verifier=exact_match", "reward.sources.rm.
 def test_a_run_that_asks_a_local_ray_for_more_cpus_than_it_has_is_refused_at_once(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # as `relay train` finds it (the suite's Ray may be up)
     # The demo books 2 CPUs (learner 0.5, reference 0.5, two engines of 0.5); a reward model's 0.5 more is too many.
     config = load_config(None, TRAINED_RM)
     with pytest.raises(ConfigError, match=r"asks Ray for 2.5 CPUs \(learner.num_cpus x num_ranks 0.5 \+ "
