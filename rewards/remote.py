@@ -115,7 +115,41 @@ class _Stats:
                 "latency_mean_s": sum(lat) / len(lat) if lat else 0.0, "latency_max_s": max(lat, default=0.0)}
 
 
-class RemoteVerifier:
+class Redacting:
+    """A client's bearer token (`_secret`, None without one) kept out of every message it writes: text from or about
+    the service is scrubbed whole before it is cut to length (cut first, a prefix of an echoed token would survive).
+    Mixed into `RemoteVerifier` and the environment client."""
+
+    _secret: str | None = None
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+    def _excerpt(self, text: str, limit: int) -> str:
+        """At most `limit` characters of `text` from the service, whitespace collapsed; scrubbed before the cut."""
+        return " ".join(self._scrub(text).split())[:limit]
+
+    def _snippet(self, response: httpx.Response) -> str:
+        text = self._excerpt(response.text, 200)
+        return f": {text}" if text else ""
+
+
+def describe_transport_error(err: Exception, timeout: float) -> str:
+    """One line for a request that got no reply: a timeout, a refused or reset connection, or another transport
+    error (httpx wraps the socket's error a few levels down)."""
+    if isinstance(err, TimeoutError | httpx.TimeoutException):
+        return f"no reply within timeout={timeout:g}s"
+    cause = _os_error(err)
+    if cause is not None and cause.errno == errno.ECONNREFUSED:
+        return "connection refused"
+    if cause is not None and cause.errno == errno.ECONNRESET:
+        return "connection reset"
+    what = "cannot connect" if isinstance(err, httpx.ConnectError) else "connection lost"
+    detail = cause.strerror if cause is not None and cause.strerror else str(err) or type(err).__name__
+    return f"{what}: {detail}"
+
+
+class RemoteVerifier(Redacting):
     """Scores samples with a remote verifier service; one instance per `reward.sources.<name>` of type remote.
 
     Usage: `with RemoteVerifier("judge", source) as verifier: scores = verifier.score(samples)`.
@@ -350,27 +384,7 @@ class RemoteVerifier:
         return [c.default_reward] * len(sample.steps or ()) if c.level == "steps" else c.default_reward
 
     def _describe(self, err: Exception) -> str:
-        if isinstance(err, TimeoutError | httpx.TimeoutException):
-            return f"no reply within timeout={self.config.timeout:g}s"
-        cause = _os_error(err)  # httpx wraps the socket's error a few levels down
-        if cause is not None and cause.errno == errno.ECONNREFUSED:
-            return "connection refused"
-        if cause is not None and cause.errno == errno.ECONNRESET:
-            return "connection reset"
-        what = "cannot connect" if isinstance(err, httpx.ConnectError) else "connection lost"
-        detail = cause.strerror if cause is not None and cause.strerror else str(err) or type(err).__name__
-        return f"{what}: {detail}"
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
-
-    def _excerpt(self, text: str, limit: int) -> str:
-        """At most `limit` characters of `text` from the service, whitespace collapsed; scrubbed before the cut."""
-        return " ".join(self._scrub(text).split())[:limit]
-
-    def _snippet(self, response: httpx.Response) -> str:
-        text = self._excerpt(response.text, 200)
-        return f": {text}" if text else ""
+        return describe_transport_error(err, self.config.timeout)
 
     def _check_ids(self, batch: _Batch, results: list[dict]) -> None:
         """Raise `_Retryable` unless the results hold exactly the batch's ids, once each."""

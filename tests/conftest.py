@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -85,11 +86,11 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture
-def serve_verifier():
-    """Start `relay verifier serve ARGS` (the console script `pip install -e .` made), with `env` added to this
-    process's, on a free port; wait until its /health answers. A factory: call it as `serve_verifier(args, env)`, get
-    (process, base URL); every process still running at the end of the test is stopped."""
+@contextmanager
+def _relay_services(command: str):
+    """`relay <command> serve ARGS` (the console script `pip install -e .` made), with `env` added to this process's,
+    on a free port, waited for until its /health answers. Yields the factory `serve(args, env) -> (process, base
+    URL)`; every process still running at the end is stopped."""
     import socket
     import subprocess
     import time
@@ -104,7 +105,7 @@ def serve_verifier():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        process = subprocess.Popen([*relay, "verifier", "serve", "--port", str(port), *args], cwd=ROOT,
+        process = subprocess.Popen([*relay, command, "serve", "--port", str(port), *args], cwd=ROOT,
                                    env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         started.append(process)
@@ -117,53 +118,27 @@ def serve_verifier():
                     return process, url
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "relay verifier serve did not become healthy in 60 s"
+            assert time.monotonic() < deadline, f"relay {command} serve did not become healthy in 60 s"
             time.sleep(0.1)
 
-    yield serve
-    for process in started:
-        if process.poll() is None:
-            process.terminate()
-            process.communicate(timeout=30)
+    try:
+        yield serve
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.terminate()
+                process.communicate(timeout=30)
+
+
+@pytest.fixture
+def serve_verifier():
+    """`relay verifier serve ARGS` on a free port: call it as `serve_verifier(args, env)`, get (process, base URL)."""
+    with _relay_services("verifier") as serve:
+        yield serve
 
 
 @pytest.fixture
 def serve_env():
-    """Start `relay env serve ARGS` (the console script), with `env` added to this process's environment, on a free
-    port; wait until its /health answers. A factory: call it as `serve_env(args, env)`, get (process, base URL);
-    every process still running at the end of the test is stopped."""
-    import socket
-    import subprocess
-    import time
-
-    import httpx
-
-    script = Path(sys.executable).parent / "relay"
-    relay = [str(script)] if script.exists() else [sys.executable, "-m", "cluster.cli"]
-    started: list[subprocess.Popen] = []
-
-    def serve(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        process = subprocess.Popen([*relay, "env", "serve", "--port", str(port), *args], cwd=ROOT,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        started.append(process)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    return process, url
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "relay env serve did not become healthy in 60 s"
-            time.sleep(0.1)
-
-    yield serve
-    for process in started:
-        if process.poll() is None:
-            process.terminate()
-            process.communicate(timeout=30)
+    """`relay env serve ARGS` on a free port: call it as `serve_env(args, env)`, get (process, base URL)."""
+    with _relay_services("env") as serve:
+        yield serve

@@ -20,14 +20,13 @@ Decisions:
 - `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the
   session anyway.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message, whole
-  before any cut (rewards/remote.py's `_excerpt`). The finite-number check and the socket-error lookup are
-  rewards/remote.py's own, imported.
+  before any cut. The scrubbing (`Redacting`), the finite-number check and the transport-error wording
+  (`describe_transport_error`) are rewards/remote.py's own, shared with the verifier client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ from typing import Any
 import httpx
 
 from rewards.environments.interface import CallStats, EpisodeError, EpisodeSession, StepResult
-from rewards.remote import _is_finite_number, _os_error
+from rewards.remote import Redacting, _is_finite_number, describe_transport_error
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class _Permanent(Exception):
     """A fault not worth another attempt (4xx)."""
 
 
-class RemoteEnvironments:
+class RemoteEnvironments(Redacting):
     """Episode sessions on an environment service; the arguments mirror `RemoteSource` (rewards/config.py).
 
     Usage: `with RemoteEnvironments(["http://10.0.0.5:8000"]) as environments:`, then in a coroutine
@@ -253,30 +252,10 @@ class RemoteEnvironments:
         return StepResult(observation, float(reward), done, info)
 
     def _describe(self, err: Exception) -> str:
-        if isinstance(err, TimeoutError | httpx.TimeoutException):
-            return f"no reply within timeout={self.timeout:g}s"
-        cause = _os_error(err)  # httpx wraps the socket's error a few levels down
-        if cause is not None and cause.errno == errno.ECONNREFUSED:
-            return "connection refused"
-        if cause is not None and cause.errno == errno.ECONNRESET:
-            return "connection reset"
-        what = "cannot connect" if isinstance(err, httpx.ConnectError) else "connection lost"
-        detail = cause.strerror if cause is not None and cause.strerror else str(err) or type(err).__name__
-        return f"{what}: {detail}"
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
-
-    def _excerpt(self, text: str, limit: int) -> str:
-        """At most `limit` characters of `text` from the service, whitespace collapsed; scrubbed before the cut."""
-        return " ".join(self._scrub(text).split())[:limit]
+        return describe_transport_error(err, self.timeout)
 
     def _quote(self, value: Any) -> str:
         return self._excerpt(json.dumps(value), 50)
-
-    def _snippet(self, response: httpx.Response) -> str:
-        text = self._excerpt(response.text, 200)
-        return f": {text}" if text else ""
 
 
 class _RemoteSession:
