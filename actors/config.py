@@ -43,7 +43,13 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, le=1024)
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = Field(8, ge=1, le=1_000_000)
-    """Maximum response tokens per completion."""
+    """Maximum response tokens per completion; of a multi-turn episode (`env`), its model and environment tokens
+    together."""
+    max_turns: int = Field(4, ge=1, le=10_000)
+    """Multi-turn episodes (`env`): model turns per episode at most; after the last one the episode ends."""
+    stop: list[str] = []
+    """Multi-turn episodes (`env`): strings that end a model turn besides EOS (e.g. a tool call's closing tag `]` or
+    `</tool_call>`); the text that completes one is the model's, and goes to the environment with its turn."""
     temperature: float = Field(1.0, gt=0, le=10)
     """Sampling temperature; the learner scores with the same temperature."""
     top_p: float = Field(1.0, gt=0, le=1)

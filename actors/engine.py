@@ -151,6 +151,45 @@ class VllmEngine:
                 result[-1].append(SampledCompletion(ids, logprobs, next(texts), reason, cached, versions))
         return result
 
+    # Multi-turn episodes (actors/episodes.py): one request per model turn, added and stepped one at a time, so that
+    # turns of many episodes share the engine's batches while other episodes wait for their environment.
+    def add_turn(self, prompt_ids: Sequence[int], temperature: float, top_p: float, max_tokens: int, seed: int,
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> str:
+        """Queue one completion of `prompt_ids` (an episode so far: the prompt and every earlier turn's tokens, as
+        they are); returns its request id, which `step_turns` reports when it finishes. It ends at EOS, at a token
+        of `stop_token_ids`, after the token that completes one of `stop` (kept in the completion), or at
+        `max_tokens`. Stop strings need the engine to detokenize; token ids do not."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        request_id = f"relay-turn-{next(self._requests)}"
+        params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                seed=seed, stop=list(stop) or None, include_stop_str_in_output=True,
+                                stop_token_ids=list(stop_token_ids) or None, skip_special_tokens=True,
+                                detokenize=bool(stop), flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, self.llm._preprocess_cmpl_one(
+            TokensPrompt(prompt_token_ids=list(prompt_ids)), None), params)
+        return request_id
+
+    def has_turns(self) -> bool:
+        """Whether some turn added by `add_turn` is still being generated."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def step_turns(self) -> list[tuple[str, SampledCompletion]]:
+        """One engine step over the queued turns; returns the turns it finished, by request id (their `text` is
+        empty: the caller decodes what it needs)."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                [c] = out.outputs
+                finished.append((out.request_id, _completion(c, "", out.num_cached_tokens)))
+        return finished
+
+    def abort_turns(self, request_ids: Sequence[str]) -> None:
+        """Drop turns still queued or running (their episodes were abandoned)."""
+        if request_ids:
+            self.llm.llm_engine.abort_request(list(request_ids))
+
     def score(self, prompt_ids: Sequence[int]) -> list[float]:
         """log pi of every token of `prompt_ids` after the first, given the ones before it (vLLM's prompt logprobs:
         raw logits, no temperature; such a request never reads the prefix cache, vLLM recomputes it)."""

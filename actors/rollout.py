@@ -4,7 +4,9 @@ Owns: the engine's lifetime, turning text prompts into token ids, the weights ve
 fingerprints of the weights it hands its engine (sync/fingerprint.py), and the sync probe (a seeded sample from a
 fixed prompt whose logprobs the driver compares with the learner's; asynchronously, a sample the learner made,
 scored), and in-flight updates (weights offered while a request runs, loaded between two engine steps).
-Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray wraps it in `cluster/`.
+With `episodes` (the run's `env`), every completion is a multi-turn episode against the run's environment
+(actors/episodes.py). Does not own: which prompts it gets, rewards, or where weights come from. A plain class: Ray
+wraps it in `cluster/`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from typing import NamedTuple
 import torch
 
 from actors.engine import EngineSettings, SampledCompletion, VllmEngine
-from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: F401  (this module's API)
+from actors.episodes import EpisodeRunner, EpisodeSettings
+from actors.rollout_types import (  # noqa: F401  (this module's API)
+    EpisodePrompt,
+    Rollout,
+    RolloutGroups,
+    SamplingSettings,
+)
 from sync.group import GroupSpec
 from sync.receive import Loaded, Weights, fingerprints, received
 
@@ -37,11 +45,13 @@ class RolloutWorker:
     """Owns one vLLM engine; `generate` samples, `load_weights` updates it in place. With `fingerprint`, every load
     reports the fingerprints of the tensors handed to the engine (`sync.fingerprint`)."""
 
-    def __init__(self, settings: EngineSettings, num_threads: int = 1, fingerprint: bool = True):
+    def __init__(self, settings: EngineSettings, num_threads: int = 1, fingerprint: bool = True,
+                 episodes: EpisodeSettings | None = None):
         torch.set_num_threads(num_threads)
         self.fingerprint = fingerprint
         self.engine = VllmEngine(settings)
         self.tokenizer = self.engine.tokenizer
+        self.episodes = EpisodeRunner(self.engine, self.tokenizer, episodes) if episodes is not None else None
         self.weights_version = 0
         self.last_load: dict[str, float] = {}
         # In-flight updates: the newest weights offered (`offer_weights`, from another thread while `generate` runs).
@@ -67,9 +77,14 @@ class RolloutWorker:
         probed = (self.probe(*probe) if probe is not None else
                   self.score_probe(*score_probe) if score_probe is not None else None)
         prompt_ids = self._prompt_ids(prompts)
-        groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
-                                      sampling.max_new_tokens, list(seeds))
-        result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+        if self.episodes is not None:  # multi-turn: `prompts` are EpisodePrompts
+            episodes, env_wait_s = self.episodes.run(prompts, prompt_ids, seeds, sampling, self.weights_version)
+            result = RolloutGroups(episodes)
+            result.env_wait_s = env_wait_s
+        else:
+            groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
+                                          sampling.max_new_tokens, list(seeds))
+            result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
         result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
         return result
 
@@ -175,10 +190,13 @@ class RolloutWorker:
                            list(learner_logprobs))
 
     def shutdown(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.shutdown()
 
-    def _prompt_ids(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    def _prompt_ids(self, prompts: Sequence[str | Sequence[int] | EpisodePrompt]) -> list[list[int]]:
         """Text is tokenised here; token ids (a dataset's, tokenised once by the driver) are used as they are."""
+        prompts = [(p.text if p.ids is None else p.ids) if isinstance(p, EpisodePrompt) else p for p in prompts]
         return [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
                 for p in prompts]
 

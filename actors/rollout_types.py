@@ -1,7 +1,8 @@
 """What a rollout worker hands back: sampling settings in, `Rollout`s out, and how they travel between processes.
 
 Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a
-Python object per token), and `SamplingSettings`. Imports only
+Python object per token), `SamplingSettings`, and what multi-turn episodes add (`EpisodePrompt` in, `EpisodeInfo`
+and a per-token `model_mask` out). Imports only
 numpy, so the driver (and benchmarks that simulate engines) can use these types without torch or vLLM.
 Does not own: sampling itself (actors/rollout.py).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,28 @@ class SamplingSettings:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+
+
+class EpisodePrompt(NamedTuple):
+    """A prompt of a multi-turn episode: its text (for the environment's `reset`), its label, and its token ids when
+    the driver tokenised it once (else the worker tokenises the text)."""
+
+    text: str
+    label: Any
+    ids: Sequence[int] | None = None
+
+
+@dataclass(slots=True)
+class EpisodeInfo:
+    """What one multi-turn episode did, beside its tokens (actors/episodes.py)."""
+
+    turns: int  # model turns generated
+    turn_ends: list[int]  # response index of the last model token of each turn the environment answered
+    turn_rewards: list[float]  # the environment's reward for each of those turns
+    calls: int  # environment calls made (reset and steps)
+    invalid_calls: int  # steps whose `info` said `invalid_call`
+    env_seconds: float  # wall time of this episode's environment calls
+    error: str | None = None  # one line: an environment call failed (the run's `env.on_failure` applies)
 
 
 # Not frozen: a frozen dataclass's __init__ sets every field through object.__setattr__, and the driver builds
@@ -45,6 +68,10 @@ class Rollout:
     # step's last token, and each step's combined reward (`cluster.run.scoring.ScoredSteps`).
     step_ends: Any = None
     step_rewards: Any = None
+    # Multi-turn episodes: [T_resp] 1 where the model sampled the token, 0 where the environment added it (whose
+    # behaviour logprob is 0); None: every response token is the model's. `episode`: what the episode did.
+    model_mask: Sequence[int] | None = None
+    episode: EpisodeInfo | None = None
 
 
 class RolloutGroups(list):
@@ -55,12 +82,15 @@ class RolloutGroups(list):
     float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one, and `probe`
     the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to; `clock` the worker's wall clock
     (time.time()) when the request started running and when it finished (the engines' idle time between requests);
-    `loads`, with in-flight updates, every load the request made, each with its probe or None."""
+    `loads`, with in-flight updates, every load the request made, each with its probe or None; `env_wait_s`, with
+    multi-turn episodes, the seconds the engine had nothing to generate because every unfinished episode was waiting
+    for its environment."""
 
     loaded: Loaded | None = None
     probe: Any = None
     clock: tuple[float, float] | None = None
     loads: list | None = None
+    env_wait_s: float = 0.0
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -73,21 +103,29 @@ class RolloutGroups(list):
             [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
             self.loaded, self.probe, self.clock, self.loads,
             None if not rollouts or rollouts[0].versions is None else
-            np.concatenate([np.asarray(r.versions, np.int32) for r in rollouts])))
+            np.concatenate([np.asarray(r.versions, np.int32) for r in rollouts]),
+            None if not rollouts or rollouts[0].model_mask is None else
+            (np.concatenate([np.asarray(r.model_mask, np.uint8) for r in rollouts]), [r.episode for r in rollouts]),
+            self.env_wait_s))
 
 
 def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
-                   loaded=None, probe=None, clock=None, loads=None, token_versions=None) -> RolloutGroups:
+                   loaded=None, probe=None, clock=None, loads=None, token_versions=None, episodes=None,
+                   env_wait_s=0.0) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
     ends = np.cumsum(lengths).tolist()
     starts = [0] + ends[:-1]
+    masks, infos = (None, None) if episodes is None else (np.array(episodes[0]), episodes[1])
     groups, k = RolloutGroups(), 0
     for size, prompt in zip(sizes, prompt_ids):
         groups.append([Rollout(prompt, ids[starts[j]:ends[j]], logprobs[starts[j]:ends[j]], texts[j],
                                finish_reasons[j], versions[j],
-                               None if token_versions is None else token_versions[starts[j]:ends[j]])
+                               None if token_versions is None else token_versions[starts[j]:ends[j]],
+                               model_mask=None if masks is None else masks[starts[j]:ends[j]],
+                               episode=None if infos is None else infos[j])
                        for j in range(k, k + size)])
         k += size
     groups.loaded, groups.probe, groups.clock, groups.loads = loaded, probe, clock, loads
+    groups.env_wait_s = env_wait_s
     return groups

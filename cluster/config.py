@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.config import ReferenceConfig, RolloutConfig
 from learner.config import CriticConfig, LearnerConfig
-from rewards.config import SOURCE_TYPES, RewardConfig
+from rewards.config import SOURCE_TYPES, EnvironmentConfig, RewardConfig
 from sync.config import SyncConfig
 
 
@@ -40,11 +40,12 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "chain_sum", "dataset"] = "arithmetic"
+    task: Literal["arithmetic", "chain_sum", "calc", "dataset"] = "arithmetic"
     """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `chain_sum` draws `12+34+56=` prompts
     whose label is the partial sums, one step each, separated by single spaces (`46 102`); `dataset` reads
-    `data.path`. With an empty `model.path`, `chain_sum` runs on its own demo model, the others on the arithmetic
-    one."""
+    `data.path`; `calc` draws `37*48=` prompts whose label is the product, for multi-turn episodes with the
+    calculator tool (`env.spec: rewards.environments.examples:Calculator`). With an empty `model.path`, `chain_sum`
+    and `calc` run on their own demo models, the others on the arithmetic one."""
     path: str | None = None
     """Prompt file for `task=dataset`: JSONL (`.jsonl`), Parquet (`.parquet`) or a Hugging Face `datasets`
     directory (written by `save_to_disk`)."""
@@ -59,6 +60,10 @@ class DataConfig(_Section):
     get it)."""
     system_prompt: str | None = None
     """System message put before every prompt when the chat template is applied."""
+    tools: list[str] = []
+    """Functions offered to a chat model as tools (`package.module:function`, typed, with a Google-style docstring):
+    their JSON schemas go into the chat template (`tools=`) of every prompt it renders; run them with
+    `env.spec: rewards.environments.tools:ToolEnvironment` and `env.params.tools` (docs/environments.md)."""
     max_prompt_tokens: int | None = Field(None, ge=1, le=1_048_576)
     """Longer prompts are skipped and counted (`data/filtered_prompts`); empty: `rollout.max_model_len -
     rollout.max_new_tokens`."""
@@ -155,6 +160,8 @@ class RunConfig(_Section):
     """The frozen reference policy for the KL penalty."""
     reward: RewardConfig = RewardConfig()
     """How completions are scored."""
+    env: EnvironmentConfig = EnvironmentConfig()
+    """Multi-turn episodes with an environment (in-process or a service), and how its rewards count."""
     learner: LearnerConfig = LearnerConfig()
     """The trained policy, its optimizer and the objective."""
     critic: CriticConfig = CriticConfig()
@@ -169,6 +176,11 @@ class RunConfig(_Section):
     """A deadline for every remote call."""
     ray: RayConfig = RayConfig()
     """The Ray cluster to run on."""
+
+    @property
+    def scores_steps(self) -> bool:
+        """Whether the learner gets step rewards: a reward source of level steps, or `env.turn_rewards=steps`."""
+        return self.reward.scores_steps or (self.env.enabled and self.env.turn_rewards == "steps")
 
     @property
     def uses_reference(self) -> bool:
@@ -257,6 +269,26 @@ def _inconsistencies(config: RunConfig):
     if config.reward.scores_steps and learner.advantage == "grpo" and learner.kl_reward_coef > 0:
         yield ("step rewards with advantage=grpo normalise the rewards at step ends only, so a per-token KL in the "
                "reward would be lost: put the KL in the loss (learner.kl_coef) and set learner.kl_reward_coef=0")
+    env = config.env
+    if not config.reward.sources and not env.enabled:
+        yield "reward.sources is empty and no environment gives rewards: add a source or set env.spec or env.urls"
+    if env.enabled and "env" in config.reward.sources:
+        yield "reward source name 'env' would hide the environment's metric reward/env; choose another name"
+    if rollout.stop and not env.enabled:
+        yield "rollout.stop ends a model turn of an episode: set env.spec or env.urls, or remove rollout.stop"
+    if env.enabled and rollout.in_flight_updates:
+        yield "env episodes and rollout.in_flight_updates are not supported together; set in_flight_updates=false"
+    env_steps = env.enabled and env.turn_rewards == "steps"
+    if env_steps and config.reward.scores_steps:
+        yield ("env.turn_rewards=steps and a reward source with level=steps both give step rewards; keep one "
+               "(env.turn_rewards=outcome, or the source at level=outcome)")
+    if env_steps and learner.advantage in ("rloo", "reinforce_pp"):
+        yield (f"env.turn_rewards=steps needs learner.advantage grpo, gae or reinforce; {learner.advantage} reads "
+               "one reward per sequence (or set env.turn_rewards=outcome)")
+    if env_steps and learner.advantage == "grpo" and learner.kl_reward_coef > 0:
+        yield ("env.turn_rewards=steps with advantage=grpo normalises the rewards at turn ends only, so a per-token "
+               "KL in the reward would be lost: put the KL in the loss (learner.kl_coef) and set "
+               "learner.kl_reward_coef=0")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

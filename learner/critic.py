@@ -161,12 +161,13 @@ class Critic:
                    weight: float) -> dict[str, float]:
         """Backpropagate `weight` x the token-mean clipped value loss of one micro-batch; returns weighted metrics.
 
-        The value loss is always a token mean: it is a regression, and every token's return is one target."""
+        The value loss is always a token mean: it is a regression, and every token's return is one target. Over the
+        model's tokens (`mb.loss_mask`): the environment's tokens of an episode have no value target."""
         values = self.values(mb)
-        loss, metrics = value_loss(values, old_values, returns, mb.response_mask, self.config.value_clip, "token-mean")
+        loss, metrics = value_loss(values, old_values, returns, mb.loss_mask, self.config.value_clip, "token-mean")
         (loss * weight).backward()
         with torch.no_grad():
-            mask = mb.response_mask.bool()
+            mask = mb.loss_mask.bool()
             mean_value = float(values[mask].mean()) if mask.any() else 0.0
         return {"loss/value": float(loss.detach()) * weight, "value/clip_fraction": float(metrics["clip_fraction"])
                 * weight, "value/mean": mean_value * weight}

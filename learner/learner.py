@@ -3,9 +3,11 @@
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
 `old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from
 the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
-(the outcome reward on the last response token, minus the KL penalty when it goes in the reward); advantages (looked
-up by the config's name); epochs x minibatches x micro-batches of the configured policy loss (+ KL in the loss,
-- entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
+(the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the reward);
+advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.model_masks`): only the model's
+tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each
+row's model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
+(+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
 (`learner.algo.sequences.MicroBatching`); skipping non-finite updates; saving and restoring its whole state for
 checkpoints; the weights version (it counts the updates it made, and `train_step` and `load_checkpoint` return it:
 everyone else reads it from there). Mixed precision: parameters,
@@ -32,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards
+from learner.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    carry_to_model_tokens,
+    last_token_rewards,
+    on_model_tokens,
+)
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.algo.sequences import (
@@ -68,6 +76,11 @@ class TrainBatch:
     # tokens that end a step (the last response token always does), 0 elsewhere.
     step_rewards: list[list[float]] | None = None
     step_ends: list[list[float]] | None = None
+    # Multi-turn episodes: [B][T_resp_i] 1 (any value > 0) at the response tokens the model sampled, 0 at those the
+    # environment added (trained on by nothing: no loss, KL, entropy, mismatch or correction, no value target, no
+    # token counted); `Rows` of any numeric dtype travel packed. None: every response token is the model's. Every
+    # other per-token array still covers every response token (behaviour logprobs 0 at the environment's).
+    model_masks: list[list[float]] | None = None
 
 
 @dataclass
@@ -219,26 +232,20 @@ class Learner(WeightPublisher):
         `ref_logprobs`, when given, replaces `data.ref_logprobs`: every response token's reference logprob in one flat
         array (`ReferenceWorker.compute_flat_logprobs`; Ray resolves a ref passed here in the learner's process)."""
         cfg = self.config
-        batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device)
-        mask = batch.response_mask
+        batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device, data.model_masks)
+        mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
         old_logprobs = None if self.single_update else self._policy_rows(batch)
         ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
         ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
         metrics: dict[str, float] = {}
-        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
-        token_rewards = last_token_rewards(rewards, mask)
-        step_ends = None
-        if data.step_rewards is not None:  # process supervision: step rewards at their steps' last tokens
-            token_rewards = token_rewards + pad_per_token(data.step_rewards, batch)
-            step_ends = pad_per_token(data.step_ends, batch) > 0
-        if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
-            token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
-            token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
-            metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
+        token_rewards, step_ends = self._token_rewards(data, batch, old_logprobs, ref, metrics)
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
-        estimate = ADVANTAGE_ESTIMATORS[cfg.advantage](AdvantageInputs(
-            token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values, gamma=cfg.gamma,
-            lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline, step_ends=step_ends))
+        inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values,
+                                 gamma=cfg.gamma, lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline,
+                                 step_ends=step_ends)
+        estimator = ADVANTAGE_ESTIMATORS[cfg.advantage]
+        # Environment tokens between turns: the estimators see each row's model tokens as one contiguous sequence.
+        estimate = on_model_tokens(estimator, inputs) if batch.has_env_tokens else estimator(inputs)
         behavior = pad_per_token(data.behavior_logprobs, batch)
         correction = None
         if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)
@@ -273,13 +280,36 @@ class Learner(WeightPublisher):
         self._gathered = self.dp.gather_weights(self.model)
         return metrics
 
+    def _token_rewards(self, data: TrainBatch, batch: SequenceBatch, old_logprobs: torch.Tensor | None,
+                       ref: torch.Tensor | None, metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token rewards [B, L-1], on the model's tokens only: the outcome reward on each row's last one, plus
+        the step rewards (process supervision), minus the KL penalty when it goes in the reward (its mean into
+        `metrics`); and the step ends ([B, L-1] bool, or None)."""
+        cfg = self.config
+        mask = batch.loss_mask
+        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
+        token_rewards = last_token_rewards(rewards, mask)
+        step_ends = None
+        if data.step_rewards is not None:  # process supervision: step rewards at their steps' last tokens
+            step_rewards, step_ends = pad_per_token(data.step_rewards, batch), pad_per_token(data.step_ends, batch)
+            if batch.has_env_tokens:  # steps ending on environment tokens end at the model token before them
+                step_rewards = carry_to_model_tokens(step_rewards, batch.response_mask, mask)
+                step_ends = carry_to_model_tokens(step_ends, batch.response_mask, mask)
+            token_rewards = token_rewards + step_rewards
+            step_ends = step_ends > 0
+        if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
+            token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
+            token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
+            metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
+        return token_rewards, step_ends
+
     def _minibatch_update(self, step: StepTensors, b_idx: torch.Tensor) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite).
 
         With several ranks, this rank runs its share of the minibatch `b_idx`, weighted against the whole minibatch;
         gradients and metrics are summed over ranks before the norm and the skip decision, so all ranks agree."""
         cfg = self.config
-        b_mask = step.batch.response_mask[b_idx]
+        b_mask = step.batch.loss_mask[b_idx]  # the trained tokens: every share and denominator counts these
         totals: dict[str, float] = {}
 
         def add(name: str, value: torch.Tensor | float, weight: float) -> None:
@@ -292,7 +322,7 @@ class Learner(WeightPublisher):
         for mb_idx, live in self.dp.micro_batches(b_idx, lengths, self.batching):
             mb = step.batch.select(mb_idx)
             width = mb.response_mask.shape[1]
-            mb_mask = mb.response_mask
+            mb_mask = mb.loss_mask
             # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for
             # every mode. A dead pass (ranks run equally many) weighs 0.
             weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0

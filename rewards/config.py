@@ -149,6 +149,64 @@ RewardSource = Annotated[Annotated[RuleSource, Tag("rule")] | Annotated[RemoteSo
 SOURCE_TYPES: dict[str, type[BaseModel]] = {"rule": RuleSource, "remote": RemoteSource, "model": ModelSource}
 
 
+class EnvironmentConfig(_Section):
+    """Multi-turn episodes (docs/environments.md): with `spec` or `urls` set, each completion is an episode of up to
+    `rollout.max_turns` model turns, each answered by the environment, whose tokens are appended to the response as
+    they are and masked out of the loss."""
+
+    spec: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    """An in-process environment class, `package.module:Class` (e.g.
+    `rewards.environments.examples:Calculator`), one instance per episode, run in each rollout worker's process."""
+    params: dict[str, Any] = {}
+    """Keyword arguments of the environment class's constructor (in-process), e.g. `{max_calls: 2}`."""
+    urls: list[str] = []
+    """Base URLs of an environment service's replicas (`http(s)://host:port`, `relay env serve`); instead of `spec`."""
+    weight: float = Field(1.0, ge=-1000, le=1000)
+    """Weight of the environment's rewards in the combined reward (`reward/env` in the metrics)."""
+    turn_rewards: Literal["outcome", "steps"] = "outcome"
+    """`outcome`: an episode's turn rewards are summed into its outcome reward; `steps`: each turn's reward is a step
+    reward at the turn's last model token (the process-supervision path: grpo, gae or reinforce)."""
+    observation: Literal["text", "chat"] = "text"
+    """How an observation becomes tokens: `text`, its text tokenised alone (no special tokens); `chat`, a `tool`
+    message of the model's chat template after the model's turn, up to the next assistant turn's header
+    (`rewards/environments/tools.py`)."""
+    max_concurrency: int = Field(32, ge=1, le=4096)
+    """Environment calls (in-process: threads) or requests (remote) in flight at once, per rollout worker."""
+    timeout: float = Field(30.0, gt=0, le=86_400)
+    """Deadline of one environment call (in-process) or request (remote), in seconds."""
+    max_retries: int = Field(3, ge=0, le=100)
+    """Remote: retries of a request that was refused, timed out or got a 5xx reply (never on 4xx)."""
+    backoff: float = Field(0.25, gt=0, le=600)
+    """Remote: first retry delay in seconds; doubles each retry, with full jitter, up to `backoff_max`."""
+    backoff_max: float = Field(8.0, gt=0, le=3600)
+    """Remote: longest retry delay in seconds."""
+    token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Remote: name of the environment variable holding the service's bearer token."""
+    verify_tls: bool = True
+    """Remote: verify the service's TLS certificate (https URLs)."""
+    on_failure: Literal["fail", "drop"] = "fail"
+    """What an episode whose environment call failed (raised, timed out, service down after the retries) does:
+    `fail` stops the run naming the environment and the error; `drop` removes its group from the step. Always counted
+    (`env/failures`)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec is not None or bool(self.urls)
+
+    @model_validator(mode="after")
+    def _valid(self) -> EnvironmentConfig:
+        if self.spec is not None and self.urls:
+            raise ValueError("spec (an in-process environment) and urls (a service) are both set; keep one")
+        if self.params and self.spec is None:
+            raise ValueError("params are the constructor arguments of an in-process environment: set spec too")
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
+                raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
+        if self.backoff > self.backoff_max:
+            raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        return self
+
+
 class StepsConfig(_Section):
     delimiter: str | None = Field(None, min_length=1)
     """Process supervision: a response token whose text holds this string ends a step (e.g. a newline, or a space
@@ -157,10 +215,11 @@ class StepsConfig(_Section):
 
 
 class RewardConfig(_Section):
-    sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()}, min_length=1)
+    sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()})
     """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
     Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
-    exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`."""
+    exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`. May be empty (`{}`) when an
+    environment (`env`) gives the rewards."""
     steps: StepsConfig = StepsConfig()
     """How completions are split into steps for the sources with `level: steps`."""
     overlong_buffer: int = Field(0, ge=0, le=1_000_000)

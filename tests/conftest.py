@@ -77,6 +77,14 @@ def chain_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def calc_model_dir() -> Path:
+    """The calculator-tool demo task's warmed-up base model (multi-turn episodes), built once into RELAY_CACHE_DIR."""
+    from cluster.demo.model import ensure_demo_model
+
+    return ensure_demo_model(task="calc")
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance for the whole session, shut down (only it) at the end."""
     import ray

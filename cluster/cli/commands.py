@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
                                             "supervised warm-up) into $RELAY_CACHE_DIR or ~/.cache/relay.")
     build.add_argument("--force", action="store_true", help="rebuild even if the cache holds it")
-    build.add_argument("--task", choices=["arithmetic", "chain_sum"], default="arithmetic",
-                       help="which demo task's model: arithmetic (a+b=) or chain_sum (12+34+56= -> 46 102)")
+    build.add_argument("--task", choices=["arithmetic", "chain_sum", "calc"], default="arithmetic",
+                       help="which demo task's model: arithmetic (a+b=), chain_sum (12+34+56= -> 46 102) or calc "
+                            "(37*48= with a calculator tool)")
     _add_verifier_commands(commands)
     _add_env_commands(commands)
     plot = commands.add_parser("plot", help="draw a run's charts from its metrics.jsonl into a PNG",

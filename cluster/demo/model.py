@@ -1,14 +1,17 @@
 """The demo's base models: a character tokenizer and tiny Qwen2s warmed up on the demo tasks, built locally.
 
 Owns building, saving (atomically) and caching the model directories that the demo's engines and learner load
-(one per task: `arithmetic`, `a+b=`, and `chain_sum`, `12+34+56=` -> `46 102`), and the transformers-based accuracy
-checks used to tune them. Does not own the RL loop, the tasks and their reward (`cluster.demo.task`, which
-re-exports `rewards.verifiers.exact_match`) or any engine: the directory is a plain Hugging Face model dir, read
-like any other.
+(one per task: `arithmetic`, `a+b=`; `chain_sum`, `12+34+56=` -> `46 102`; `calc`, `37*48=` -> `1776` with a
+calculator tool), and the transformers-based accuracy checks used to tune them. Does not own the RL loop, the tasks
+and their reward (`cluster.demo.task`, which re-exports `rewards.verifiers.exact_match`), the calc task's episodes
+(`cluster.demo.calc`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
 
-Each built model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only ~25%
-when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
+Each one-turn model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only
+~25% when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
 sampling RL then sharpens. The chain model's first step is right about twice as often (~50%) as its whole answer.
+The calc model calls its tool on ~25% of first turns at T=1 and is then right ~96% of the time; its direct answers
+are right ~5% of the time (it cannot multiply): ~28% in all, which RL raises by learning to call the tool
+(`CalcRecipe`).
 """
 
 from __future__ import annotations
@@ -27,20 +30,30 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo.task import Problem, exact_match, make_chain_problems, make_problems
+from cluster.demo.calc import (
+    call_probabilities,
+    draw_calc_sequences,
+    encode_segments,
+    run_calc_episodes,
+    summarize_episodes,
+)
+from cluster.demo.task import Problem, exact_match, make_calc_problems, make_chain_problems, make_problems
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 CHARACTERS = "0123456789+-*= "
+CALC_CHARACTERS = CHARACTERS + "[]"  # appended: the other characters keep their ids
 DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe below changes the built weights
 CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
+CALC_MODEL_NAME = "demo-calc-model-v1"  # likewise for `CALC_RECIPE`
 REPORT_FILE = "relay_demo_report.json"
 BUILD_THREADS = 1
 SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
 
 
-def build_char_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
-    """One token per character of `CHARACTERS`; `<pad>` is id 0, `<eos>` id 1; no BOS, nothing added on encode.
+def build_char_tokenizer(model_max_length: int = 64, characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
+    """One token per character of `characters` (id 2 + its index); `<pad>` is id 0, `<eos>` id 1; no BOS, nothing
+    added on encode. The calc task's tokenizer has `CALC_CHARACTERS`, the others `CHARACTERS`.
 
     Built as a byte-level BPE without merges because transformers reloads any qwen2 model directory with
     `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the saved vocabulary and merges (a character-level
@@ -49,8 +62,9 @@ def build_char_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
     dropped on encode, by this tokenizer and by the reloaded one alike.
     """
     byte_level = pre_tokenizers.ByteLevel.alphabet()  # printable stand-ins for bytes, e.g. " " -> "Ġ"
-    assert all(char in byte_level or char == " " for char in CHARACTERS)
-    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {("Ġ" if char == " " else char): 2 + i for i, char in enumerate(CHARACTERS)}
+    if len(set(characters)) != len(characters) or not all(char in byte_level or char == " " for char in characters):
+        raise ValueError(f"characters {characters!r} must be distinct and printable ASCII (or the space)")
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {("Ġ" if char == " " else char): 2 + i for i, char in enumerate(characters)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -240,9 +254,43 @@ CHAIN_RECIPE = WarmupRecipe(
     num_terms=3,
     answer_characters="0123456789 ",  # the space too: a wrong answer may have a step too few or too many
 )
-DEMO_TASKS = ("arithmetic", "chain_sum")  # the tasks with a built-in model; `task="dataset"` gets the arithmetic one
-_MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME}
-_RECIPES = {"arithmetic": WarmupRecipe(), "chain_sum": CHAIN_RECIPE}
+
+
+@dataclass(frozen=True)
+class CalcRecipe(WarmupRecipe):
+    """The calc task's recipe (`37*48=`, multi-turn with the `Calculator` tool; cluster/demo/calc.py).
+
+    Warm-up sequences take the tool form (`[37*48]`, the tool's `1776 `, `1776<eos>`) with probability
+    `tool_fraction`, else the direct form (`1776<eos>`, which the model cannot compute): the model then calls the
+    tool on about `tool_fraction` of its first turns, and copies the call and the tool's answer right when it does.
+    Its start is set by `tool_fraction` alone, not by scaling the output layer: T=1 accuracy is about tool use x
+    copying accuracy, and a scale below 1 would break the copying while one above 1 would push tool use down to
+    greedy's rate (~10%: the likeliest first digit usually beats `[`), so accuracy is not monotonic in the scale and
+    bisecting it is neither sound nor needed. RL then has one thing to learn, to call the tool. Training stops once
+    the teacher-forced probability of the right tool episode after `[` (`call_probabilities`) reaches
+    `target_call_accuracy` on the validation problems. No label smoothing: it would make the copying err. The
+    output gain is folded as for the other tasks (`_fold_output_gain`): RL needs it to move the first token's odds.
+    """
+
+    tool_fraction: float = 0.25  # ~ the T=1 tool-use rate of the built model (0.18-0.26 over seeds 0-3)
+    target_call_accuracy: float = 0.95  # teacher-forced; its T=1 accuracy given a call came out 0.94-0.99
+    max_calls: int = 2  # `Calculator(max_calls)` in the report's episodes
+    max_turns: int = 3
+    characters: str = CALC_CHARACTERS
+    # Overridden defaults: two-digit operands; "[99*99]" is 7 tokens, "9801" + <eos> 5, per turn.
+    min_operand: int = 10
+    max_operand: int = 99
+    label_smoothing: float = 0.0
+    max_new_tokens: int = 8
+    max_steps: int = 800  # the cosine schedule's length; the target is reached after ~400-450 steps
+    num_val_problems: int = 256
+    num_eval_problems: int = 512
+
+
+CALC_RECIPE = CalcRecipe()
+DEMO_TASKS = ("arithmetic", "chain_sum", "calc")  # the tasks with a built-in model; "dataset" gets the arithmetic one
+_MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME, "calc": CALC_MODEL_NAME}
+_RECIPES = {"arithmetic": WarmupRecipe(), "chain_sum": CHAIN_RECIPE, "calc": CALC_RECIPE}
 
 
 def _demo_task(task: str) -> str:
@@ -255,9 +303,11 @@ def _demo_task(task: str) -> str:
 
 
 def draw_warmup_problems(task: str, recipe: WarmupRecipe, rng: random.Random, n: int) -> list[Problem]:
-    """`n` problems of `task` ("arithmetic" or "chain_sum") with the recipe's operands and terms."""
+    """`n` problems of `task` ("arithmetic", "chain_sum" or "calc") with the recipe's operands and terms."""
     if _demo_task(task) == "chain_sum":
         return make_chain_problems(rng, n, recipe.num_terms, recipe.min_operand, recipe.max_operand)
+    if _demo_task(task) == "calc":
+        return make_calc_problems(rng, n, recipe.min_operand, recipe.max_operand)
     return make_problems(rng, n, recipe.min_operand, recipe.max_operand)
 
 
@@ -304,7 +354,10 @@ def _train_warmup(
     seed: int,
     task: str = "arithmetic",
 ) -> int:
-    """Supervised warm-up until validation greedy accuracy reaches the target (or `max_steps`); returns steps."""
+    """Supervised warm-up until the validation target is reached (or `max_steps`); returns the steps taken.
+
+    The target: greedy accuracy `target_greedy_accuracy`, or for calc `target_call_accuracy` (`_reached_target`).
+    """
     rng = random.Random(seed)
     answer_ids = torch.tensor(tokenizer.encode(recipe.answer_characters) + [tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -318,19 +371,32 @@ def _train_warmup(
         model.train()
         drawn = draw_warmup_problems(task, recipe, rng, recipe.batch_size)
         problems = [p for p in drawn if p.prompt not in excluded_prompts]
-        input_ids, labels = _encode_batch(tokenizer, problems)
+        if isinstance(recipe, CalcRecipe):  # one rng.random() per problem after the draw: the sequence's form
+            sequences = draw_calc_sequences(problems, recipe.tool_fraction, rng, tokenizer.eos_token)
+            input_ids, labels = encode_segments(tokenizer, sequences)
+        else:
+            input_ids, labels = _encode_batch(tokenizer, problems)
         logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]: position t predicts token t+1
         loss = _smoothed_answer_loss(logits, labels[:, 1:], recipe.label_smoothing, answer_ids)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-        if step % recipe.eval_every == 0:
-            greedy = evaluate_accuracy(model, tokenizer, val_problems, 0.0, recipe.max_new_tokens)
-            if greedy >= recipe.target_greedy_accuracy:
-                break
+        if step % recipe.eval_every == 0 and _reached_target(model, tokenizer, recipe, val_problems):
+            break
     model.eval()
     return step
+
+
+def _reached_target(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, recipe: WarmupRecipe, val_problems: Sequence[Problem]
+) -> bool:
+    """Greedy accuracy >= `target_greedy_accuracy`; for a `CalcRecipe`, the teacher-forced probability of the right
+    tool episode after `[` >= `target_call_accuracy` (one forward pass, no sampling)."""
+    if isinstance(recipe, CalcRecipe):
+        return call_probabilities(model, tokenizer, val_problems)[1] >= recipe.target_call_accuracy
+    greedy = evaluate_accuracy(model, tokenizer, val_problems, 0.0, recipe.max_new_tokens)
+    return greedy >= recipe.target_greedy_accuracy
 
 
 @torch.no_grad()
@@ -450,20 +516,23 @@ def build_demo_model(
 ) -> dict[str, object]:
     """Builds, warms up, calibrates, evaluates and atomically saves the demo model of `task`; returns the report.
 
-    `recipe` None: the task's own (`WarmupRecipe()` for arithmetic and a dataset, `CHAIN_RECIPE` for chain_sum).
-    The report (also saved as `relay_demo_report.json` in the directory) gives params, steps, seconds and the
-    greedy and T=1 sampled accuracy on held-out problems, whole answers and single steps (`step_accuracy`).
+    `recipe` None: the task's own (`WarmupRecipe()` for arithmetic and a dataset, `CHAIN_RECIPE` for chain_sum,
+    `CALC_RECIPE` for calc). The report (also saved as `relay_demo_report.json` in the directory) gives params,
+    steps, seconds and the greedy and T=1 sampled accuracy on held-out problems: for one-turn tasks of whole answers
+    and single steps (`step_accuracy`), for calc of episodes with the tool (`_calc_report`).
     Deterministic for a seed, recipe and task on one machine.
     """
     task = _demo_task(task)
     recipe = _RECIPES[task] if recipe is None else recipe
+    if (task == "calc") != isinstance(recipe, CalcRecipe):
+        raise ValueError(f"task {task!r} with a {type(recipe).__name__}: calc takes a CalcRecipe, the others do not")
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     # One thread: the weights then do not depend on the core count, and a 2-core machine that is busy elsewhere
     # slows the build far less (two threads spin-wait for a descheduled peer at every op).
     torch.set_num_threads(BUILD_THREADS)
     try:
-        tokenizer = build_char_tokenizer()
+        tokenizer = build_char_tokenizer(characters=recipe.characters if task == "calc" else CHARACTERS)
         config = tiny_qwen2_config(
             vocab_size=len(tokenizer),
             hidden_size=recipe.hidden_size,
@@ -479,24 +548,27 @@ def build_demo_model(
             torch.manual_seed(seed)
             model = Qwen2ForCausalLM(config)
             steps = _train_warmup(model, tokenizer, recipe, val_problems, excluded, seed, task)
-        output_scale = _calibrate_output_scale(model, tokenizer, recipe, val_problems, seed)
-        _fold_output_gain(model, recipe.output_gain)
-        greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
-        sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
         report: dict[str, object] = {
             "name": _MODEL_NAMES[task],
             "task": task,
             "seed": seed,
             "params": sum(p.numel() for p in model.parameters()),
             "steps": steps,
-            "output_scale": output_scale,
             "num_eval_problems": len(held_out),
-            "greedy_accuracy": _exact_match_rate(held_out, greedy),
-            "sampled_accuracy": _exact_match_rate(held_out, sampled),
-            "greedy_step_accuracy": step_accuracy(held_out, greedy),
-            "sampled_step_accuracy": step_accuracy(held_out, sampled),
-            "recipe": asdict(recipe),
         }
+        if isinstance(recipe, CalcRecipe):
+            _fold_output_gain(model, recipe.output_gain)
+            report |= _calc_report(model, tokenizer, recipe, held_out, seed)
+        else:
+            report["output_scale"] = _calibrate_output_scale(model, tokenizer, recipe, val_problems, seed)
+            _fold_output_gain(model, recipe.output_gain)
+            greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
+            sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
+            report["greedy_accuracy"] = _exact_match_rate(held_out, greedy)
+            report["sampled_accuracy"] = _exact_match_rate(held_out, sampled)
+            report["greedy_step_accuracy"] = step_accuracy(held_out, greedy)
+            report["sampled_step_accuracy"] = step_accuracy(held_out, sampled)
+        report["recipe"] = asdict(recipe)
         report["seconds"] = round(time.perf_counter() - started, 2)
         save_model_dir(model, tokenizer, out_dir, extra_files={REPORT_FILE: json.dumps(report, indent=2) + "\n"})
         return report
@@ -504,9 +576,26 @@ def build_demo_model(
         torch.set_num_threads(previous_threads)
 
 
+def _calc_report(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, recipe: CalcRecipe, held_out: Sequence[Problem],
+    seed: int,
+) -> dict[str, float]:
+    """Greedy and T=1 sampled episodes with the tool on `held_out` (`run_calc_episodes`): `greedy_accuracy`,
+    `sampled_accuracy`, and each `summarize_episodes` metric prefixed `greedy_` or `sampled_`."""
+    report = {}
+    for prefix, temperature, episodes_seed in (("greedy", 0.0, 0), ("sampled", 1.0, seed + 1)):
+        episodes = run_calc_episodes(model, tokenizer, held_out, temperature, recipe.max_new_tokens, recipe.max_turns,
+                                     recipe.max_calls, seed=episodes_seed)
+        metrics = summarize_episodes(episodes)
+        report[f"{prefix}_accuracy"] = metrics.pop("accuracy")
+        report |= {f"{prefix}_{name}": value for name, value in metrics.items()}
+    return report
+
+
 def demo_model_dir(task: str = "arithmetic") -> Path:
     """`$RELAY_CACHE_DIR/<name>`, or `~/.cache/relay/<name>` when the variable is unset; the name is
-    `demo-model-v1` for arithmetic (and a dataset), `demo-chain-model-v1` for chain_sum."""
+    `demo-model-v1` for arithmetic (and a dataset), `demo-chain-model-v1` for chain_sum, `demo-calc-model-v1` for
+    calc."""
     cache_dir = os.environ.get("RELAY_CACHE_DIR")
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "relay"
     return root / _MODEL_NAMES[_demo_task(task)]
@@ -519,8 +608,8 @@ def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithme
     path = demo_model_dir(task)
     if path.exists():  # complete if present: save_model_dir renames a finished directory into place
         return path
-    chain = task == "chain_sum"
-    what, how_long = ("chain_sum demo model", "under 2 minutes") if chain else ("demo model", "under a minute")
+    what = {"arithmetic": "demo model", "chain_sum": "chain_sum demo model", "calc": "calc demo model"}[task]
+    how_long = "under 2 minutes" if task == "chain_sum" else "under a minute"
     log(f"Building the {what} in {path} (once; {how_long} on 2 idle cores)...")
     try:
         report = build_demo_model(path, task=task)
@@ -532,5 +621,6 @@ def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithme
     log(
         f"Built the {what} in {report['seconds']:.0f} s after {report['steps']} steps: held-out accuracy "
         f"greedy {report['greedy_accuracy']:.2f}, sampled at T=1 {report['sampled_accuracy']:.2f}"
+        + (f" (tool used on {report['sampled_tool_use_rate']:.2f} of first turns)" if task == "calc" else "")
     )
     return path

@@ -141,6 +141,11 @@ class RolloutLauncher:
                                        enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
                                        seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size)
         self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
+        self.episodes = None  # multi-turn episodes (`env`): what each worker needs to run them
+        if config.env.enabled:
+            from actors.episodes import EpisodeSettings
+
+            self.episodes = EpisodeSettings(config.env, ro.max_turns, tuple(ro.stop), ro.max_model_len)
 
     def reserve(self, busy_nodes: list[str]) -> PlacementGroup:
         """A placement group for one more worker, waited for up to `timeouts.start`; with `placement=spread`,
@@ -185,7 +190,7 @@ class RolloutLauncher:
             runtime_env={"env_vars": _env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
-        ).remote(self.settings, ro.num_threads, self.config.sync.fingerprint)
+        ).remote(self.settings, ro.num_threads, self.config.sync.fingerprint, self.episodes)
 
     def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = 10) -> None:
         """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources.

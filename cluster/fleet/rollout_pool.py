@@ -122,6 +122,7 @@ class RolloutPool:
         self.exports: dict[int, Export] = {}  # version -> its export, while requests may need it
         self.clock_end: dict[int, float] = {}  # slot id -> its worker's clock when its last request ended
         self.idle: dict[int, float] = {}  # slot id -> seconds its engine waited between requests, since `take_idle`
+        self.env_wait: dict[int, float] = {}  # slot id -> seconds its engine waited for environments (episodes)
         # In-flight updates (`rollout.in_flight_updates`): every export is offered to every worker at once.
         self.in_flight = config.rollout.in_flight_updates
         self.offers: list[tuple[RolloutSlot, Any]] = []  # (worker, ref of its `offer_weights` call) not yet settled
@@ -233,11 +234,19 @@ class RolloutPool:
     def _note_clock(self, slot_id: int, groups: Any) -> None:
         """Add the time worker `slot_id`'s engine waited between its previous request and this one (its own clock:
         waiting for the request, or for the weights it loads first) to `idle`."""
+        if getattr(groups, "env_wait_s", 0.0):
+            self.env_wait[slot_id] = self.env_wait.get(slot_id, 0.0) + groups.env_wait_s
         if groups.clock is None:
             return
         if slot_id in self.clock_end:
             self.idle[slot_id] = self.idle.get(slot_id, 0.0) + max(0.0, groups.clock[0] - self.clock_end[slot_id])
         self.clock_end[slot_id] = groups.clock[1]
+
+    def take_env_wait(self) -> float:
+        """Multi-turn episodes: seconds the engines sat waiting for environments (nothing to generate) since the last
+        call, the most of any worker."""
+        waits, self.env_wait = self.env_wait, {}
+        return max(waits.values(), default=0.0)
 
     def take_idle(self) -> float:
         """Seconds the engines waited between requests since the last call, the mean over workers that ran one."""

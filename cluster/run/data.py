@@ -4,8 +4,8 @@ Owns: which problems step k trains on, and reading a user's prompt dataset (JSON
 directory) into problems: field checks, the chat template, the prompt-length filter, and the prompts' token ids
 (tokenised once, when the dataset loads; the engines get these ids). A batch depends only on (seed, cursor), so a
 resumed run draws exactly the batches an uninterrupted one would.
-Does not own: the demo tasks, arithmetic and chain_sum (cluster/demo/task.py; their prompts go to the engines as
-text, which they tokenise)
+Does not own: the demo tasks, arithmetic, chain_sum and calc (cluster/demo/task.py; their prompts go to the engines
+as text, which they tokenise)
 or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use only.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cluster.config import DataConfig
-from cluster.demo.task import Problem, make_chain_problems, make_problems
+from cluster.demo.task import Problem, make_calc_problems, make_chain_problems, make_problems
 
 SUPPORTED_FORMATS = "a .jsonl or .parquet file, or a directory written by datasets' save_to_disk"
 _TOKENIZE_CHUNK = 1024  # prompts tokenized per call
@@ -79,6 +79,15 @@ class ChainSumPrompts(ArithmeticPrompts):
     def draw(self, rng: random.Random) -> list[Problem]:
         return make_chain_problems(
             rng, self.batch_size, self.config.num_terms, self.config.min_operand, self.config.max_operand)
+
+
+class CalcPrompts(ArithmeticPrompts):
+    """`37*48=` problems labelled with the product (`1776`), operands in [`config.min_operand`, `config.max_operand`],
+    for episodes with the `Calculator` tool; otherwise as `ArithmeticPrompts`: the same (seed, cursor) stream and
+    state."""
+
+    def draw(self, rng: random.Random) -> list[Problem]:
+        return make_calc_problems(rng, self.batch_size, self.config.min_operand, self.config.max_operand)
 
 
 class PromptDataset:
@@ -152,13 +161,15 @@ class PromptDataset:
 
 
 def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
-                       max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | PromptDataset:
+                       max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
     """The prompt source `config.task` names; a dataset's templates and lengths use the model's tokenizer (`model_path`
     None: the demo model's, made in memory, the same as the one its directory will hold)."""
     if config.task == "arithmetic":
         return ArithmeticPrompts(config, seed, batch_size)
     if config.task == "chain_sum":
         return ChainSumPrompts(config, seed, batch_size)
+    if config.task == "calc":
+        return CalcPrompts(config, seed, batch_size)
     if model_path is None:
         from cluster.demo.model import build_char_tokenizer
 
@@ -300,8 +311,8 @@ def _checked_messages(value: list, where: str, field: str) -> list[dict[str, Any
 
 
 def _apply_chat_template(config: DataConfig, tokenizer: Any, where: str, messages: list[dict[str, Any]]) -> str:
-    """Render with the tokenizer's template and a generation prompt; `config.system_prompt` goes first unless the
-    row brings its own system message (two system messages break most templates)."""
+    """Render with the tokenizer's template and a generation prompt, and `config.tools`' schemas; `config.system_prompt`
+    goes first unless the row brings its own system message (two system messages break most templates)."""
     if not getattr(tokenizer, "chat_template", None):
         why = "data.chat_template=true" if config.chat_template else "its prompt is a list of chat messages"
         raise DataError(
@@ -310,8 +321,16 @@ def _apply_chat_template(config: DataConfig, tokenizer: Any, where: str, message
             "data.chat_template=false and give string prompts, or use a model whose tokenizer has a chat template")
     if config.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": config.system_prompt}, *messages]
+    tools = {}
+    if config.tools:
+        from rewards.environments.tools import tool_schemas
+
+        try:
+            tools = {"tools": tool_schemas(config.tools)}
+        except ValueError as err:
+            raise DataError(f"data.tools: {err}") from None
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
     except Exception as err:  # a template may raise on the row's content (e.g. roles must alternate)
         raise DataError(f"{where}: the chat template of the tokenizer failed on field '{config.prompt_field}': "
                         f"{' '.join(str(err).split())}; fix the messages or the template") from err

@@ -233,9 +233,13 @@ class Trainer:
         finally:
             self.timings = outer
 
-    @staticmethod
-    def prompts_of(problems: list[Problem]) -> list[Any]:
-        """What the engines get for each problem: its token ids when the data source tokenised it once, else text."""
+    def prompts_of(self, problems: list[Problem]) -> list[Any]:
+        """What the engines get for each problem: its token ids when the data source tokenised it once, else text;
+        for multi-turn episodes (`env`), an `EpisodePrompt` with its text and label too (for the environment)."""
+        if self.config.env.enabled:
+            from actors.rollout_types import EpisodePrompt
+
+            return [EpisodePrompt(p.prompt, p.label, p.prompt_ids) for p in problems]
         return [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]
 
     @contextmanager
@@ -263,7 +267,7 @@ class Trainer:
             def rounds_from(round_: int) -> tuple[list[Problem], list[list[Any]]]:
                 problems = self.data.next_batch()
                 return problems, self.generate(problems, step, round_)
-        tally = Tally(self.config.reward.sources)
+        tally = Tally([*self.config.reward.sources, *(["env"] if self.config.env.enabled else [])])
         rounds = 0
         while len(tally.kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
             with self.timed("generate"):
@@ -309,7 +313,8 @@ class Trainer:
         kept, uninformative, counters = tally.kept, tally.uninformative, tally.counters
         if not kept and not uninformative:
             raise RunError(f"step {step}: every group was dropped because a remote verifier could not score it "
-                           f"({counters.get('verifier/failures', 0):.0f} failed samples); check the service")
+                           f"({counters.get('verifier/failures', 0):.0f} failed samples) or its environment failed "
+                           f"({counters.get('env/failures', 0):.0f} failed episodes); check the service")
         filler = uninformative[:max(0, want - len(kept))]
         chosen = kept[:want] + filler
         stats: dict[str, Any] = {"reward/mean": statistics.fmean(tally.scored),
@@ -411,7 +416,10 @@ class Trainer:
                            response_ids=Rows(r.response_ids for r in rollouts),
                            behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
                            group_size=self.config.rollout.group_size)  # Rows: packed across Ray
-        if self.config.reward.scores_steps:
+        if any(r.model_mask is not None for r in rollouts):  # multi-turn episodes: train on the model's tokens only
+            batch.model_masks = Rows(np.ones(len(r.response_ids), np.uint8) if r.model_mask is None
+                                     else np.asarray(r.model_mask, np.uint8) for r in rollouts)
+        if self.config.scores_steps:
             dense = [token_step_rewards(r.step_ends, r.step_rewards, len(r.response_ids)) for r in rollouts]
             batch.step_rewards, batch.step_ends = Rows(d[0] for d in dense), Rows(d[1] for d in dense)
         update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs), submitted)
@@ -509,12 +517,24 @@ class Trainer:
         """One metrics line. `reward/*` cover every completion scored this step (dropped groups too: they show how
         the policy does); the rest cover the completions trained on."""
         lengths = [len(r.response_ids) for r in rollouts]
+        episodes = {}
+        if self.config.env.enabled:  # multi-turn: what the episodes trained on did (failures: every one scored)
+            infos = [r.episode for r in rollouts if r.episode is not None]
+            episodes = {"env/turns/mean": statistics.fmean(e.turns for e in infos) if infos else 0.0,
+                        "env/calls": float(sum(e.calls for e in infos)),
+                        "env/invalid_calls": float(sum(e.invalid_calls for e in infos)),
+                        "env/episode_seconds": statistics.fmean(e.env_seconds for e in infos) if infos else 0.0,
+                        "response_length/model_tokens": statistics.fmean(
+                            float(np.sum(r.model_mask)) if r.model_mask is not None else len(r.response_ids)
+                            for r in rollouts),
+                        "time/env": self.rollouts.take_env_wait()}
         return {
             "step": step,
             **sampling,
             "rollout/completions": len(rollouts),
             "response_length/mean": statistics.fmean(lengths),
             "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+            **episodes,
             **learner_metrics,
             **self.data.metrics(),
             "weights/version": self.weights_version,
@@ -578,9 +598,10 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     try:
-        scorer = Scorer(config.reward, config.timeouts.reward)
+        scorer = Scorer(config.reward, config.timeouts.reward, config.env)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    check_environment(config)
     local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
     cpus, asked = config.ray.num_cpus or os.cpu_count() or 1, cpus_asked(config)
     if local and not ray.is_initialized() and sum(asked.values()) > cpus + 1e-9:
@@ -600,6 +621,22 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
               "(docs/operations.md)", file=sys.stderr, flush=True)
     return data, scorer
+
+
+def check_environment(config: RunConfig) -> None:
+    """The `env` section's class imports and takes its params (the workers load it again); raises ConfigError (one
+    line, naming the key) before anything starts."""
+    env = config.env
+    if env.spec is not None:
+        from rewards.environments.interface import load_environment
+
+        try:
+            load_environment(env.spec, env.params)
+        except ValueError as err:
+            raise ConfigError(f"env.spec: {err}") from None
+    if env.urls and env.token_env and not os.environ.get(env.token_env):
+        print(f"relay: warning: env.token_env={env.token_env} is not set here; the rollout workers read it from their "
+              "own environment (set it on every node, or in the job's runtime_env)", file=sys.stderr, flush=True)
 
 
 def cpus_asked(config: RunConfig) -> dict[str, float]:

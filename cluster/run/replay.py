@@ -70,6 +70,7 @@ class ReplayBuffer:
         rollouts = [r for g in self.groups for r in g.rollouts]
         stepped = bool(rollouts) and rollouts[0].step_ends is not None
         tagged = bool(rollouts) and rollouts[0].versions is not None
+        masked = bool(rollouts) and rollouts[0].model_mask is not None  # multi-turn episodes
         arrays = {
             "group_sizes": np.array([len(g.rollouts) for g in self.groups], np.int64),
             "group_versions": np.array([g.version for g in self.groups], np.int64),
@@ -84,6 +85,8 @@ class ReplayBuffer:
         }
         if tagged:
             arrays.update(_packed("versions", [r.versions for r in rollouts], np.int64))
+        if masked:
+            arrays.update(_packed("model_mask", [r.model_mask for r in rollouts], np.uint8))
         if stepped:
             arrays.update(_packed("step_ends", [r.step_ends for r in rollouts], np.int64))
             arrays.update(_packed("step_rewards", [r.step_rewards for r in rollouts], np.float32))
@@ -101,6 +104,7 @@ class ReplayBuffer:
             responses = _unpacked(data, "response_ids")
             logprobs = _unpacked(data, "behavior_logprobs")
             versions = _unpacked(data, "versions") if "versions_lengths" in data else None
+            masks = _unpacked(data, "model_mask") if "model_mask_lengths" in data else None
             ends = _unpacked(data, "step_ends") if "step_ends_lengths" in data else None
             step_rewards = _unpacked(data, "step_rewards") if ends is not None else None
             rollouts = []
@@ -109,6 +113,8 @@ class ReplayBuffer:
                                   int(data["weights_versions"][k]), None if versions is None else versions[k])
                 if ends is not None:
                     rollout.step_ends, rollout.step_rewards = ends[k], step_rewards[k]
+                if masks is not None:
+                    rollout.model_mask = masks[k]
                 rollouts.append(rollout)
             rewards = data["rewards"].tolist()
             start = 0

@@ -5,8 +5,11 @@ actors started by `cluster/fleet/placement.py`), scoring every completion with e
 services run concurrently with the in-process rules), per-source means and failure counts for the metrics, batch
 normalisation of reward-model scores, and the weighted sum. With process supervision (sources of `level: steps`)
 also splitting each response into steps on its token ids (`rewards.steps.StepSplitter`, with the policy's
-tokenizer), scoring every step with every step source, and their weighted sum per step. Samples a remote source could
-not score under `on_failure=drop` mark their whole group as dropped. Does not own: the verifiers (`rewards/`), the
+tokenizer), scoring every step with every step source, and their weighted sum per step. With multi-turn episodes
+(`env`), the environment's turn rewards by `env.weight`: summed into the outcome, or as step rewards at each turn's
+last model token (`env.turn_rewards`), and its failures by `env.on_failure`. Samples a remote source could
+not score under `on_failure=drop`, and episodes whose environment failed under `env.on_failure=drop`, mark their
+whole group as dropped. Does not own: the verifiers (`rewards/`), the
 HTTP protocol (`rewards/remote.py`), the models (`actors/reward_model.py`, `actors/process_reward_model.py`), or what
 the driver does with dropped groups.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rewards.config import ModelSource, RemoteSource, RewardConfig, RuleSource
+from rewards.config import EnvironmentConfig, ModelSource, RemoteSource, RewardConfig, RuleSource
 from sync.calls import RunError, get
 
 
@@ -49,14 +52,16 @@ class RoundScores:
 class Scorer:
     """Scores rounds of completions with every source in `reward.sources` and combines them by weight."""
 
-    def __init__(self, config: RewardConfig, reward_timeout: float):
+    def __init__(self, config: RewardConfig, reward_timeout: float, env: EnvironmentConfig | None = None):
         """Loads the rule verifiers and configures the remote clients; raises ValueError (one line, naming the
         source) on a bad verifier name, import path, parameter or token variable. Reward-model actors and the
-        policy's tokenizer (to split steps) are attached later (`attach`), once the fleet has started."""
+        policy's tokenizer (to split steps) are attached later (`attach`), once the fleet has started. `env`: the
+        run's environment, whose rewards the episodes carry (`Rollout.episode`)."""
         from rewards.remote import RemoteVerifier
         from rewards.verifiers import load_verifier
 
         self.config = config
+        self.env = env if env is not None and env.enabled else None
         self.reward_models: dict[str, Any] = {}  # name -> RewardModelWorker / ProcessRewardModelWorker actor handle
         self.reward_timeout = reward_timeout
         self.splitter: Any = None  # a rewards.steps.StepSplitter with process supervision, once attached
@@ -151,16 +156,25 @@ class Scorer:
         for values in scores.values():
             for (i, _, _), value in zip(flat, values):
                 dropped[i] |= value is None
+        metrics["verifier/dropped_groups"] = float(sum(dropped))
+        if self.env is not None:
+            self._env_failures(flat, dropped, metrics)
         outcome = [name for name in scores if self.level(name) == "outcome"]
         combined = [sum((self.config.sources[name].weight * scores[name][k] for name in outcome), 0.0)
                     if not dropped[i] else math.nan for k, (i, _, _) in enumerate(flat)]
+        if self.env is not None and self.env.turn_rewards == "outcome":
+            combined = [value + self.env.weight * sum(r.episode.turn_rewards) for value, (_, _, r) in
+                        zip(combined, flat)]
         size = len(groups[0]) if groups else 0
         per_source = {}  # an outcome source's score per kept sample; a step source's mean over the sample's steps
         for name, values in scores.items():
             kept = [v for (i, _, _), v in zip(flat, values) if not dropped[i]]
             per_source[name] = kept if self.level(name) == "outcome" else [statistics.fmean(v) for v in kept if v]
-        metrics["verifier/dropped_groups"] = float(sum(dropped))
+        if self.env is not None:  # an episode's total environment reward (unweighted)
+            per_source["env"] = [sum(r.episode.turn_rewards) for i, _, r in flat if not dropped[i]]
         scored_steps = None
+        if self.env is not None and self.env.turn_rewards == "steps":
+            scored_steps = self._turn_steps(flat, len(groups[0]) if groups else 0)
         if steps is not None:
             stepped = [name for name in scores if self.level(name) == "steps"]
             flat_steps = []
@@ -180,6 +194,32 @@ class Scorer:
                 fit[name] = ([prompts[k] for k in kept], [completions[k] for k in kept], [targets[k] for k in kept])
         grouped = [combined[g * size:(g + 1) * size] for g in range(len(groups))]
         return RoundScores(grouped, dropped, per_source, metrics, scored_steps, fit)
+
+    def _env_failures(self, flat: list[tuple[int, Any, Any]], dropped: list[bool], metrics: dict[str, float]) -> None:
+        """Episodes whose environment failed: the run stops (`env.on_failure=fail`), or their groups are dropped."""
+        failed = [(i, r.episode.error) for i, _, r in flat if r.episode is not None and r.episode.error is not None]
+        metrics["env/failures"] = float(len(failed))
+        if failed and self.env.on_failure == "fail":
+            raise RunError(f"{len(failed)} episode(s) failed in the environment, the first: {failed[0][1]} "
+                           "(env.on_failure=fail; set env.on_failure=drop to drop their groups instead)")
+        groups = {i for i, _ in failed if not dropped[i]}
+        for i in groups:
+            dropped[i] = True
+        metrics["env/dropped_groups"] = float(len(groups))
+
+    def _turn_steps(self, flat: list[tuple[int, Any, Any]], size: int) -> list[list[ScoredSteps]]:
+        """`env.turn_rewards=steps`: each answered turn is a step ending at its last model token, worth its turn
+        reward x `env.weight`; a last turn the environment did not answer (cut at the length limit) is a step worth
+        0, so that the response's last token ends a step."""
+        steps = []
+        for _, _, rollout in flat:
+            ends, rewards = list(rollout.episode.turn_ends), [self.env.weight * r for r in rollout.episode.turn_rewards]
+            last = len(rollout.response_ids) - 1
+            if not ends or ends[-1] != last:
+                ends.append(last)
+                rewards.append(0.0)
+            steps.append(ScoredSteps(np.asarray(ends, np.int64), np.asarray(rewards, np.float32)))
+        return [steps[g * size:(g + 1) * size] for g in range(len(steps) // size if size else 0)]
 
     def _step_rule(self, name: str, verifier: Any, problem: Any, steps: list[str]) -> list[float]:
         """One step verifier's rewards, one finite number per step; anything else stops the run."""

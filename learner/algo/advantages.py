@@ -4,15 +4,16 @@ Owns turning one scalar reward per sequence into one advantage per sequence (GRP
 spreading it over the sequence's tokens, Generalized Advantage Estimation from per-token rewards and values,
 REINFORCE's Monte-Carlo returns with its baselines,
 masked whitening, and the registry that runs every estimator (GAE included) through one signature:
-AdvantageInputs -> Advantages. Does not own the rewards themselves (`rewards/`), the KL penalty's estimate
-(`losses.kl`), the policy and value losses (`losses.py`), or the layout of the batch: callers pass rewards with
-each prompt's G samples consecutive.
+AdvantageInputs -> Advantages; running any of them on the model's tokens of multi-turn episodes (`on_model_tokens`:
+the environment's tokens taken out of each row, `compact`, and the results put back, `uncompact`). Does not own the
+rewards themselves (`rewards/`), the KL penalty's estimate (`losses.kl`), the policy and value losses (`losses.py`),
+or the layout of the batch: callers pass rewards with each prompt's G samples consecutive.
 
 Notation: B: sequences in the batch, T: tokens per sequence, G: samples per prompt (group size), B = N * G.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -224,8 +225,8 @@ def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 
     Args:
         rewards: [B] one reward per sequence.
-        mask: [B, T] 1 (or True) at response tokens, 0 at padding; each row's response tokens are contiguous
-            (right-padded), so the last 1 of a row is where the sequence ends.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding; the last 1 of a row is where the sequence ends
+            (a multi-turn episode's loss mask, with holes at the environment's tokens: its last model token).
 
     Returns:
         [B, T] rewards[b] at the last response token of row b, 0 elsewhere. A row with no response token is all 0:
@@ -391,6 +392,80 @@ def _grouped_rows(values: Tensor, group_size: int) -> Tensor:
     return values.reshape(values.shape[0] // group_size, -1)
 
 
+def compact(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Gather each row's masked entries to the left, in order, and right-pad: a multi-turn episode's model tokens as
+    one contiguous sequence, the environment's tokens between them taken out.
+
+    Args:
+        values: [B, T] of any dtype.
+        mask: [B, T] 1 (or True) at the entries to keep, anywhere in the row (holes allowed).
+
+    Returns:
+        compacted: [B, K] row b's kept entries in their order, then 0 (False); K: the most entries kept in one row.
+        index: [B, K] long, the column of `values` each compacted entry came from, T at padding (no column): the
+            compacted mask is index < T, and uncompact(compacted, index, T) puts every entry back.
+
+    Notation: B: rows, T: columns, K: kept entries of the fullest row.
+    """
+    if values.shape != mask.shape or mask.dim() != 2:
+        raise ValueError(f"need values and mask of one [B, T] shape, got {tuple(values.shape)}, {tuple(mask.shape)}")
+    keep = mask.bool()
+    width = int(keep.sum(dim=1).max()) if keep.numel() else 0
+    # A stable sort on "not kept" lists each row's kept columns first, in their order, then the others.
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]  # [B, K]
+    kept = keep.gather(1, order)  # [B, K] False past the row's own count
+    return values.gather(1, order).masked_fill(~kept, 0), torch.where(kept, order, mask.shape[1])
+
+
+def uncompact(compacted: Tensor, index: Tensor, length: int) -> Tensor:
+    """The inverse of `compact`: each compacted entry back at its column `index`, 0 in every other column.
+
+    Args:
+        compacted: [B, K] values in the compacted layout (what lies at padding, index == length, is dropped).
+        index: [B, K] long, `compact`'s index: a column in [0, length), or length at padding.
+        length: T, the columns of the result.
+
+    Returns:
+        [B, T] out[b, index[b, k]] = compacted[b, k], 0 elsewhere.
+
+    Notation: B: rows, T: columns, K: compacted columns.
+    """
+    if compacted.shape != index.shape or index.dim() != 2:
+        raise ValueError(f"need compacted and index of one [B, K] shape, got {tuple(compacted.shape)}, "
+                         f"{tuple(index.shape)}")
+    out = compacted.new_zeros(compacted.shape[0], length + 1)  # column T takes the padding, then is cut off
+    return out.scatter(1, index, compacted)[:, :length]
+
+
+def carry_to_model_tokens(values: Tensor, response_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """Move what lies on the environment's tokens of an episode to the model token before them (adding it there).
+
+    Per-token rewards and step ends belong on tokens the model sampled: a step that ends inside the environment's
+    output (or the episode's last token, when the environment spoke last) ends, for training, at the last model
+    token before it; two step ends landing on one token make one step, their rewards summed.
+
+    Args:
+        values: [B, T] float, per response token (step rewards, or 1 at step ends).
+        response_mask: [B, T] 1 (or True) at response tokens, 0 elsewhere (what lies there is dropped).
+        loss_mask: [B, T] 1 (or True) at the response tokens the model sampled.
+
+    Returns:
+        [B, T] at each model token t: values[t] plus the values of the non-model response tokens after t up to the
+        next model token; 0 elsewhere. Response tokens before a row's first model token have no model token to carry
+        them to: dropped.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if not (values.shape == response_mask.shape == loss_mask.shape) or values.dim() != 2:
+        shapes = [tuple(x.shape) for x in (values, response_mask, loss_mask)]
+        raise ValueError(f"values, response_mask and loss_mask must share one [B, T] shape, got {shapes}")
+    keep = loss_mask.bool()
+    columns = torch.arange(values.shape[1], device=values.device).expand_as(keep)
+    latest = torch.where(keep, columns, -1).cummax(dim=1).values  # [B, T] the last model token at or before t
+    carried = torch.where(response_mask.bool() & (latest >= 0), values, 0.0)
+    return torch.zeros_like(carried).scatter_add(1, latest.clamp(min=0), carried)  # v'_s = sum_{latest(t) = s} v_t
+
+
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What every advantage estimator reads; fields an estimator does not use are ignored by it.
@@ -490,6 +565,39 @@ def reinforce_advantages(inputs: AdvantageInputs) -> Advantages:
     return Advantages(advantages, returns)
 
 
+def on_model_tokens(estimator: Callable[[AdvantageInputs], Advantages], inputs: AdvantageInputs) -> Advantages:
+    """Run `estimator` on each row's model tokens gathered to the left (`compact` by inputs.mask, which may have
+    holes), and put its advantages and returns back at their tokens (`uncompact`; 0 at every other position).
+
+    Multi-turn episodes interleave the model's tokens with the environment's. The estimators take a row's masked
+    tokens as one contiguous sequence (GAE's and the returns' recursions stop at the first 0, the outcome goes on the
+    last 1); compacted, turn k's last model token is followed by turn k+1's first, as verl's multi-turn GAE skips
+    observation tokens: gamma and lambda discount per model token, and V at a model token is the critic's value of
+    the state with every earlier token, the environment's included, in context. token_rewards, values and step_ends
+    are read at model tokens only (`carry_to_model_tokens` moves what lies elsewhere first).
+
+    Args:
+        estimator: an ADVANTAGE_ESTIMATORS entry.
+        inputs: its inputs, `mask` [B, T] 1 at the model's tokens.
+
+    Returns:
+        The estimator's Advantages, [B, T], 0 wherever inputs.mask is 0.
+
+    Notation: B: sequences, T: tokens.
+    """
+    length = inputs.mask.shape[1]
+    token_rewards, index = compact(inputs.token_rewards, inputs.mask)
+    mask = (index < length).to(inputs.mask.dtype)  # [B, K] each row's model tokens, right-padded
+
+    def compacted(values: Tensor | None) -> Tensor | None:
+        return None if values is None else compact(values, inputs.mask)[0]
+
+    estimate = estimator(replace(inputs, token_rewards=token_rewards, mask=mask, values=compacted(inputs.values),
+                                 step_ends=compacted(inputs.step_ends)))
+    returns = None if estimate.returns is None else uncompact(estimate.returns, index, length)
+    return Advantages(uncompact(estimate.advantages, index, length), returns)
+
+
 # The config's names for the estimators; one signature: AdvantageInputs -> Advantages ([B, T], 0 at padding).
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
     "grpo": grpo_advantages,
@@ -498,3 +606,4 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
     "gae": gae_advantages,
     "reinforce": reinforce_advantages,
 }
+

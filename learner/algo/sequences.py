@@ -2,12 +2,13 @@
 
 Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is
 prompt + response, right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from
-tokens 0..j; `response_mask` marks the response tokens. Tensors are built in host memory and moved to the
-consumer's device in one copy; everything computed from a batch stays on the batch's device, and results for Python
-lists come back through the CPU. Also how a batch is cut into micro-batches (`MicroBatching`): rows sorted by
-length, each pass holding at most a token budget of padded tokens, so compute follows the real tokens (a pass is
-trimmed to its own longest sequence), not the batch's longest. Does not own: models, optimizers, or choosing the
-device. Imports only torch and numpy.
+tokens 0..j; `response_mask` marks the response tokens (where per-token values live), `loss_mask` those of them the
+model sampled (what is trained: a multi-turn episode's environment tokens are response tokens, not model ones).
+Tensors are built in host memory and moved to the consumer's device in one copy; everything computed from a batch
+stays on the batch's device, and results for Python lists come back through the CPU. Also how a batch is cut
+into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget of padded
+tokens, so compute follows the real tokens (a pass is trimmed to its own longest sequence), not the batch's longest.
+Does not own: models, optimizers, or choosing the device. Imports only torch and numpy.
 
 Why sorted, padded passes rather than packed rows (several sequences in one row, attention kept within each): on
 CPU, transformers keeps packed sequences apart with a dense block-diagonal mask, whose cost grows with the square
@@ -76,6 +77,13 @@ class SequenceBatch:
     input_ids: torch.Tensor  # [B, L] long, right-padded with pad_id
     attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
     response_mask: torch.Tensor  # [B, L-1] float, 1 where position j predicts a response token (token j+1)
+    # [B, L-1] float, 1 where position j predicts a token the model sampled: the response mask without the
+    # environment's tokens of a multi-turn episode. None (given): `response_mask` itself, the same tensor.
+    loss_mask: torch.Tensor = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            object.__setattr__(self, "loss_mask", self.response_mask)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -84,9 +92,15 @@ class SequenceBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
+    @property
+    def has_env_tokens(self) -> bool:
+        """Some response token was not sampled by the model (`loss_mask` differs from `response_mask`)."""
+        return self._own_loss_mask and not torch.equal(self.loss_mask, self.response_mask)
+
     def to(self, device: torch.device | str) -> SequenceBatch:
         """The same batch on `device` (no copy of tensors that are there already)."""
-        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device))
+        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
+                             self.loss_mask.to(device) if self._own_loss_mask else None)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -98,13 +112,22 @@ class SequenceBatch:
         attention = self.attention_mask[index]
         length = max(int(attention.sum(dim=1).max()), 2)
         return SequenceBatch(self.input_ids[index][:, :length], attention[:, :length],
-                             self.response_mask[index][:, : length - 1])
+                             self.response_mask[index][:, : length - 1],
+                             self.loss_mask[index][:, : length - 1] if self._own_loss_mask else None)
+
+    @property
+    def _own_loss_mask(self) -> bool:
+        """`loss_mask` is a tensor of its own (else it is `response_mask`, and stays so in derived batches)."""
+        return self.loss_mask is not self.response_mask
 
 
 def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                  pad_id: int = 0, device: torch.device | str = "cpu") -> SequenceBatch:
+                  pad_id: int = 0, device: torch.device | str = "cpu",
+                  model_masks: Sequence[Sequence[float]] | None = None) -> SequenceBatch:
     """Concatenate each prompt with its response and right-pad to a [B, L] batch on `device` (filled in host
-    memory with a few array operations, not a loop over rows, then moved in one copy)."""
+    memory with a few array operations, not a loop over rows, then moved in one copy). `model_masks` [B][T_resp_i]:
+    1 at the response tokens the model sampled, 0 at those the environment added (multi-turn episodes); they give
+    the batch's `loss_mask`. None, or all 1: `loss_mask` is `response_mask` itself."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     prompt_lengths = np.fromiter(map(len, prompt_ids), np.int64, len(prompt_ids))
@@ -121,9 +144,34 @@ def pad_sequences(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     input_ids[in_prompt] = _concatenate(prompt_ids)
     input_ids[in_response] = _concatenate(response_ids)
     # position j scores token j+1: the response mask is the response tokens' mask shifted left by one
-    response_mask = in_response[:, 1:] if length > 1 else np.zeros((len(lengths), 1), dtype=bool)
-    return SequenceBatch(torch.from_numpy(input_ids), torch.from_numpy((in_prompt | in_response).astype(np.int64)),
-                         torch.from_numpy(response_mask.astype(np.float32))).to(device)
+    response_mask = _shifted(in_response)
+    batch = SequenceBatch(torch.from_numpy(input_ids), torch.from_numpy((in_prompt | in_response).astype(np.int64)),
+                          torch.from_numpy(response_mask))
+    if model_masks is not None:
+        sampled = _model_tokens(model_masks, response_lengths)  # [sum T_resp_i] bool
+        if not sampled.all():
+            in_model = np.zeros_like(in_response)
+            in_model[in_response] = sampled
+            batch = SequenceBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                  torch.from_numpy(_shifted(in_model)))
+    return batch.to(device)
+
+
+def _shifted(in_tokens: np.ndarray) -> np.ndarray:
+    """[B, L] bool token mask -> [B, L-1] float32 mask of the positions that predict those tokens."""
+    shifted = in_tokens[:, 1:] if in_tokens.shape[1] > 1 else np.zeros((len(in_tokens), 1), dtype=bool)
+    return shifted.astype(np.float32)
+
+
+def _model_tokens(model_masks: Sequence[Sequence[float]], response_lengths: np.ndarray) -> np.ndarray:
+    """Every response token's model mask (> 0: the model's), row after row, checked against the responses."""
+    if len(model_masks) != len(response_lengths):
+        raise ValueError(f"{len(model_masks)} model masks for {len(response_lengths)} responses")
+    rows = [np.asarray(row, dtype=np.float32) for row in model_masks]
+    for i, (row, count) in enumerate(zip(rows, response_lengths.tolist())):
+        if len(row) != count:
+            raise ValueError(f"sequence {i}: {len(row)} model-mask values for {count} response tokens")
+    return np.concatenate(rows) > 0 if rows else np.zeros(0, dtype=bool)
 
 
 def _concatenate(rows: Sequence[Sequence[int]]) -> np.ndarray:

@@ -11,16 +11,20 @@ from learner.algo.advantages import (
     AdvantageInputs,
     Advantages,
     broadcast_to_tokens,
+    carry_to_model_tokens,
+    compact,
     discounted_returns,
     gae,
     group_relative,
     last_token_rewards,
     masked_whiten,
+    on_model_tokens,
     process_group_relative,
     reinforce,
     reinforce_pp,
     rloo,
     sequence_rewards,
+    uncompact,
 )
 
 EPS = 1e-6
@@ -473,3 +477,116 @@ def test_gae_and_reinforce_read_step_rewards_where_they_lie():
     out = ADVANTAGE_ESTIMATORS["reinforce"](AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=1,
                                                             step_ends=torch.tensor([[True, False, True]])))
     assert_close(out.advantages, torch.tensor([[2.0, 1.0, 1.0]]))
+
+
+# Multi-turn episodes: the model's tokens (1) with the environment's (0) between them, right-padded.
+EPISODE_MASK = torch.tensor([[1, 1, 0, 0, 1, 0],  # turn 1 (2 tokens), 2 environment tokens, turn 2 (1 token), pad
+                             [1, 0, 1, 1, 0, 0],  # trailing padding after turn 2
+                             [1, 1, 1, 0, 0, 0],  # one turn, no environment token
+                             [0, 0, 0, 0, 0, 0]])  # an empty row
+
+
+def test_compact_gathers_each_rows_kept_entries_to_the_left_in_order():
+    values = torch.arange(24.0).view(4, 6)
+    compacted, index = compact(values, EPISODE_MASK)
+    assert compacted.tolist() == [[0, 1, 4], [6, 8, 9], [12, 13, 14], [0, 0, 0]]
+    assert index.tolist() == [[0, 1, 4], [0, 2, 3], [0, 1, 2], [6, 6, 6]]  # 6 = T: padding, no column
+    assert torch.equal(uncompact(compacted, index, 6), torch.where(EPISODE_MASK.bool(), values, 0.0))
+    ends, _ = compact(torch.tensor([[True, False, True, True]]), torch.tensor([[0, 1, 1, 0]]))
+    assert ends.dtype == torch.bool and ends.tolist() == [[False, True]]  # any dtype; padding is False
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_compact_round_trips_random_masks_with_holes_and_empty_rows(seed):
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(7, 9, generator=generator) < 0.5
+    mask[seed % 7] = False  # an empty row
+    values = torch.randn(7, 9, generator=generator)
+    compacted, index = compact(values, mask.float())
+    counts = mask.sum(dim=1)
+    assert compacted.shape == (7, int(counts.max())) and torch.equal((index < 9).sum(dim=1), counts)
+    for row in range(7):  # the loop version: the kept entries in order, then 0
+        kept = values[row][mask[row]]
+        assert torch.equal(compacted[row, : len(kept)], kept) and not compacted[row, len(kept):].any()
+    assert torch.equal(uncompact(compacted, index, 9), torch.where(mask, values, 0.0))
+
+
+def test_compact_of_nothing_kept_is_empty_and_uncompacts_to_zeros():
+    compacted, index = compact(torch.ones(3, 4), torch.zeros(3, 4))
+    assert compacted.shape == index.shape == (3, 0)
+    assert torch.equal(uncompact(compacted, index, 4), torch.zeros(3, 4))
+    assert compact(torch.ones(0, 4), torch.zeros(0, 4))[0].shape == (0, 0)
+    with pytest.raises(ValueError, match="one \\[B, T\\] shape"):
+        compact(torch.ones(3, 4), torch.ones(3, 5))
+
+
+def test_carry_moves_what_lies_on_environment_tokens_to_the_model_token_before_them():
+    response = torch.tensor([[0, 1, 1, 1, 1, 1, 0]])  # a prompt position, 5 response tokens, padding
+    model = torch.tensor([[0, 0, 1, 0, 0, 1, 0]])  # response tokens 1 and 4 are the model's; 0, 2, 3 the environment's
+    values = torch.tensor([[9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0]])
+    # 1.0 lies before any model token: dropped; 3.0 and 4.0 go to the model token at 2 (2 + 3 + 4); 9s are not response
+    assert carry_to_model_tokens(values, response, model).tolist() == [[0.0, 0.0, 9.0, 0.0, 0.0, 5.0, 0.0]]
+    assert torch.equal(carry_to_model_tokens(values, response, response), torch.where(response.bool(), values, 0.0))
+
+
+def model_only(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The rows' model-token values as a plain right-padded batch (what a batch without environment tokens holds)."""
+    out = torch.zeros(mask.shape[0], int(mask.sum(dim=1).max()), dtype=values.dtype)
+    for row in range(mask.shape[0]):
+        kept = values[row][mask[row].bool()]
+        out[row, : len(kept)] = kept
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp", "gae", "reinforce"])
+def test_every_estimator_on_model_tokens_is_the_estimator_on_the_model_tokens_alone(name):
+    """The episode layout (garbage on environment tokens) gives, at each model token, exactly what the estimator
+    gives on a batch of the model tokens alone, and 0 on the environment's."""
+    generator = torch.Generator().manual_seed(0)
+    mask = EPISODE_MASK.float()
+    garbage = torch.where(mask.bool(), 0.0, 1e6)
+    token_rewards = last_token_rewards(torch.tensor([1.0, 0.0, 0.5, 0.0]), mask) + garbage
+    values = torch.randn(4, 6, generator=generator) + garbage
+    ends = mask.bool() & (torch.rand(4, 6, generator=generator) < 0.5)
+    inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=2, values=values, gamma=0.9, lam=0.8,
+                             baseline="group_mean", step_ends=ends if name == "grpo" else None)
+    ours = on_model_tokens(ADVANTAGE_ESTIMATORS[name], inputs)
+    plain_mask = model_only(mask, mask)
+    theirs = ADVANTAGE_ESTIMATORS[name](AdvantageInputs(
+        token_rewards=model_only(mask, token_rewards), mask=plain_mask, group_size=2, values=model_only(mask, values),
+        gamma=0.9, lam=0.8, baseline="group_mean", step_ends=model_only(mask, ends) if name == "grpo" else None))
+    assert torch.equal(model_only(mask, ours.advantages), theirs.advantages)
+    assert not ours.advantages[~mask.bool()].any() and ours.advantages.abs().sum() > 0
+    assert (ours.returns is None) == (theirs.returns is None)
+    if ours.returns is not None:
+        assert torch.equal(model_only(mask, ours.returns), theirs.returns) and not ours.returns[~mask.bool()].any()
+
+
+def test_gae_on_model_tokens_chains_one_turn_to_the_next_by_hand():
+    """Model tokens at 0, 1 and 3, the environment's at 2; gamma 0.5, lambda 1, the outcome 1 on token 3, V = (0.5,
+    0.25, 99, 0.5). On the model tokens (r = 0, 0, 1; V = 0.5, 0.25, 0.5):
+        t=3: delta = 1 - 0.5 = 0.5,                 A = 0.5,                    R = 1.0
+        t=1: delta = 0 + 0.5 x 0.5 - 0.25 = 0,      A = 0 + 0.5 x 0.5 = 0.25,   R = 0.5
+        t=0: delta = 0 + 0.5 x 0.25 - 0.5 = -0.375, A = -0.375 + 0.5 x 0.25 = -0.25, R = 0.25
+    The environment's token gets 0 and its value (99) is never read."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+
+    def plain_gae(inputs: AdvantageInputs) -> Advantages:  # GAE without the whitening, to see the values
+        return Advantages(*gae(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam))
+
+    inputs = AdvantageInputs(token_rewards=last_token_rewards(torch.tensor([1.0]), mask), mask=mask, group_size=1,
+                             values=torch.tensor([[0.5, 0.25, 99.0, 0.5]]), gamma=0.5, lam=1.0)
+    out = on_model_tokens(plain_gae, inputs)
+    assert out.advantages.tolist() == [[-0.25, 0.25, 0.0, 0.5]]
+    assert out.returns.tolist() == [[0.25, 0.5, 0.0, 1.0]]
+    # Without compaction the hole would end the episode at token 1: its advantage would not see turn 2's reward.
+    assert plain_gae(inputs).advantages[0, 1] != 0.25
+
+
+def test_reinforce_on_model_tokens_discounts_per_model_token():
+    # Model tokens 0 and 3 (the environment's 1, 2), the outcome 1 on token 3, gamma 0.5: G = (0.5, 0, 0, 1).
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    inputs = AdvantageInputs(token_rewards=last_token_rewards(torch.tensor([1.0]), mask), mask=mask, group_size=1,
+                             gamma=0.5)
+    out = on_model_tokens(ADVANTAGE_ESTIMATORS["reinforce"], inputs)
+    assert out.advantages.tolist() == out.returns.tolist() == [[0.5, 0.0, 0.0, 1.0]]

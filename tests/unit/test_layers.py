@@ -1,7 +1,8 @@
 """The import direction docs/architecture.md draws holds: each layer imports only the layers below it.
 
 From the bottom: the math (`learner/algo/`) and device placement (`learner/device.py`) import nothing of the project;
-`sync/` imports only itself; `rewards/` only itself; `actors/` itself, `sync/` and those two leaves of `learner/`;
+`sync/` imports only itself; `rewards/` only itself; `actors/` itself, `sync/`, `rewards/` (the rollout workers run
+episodes against its environments) and those two leaves of `learner/`;
 `learner/` itself and `sync/`; `cluster/` anything. No package below `cluster/` imports it. Config modules import
 nothing heavier than pydantic: `cluster/config.py` composes the packages' own. Every import counts, also one inside a
 function or under TYPE_CHECKING.
@@ -22,7 +23,7 @@ ALLOWED = {  # a module path prefix -> the project modules (prefixes) it may imp
     "learner/device.py": (),
     "sync/": ("sync",),
     "rewards/": ("rewards",),
-    "actors/": ("actors", "sync", *LEAVES),
+    "actors/": ("actors", "sync", "rewards", *LEAVES),
     "learner/": ("learner", "sync"),
     "cluster/": PROJECT,
 }

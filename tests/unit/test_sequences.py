@@ -106,3 +106,38 @@ def test_rows_travel_as_one_flat_array_and_arrive_as_writable_arrays():
     assert pickle.loads(pickle.dumps(Rows())) == []
     batch = pad_sequences(back[:2], [[7], [8, 9]])
     assert batch.input_ids.tolist() == [[3, 4, 1, 7], [5, 8, 9, 0]]
+
+
+def test_model_masks_make_the_loss_mask_and_leave_the_response_layout_as_it_is():
+    # Row 0's response: 3 (model), 4, 6 (environment), 1 (model); row 1's: 5, 2, both the model's.
+    batch = pad_sequences([[7, 8], [9]], [[3, 4, 6, 1], [5, 2]], model_masks=[[1, 0, 0, 1], [1.0, 1.0]])
+    assert batch.response_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 1, 0, 0, 1], [1, 1, 0, 0, 0]] and batch.has_env_tokens
+    assert batch.loss_mask.dtype == batch.response_mask.dtype == torch.float32
+    # Per-token values still cover every response token, the environment's included.
+    values = [[0.1, 0.2, 0.3, 0.4], [0.5, 0.6]]
+    assert [pytest.approx(v) for v in values] == unpad_per_token(pad_per_token(values, batch), batch)
+    short = batch.select(torch.tensor([1]))
+    assert short.loss_mask.tolist() == [[1.0, 1.0]] and not short.has_env_tokens
+    assert batch.select(torch.tensor([0, 1])).loss_mask.tolist() == batch.loss_mask.tolist()
+    assert batch.to("cpu").loss_mask.tolist() == batch.loss_mask.tolist()
+
+
+def test_without_environment_tokens_the_loss_mask_is_the_response_mask_itself():
+    for masks in (None, [[1, 1, 1], [1]], Rows([np.ones(3, np.float32), np.ones(1, np.float32)])):
+        batch = pad_sequences([[7, 8], [9]], [[3, 4, 1], [5]], model_masks=masks)
+        assert batch.loss_mask is batch.response_mask and not batch.has_env_tokens
+        part = batch.select(torch.tensor([1]))
+        assert part.loss_mask is part.response_mask and batch.to("cpu").loss_mask is batch.to("cpu").response_mask
+
+
+def test_model_masks_travel_packed_and_are_checked_against_the_responses():
+    import pickle
+
+    masks = pickle.loads(pickle.dumps(Rows([np.array([1, 0, 1], np.float32), np.array([1], np.float32)])))
+    assert pad_sequences([[7], [9]], [[3, 4, 1], [5]], model_masks=masks).loss_mask.tolist() == [
+        [1, 0, 1], [1, 0, 0]]
+    with pytest.raises(ValueError, match="sequence 0: 2 model-mask values for 3 response tokens"):
+        pad_sequences([[7], [9]], [[3, 4, 1], [5]], model_masks=[[1, 0], [1]])
+    with pytest.raises(ValueError, match="1 model masks for 2 responses"):
+        pad_sequences([[7], [9]], [[3, 4, 1], [5]], model_masks=[[1, 0, 1]])
