@@ -6,7 +6,9 @@ full-jitter exponential backoff, validates every reply, and applies the source's
 `default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`. With the
 source's `level: steps`, each sample carries its step texts and gets one reward per step (`step_rewards`).
 Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
-`None`s here), nor the service side (rewards/service.py).
+`None`s here), nor the service side (rewards/service.py). Shared with the environment client
+(rewards/environments/remote.py): `retrying` (the retry loop), `Redacting` (token scrubbing, reading a reply's
+status and JSON), `describe_transport_error`.
 
 Decisions:
 - Requests run on a private asyncio event loop in a daemon thread with one `httpx.AsyncClient`, so connections
@@ -37,8 +39,9 @@ import os
 import random
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -86,12 +89,42 @@ class RemoteScores:
     retries included), `latency_mean_s` / `latency_max_s` (over requests that got a valid reply; 0 if none)."""
 
 
-class _Retryable(Exception):
+T = TypeVar("T")
+
+
+class Retryable(Exception):
     """A fault worth another attempt (refused, reset, timeout, 5xx, malformed reply)."""
 
 
-class _Permanent(Exception):
-    """A fault not worth another attempt (4xx)."""
+class Permanent(Exception):
+    """A fault not worth another attempt (4xx, or a 5xx whose body says `"retryable": false`)."""
+
+
+class RetriesFailed(Exception):
+    """`retrying` gave up; the message is the last attempt's reason (with how many retries ran)."""
+
+
+async def retrying(attempt: Callable[[int], Awaitable[T]], *, max_retries: int, backoff: float, backoff_max: float,
+                   timeout: float, on_retry: Callable[[str, float], None]) -> T:
+    """`await attempt(k)` for k = 0, 1, ... until it returns: after a `Retryable`, a transport error or a timeout,
+    again after a full-jitter exponential backoff (uniform in [0, min(backoff_max, backoff x 2^k)]), at most
+    `max_retries` times; a `Permanent` ends it at once. `on_retry(reason, delay)` is told of each retry. Raises
+    `RetriesFailed` with the last reason. The verifier and environment clients' one retry loop."""
+    for k in range(max_retries + 1):
+        try:
+            return await attempt(k)
+        except Permanent as err:
+            raise RetriesFailed(str(err)) from None
+        except Retryable as err:
+            reason = str(err)
+        except (httpx.RequestError, TimeoutError) as err:
+            reason = describe_transport_error(err, timeout)
+        if k == max_retries:
+            break
+        delay = random.uniform(0, min(backoff_max, backoff * 2**k))
+        on_retry(reason, delay)
+        await asyncio.sleep(delay)
+    raise RetriesFailed(f"{max_retries} retries exhausted: {reason}" if max_retries else reason)
 
 
 @dataclass
@@ -132,6 +165,36 @@ class Redacting:
     def _snippet(self, response: httpx.Response) -> str:
         text = self._excerpt(response.text, 200)
         return f": {text}" if text else ""
+
+    def _json_reply(self, response: httpx.Response, token_env: str | None) -> Any:
+        """A 200 reply's JSON; else `Retryable` (5xx, another status, not JSON) or `Permanent` (4xx, with a hint on
+        401/403; a 5xx whose body says `"retryable": false`), the service's text scrubbed and cut."""
+        status = response.status_code
+        if status >= 500:
+            if _says_not_retryable(response):
+                raise Permanent(f"HTTP {status}, not retried{self._snippet(response)}")
+            raise Retryable(f"HTTP {status}{self._snippet(response)}")
+        if status >= 400:
+            hint = ""
+            if status in (401, 403):
+                hint = (f" (check the token in ${token_env})" if token_env
+                        else " (the service wants a bearer token: set token_env)")
+            raise Permanent(f"HTTP {status}, not retried{hint}{self._snippet(response)}")
+        if status != 200:
+            raise Retryable(f"unexpected HTTP {status}")
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise Retryable("malformed reply: not JSON") from None
+
+
+def _says_not_retryable(response: httpx.Response) -> bool:
+    """Whether a reply's JSON body says `"retryable": false`."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(body, dict) and body.get("retryable") is False
 
 
 def describe_transport_error(err: Exception, timeout: float) -> str:
@@ -267,57 +330,36 @@ class RemoteVerifier(Redacting):
     async def _score_batch(self, batch: _Batch, stats: _Stats) -> _Batch:
         """Send one batch, retrying transient faults on the next URL; fill `batch.rewards` / `batch.errors`."""
         c = self.config
-        for attempt in range(c.max_retries + 1):
-            batch.url = self._urls[(batch.index + attempt) % len(self._urls)]
-            try:
-                async with self._semaphore:
-                    stats.requests += 1
-                    start = time.perf_counter()
-                    results = await asyncio.wait_for(self._post(batch), timeout=c.timeout)
-                    stats.latencies.append(time.perf_counter() - start)
-                self._read_results(batch, results)
-                return batch
-            except _Permanent as err:
-                reason = str(err)
-                break
-            except _Retryable as err:
-                reason = str(err)
-            except (httpx.TransportError, TimeoutError) as err:
-                reason = self._describe(err)
-            if attempt == c.max_retries:
-                if c.max_retries:
-                    reason = f"{c.max_retries} retries exhausted: {reason}"
-                break
+
+        async def attempt(k: int) -> None:
+            batch.url = self._urls[(batch.index + k) % len(self._urls)]
+            async with self._semaphore:
+                stats.requests += 1
+                start = time.perf_counter()
+                results = await asyncio.wait_for(self._post(batch), timeout=c.timeout)
+                stats.latencies.append(time.perf_counter() - start)
+            self._read_results(batch, results)
+
+        def retried(reason: str, delay: float) -> None:
             stats.retries += 1
-            delay = random.uniform(0, min(c.backoff_max, c.backoff * 2**attempt))
             log.debug("verifier '%s' at %s: %s; retry in %.2fs", self.name, batch.url, self._scrub(reason), delay)
-            await asyncio.sleep(delay)
-        batch.errors = {s.id: reason for s in batch.samples}
-        log.warning("verifier '%s' at %s: %d samples unscored: %s", self.name, batch.url, len(batch.samples),
-                    self._scrub(reason))
+
+        try:
+            await retrying(attempt, max_retries=c.max_retries, backoff=c.backoff, backoff_max=c.backoff_max,
+                           timeout=c.timeout, on_retry=retried)
+        except RetriesFailed as err:
+            batch.errors = {s.id: str(err) for s in batch.samples}
+            log.warning("verifier '%s' at %s: %d samples unscored: %s", self.name, batch.url, len(batch.samples),
+                        self._scrub(str(err)))
         return batch
 
     async def _post(self, batch: _Batch) -> list:
         """POST the batch; return the reply's `results` list if the reply is well formed, else raise."""
         body = {"samples": [_sample_body(s) for s in batch.samples]}
-        response = await self._client.post(f"{batch.url}/verify", json=body)
-        if response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}{self._snippet(response)}")
-        if response.status_code >= 400:
-            hint = ""
-            if response.status_code in (401, 403):
-                hint = (f" (check the token in ${self.config.token_env})" if self.config.token_env
-                        else " (the service wants a bearer token: set token_env)")
-            raise _Permanent(f"HTTP {response.status_code}, not retried{hint}{self._snippet(response)}")
-        if response.status_code != 200:
-            raise _Retryable(f"unexpected HTTP {response.status_code}")
-        try:
-            reply = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _Retryable("malformed reply: not JSON") from None
+        reply = self._json_reply(await self._client.post(f"{batch.url}/verify", json=body), self.config.token_env)
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-            raise _Retryable('malformed reply: expected {"results": [{"id": ..., "reward": ...}, ...]}')
+            raise Retryable('malformed reply: expected {"results": [{"id": ..., "reward": ...}, ...]}')
         self._check_ids(batch, results)
         return results
 
@@ -383,25 +425,23 @@ class RemoteVerifier(Redacting):
             return None
         return [c.default_reward] * len(sample.steps or ()) if c.level == "steps" else c.default_reward
 
-    def _describe(self, err: Exception) -> str:
-        return describe_transport_error(err, self.config.timeout)
 
     def _check_ids(self, batch: _Batch, results: list[dict]) -> None:
-        """Raise `_Retryable` unless the results hold exactly the batch's ids, once each."""
+        """Raise `Retryable` unless the results hold exactly the batch's ids, once each."""
         expected = {s.id for s in batch.samples}
         seen: set[str] = set()
         for result in results:
             sid = result.get("id")
             if not isinstance(sid, str):
-                raise _Retryable("malformed reply: a result has no string id")
+                raise Retryable("malformed reply: a result has no string id")
             if sid not in expected:
-                raise _Retryable(f"malformed reply: result for unknown id {self._excerpt(sid, 50)!r}")
+                raise Retryable(f"malformed reply: result for unknown id {self._excerpt(sid, 50)!r}")
             if sid in seen:
-                raise _Retryable(f"malformed reply: duplicate result for id {sid[:50]!r}")  # one of ours
+                raise Retryable(f"malformed reply: duplicate result for id {sid[:50]!r}")  # one of ours
             seen.add(sid)
         if len(results) != len(expected):
             missing = next(iter(expected - seen))
-            raise _Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
+            raise Retryable(f"malformed reply: {len(results)} results for {len(expected)} samples "
                              f"(no result for id {missing[:50]!r})")
 
 

@@ -309,6 +309,18 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status)
 
 
+def token_from_env(token_env: str | None) -> str | None:
+    """A service's bearer token from the environment variable `token_env` (None without one); ValueError (one line)
+    if that variable is unset or empty."""
+    if not token_env:
+        return None
+    token = os.environ.get(token_env, "")
+    if not token:
+        raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token in it "
+                         "or drop --token-env")
+    return token
+
+
 def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, step_spec: str | None = None,
                   step_params: Mapping[str, Any] | None = None, token_env: str | None = None,
                   **options: Any) -> FastAPI:
@@ -322,13 +334,7 @@ def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, 
 
     verifier = load_verifier(spec, params) if spec is not None else None
     step_verifier = load_verifier(step_spec, step_params, steps=True) if step_spec is not None else None
-    token = None
-    if token_env:
-        token = os.environ.get(token_env, "")
-        if not token:
-            raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token "
-                             "in it or drop --token-env")
-    return create_app(verifier, step_verifier=step_verifier, token=token, **options)
+    return create_app(verifier, step_verifier=step_verifier, token=token_from_env(token_env), **options)
 
 
 def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -11,17 +11,18 @@ Decisions:
   `httpx.AsyncClient`, so connections are reused, each request gets a hard deadline (`asyncio.wait_for`: httpx's
   timeouts are per read), and sessions can be driven from any event loop (each call hops to the private one).
 - Retried: connection refused or reset, timeouts, 5xx (503: the service is full; 504: the call ran past its
-  `step_timeout`) and malformed replies. Retrying a step is safe because the request carries its `turn`: the
-  service answers a repeated (session, turn) with its first reply, or waits for the first attempt's call, and never
-  applies the action twice. Not retried: 4xx (401 token, 404 unknown or expired session, 409 turn out of order,
+  `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
+  raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is safe
+  because the request carries its `turn`: the service answers a repeated (session, turn) with its first reply, or
+  waits for the first attempt's call, and never applies the action twice. Not retried: 4xx (401 token, 404 unknown or expired session, 409 turn out of order,
   413, 422), which the same request would get again.
 - A retried `reset` goes to the next URL (a dead replica costs one retry). It is not idempotent: a reset whose
   reply was lost leaves a session on the service that expires after its `session_ttl`.
 - `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the
   session anyway.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message, whole
-  before any cut. The scrubbing (`Redacting`), the finite-number check and the transport-error wording
-  (`describe_transport_error`) are rewards/remote.py's own, shared with the verifier client.
+  before any cut. The retry loop (`retrying`), the scrubbing and the reading of a reply's status (`Redacting`) and
+  the finite-number check are rewards/remote.py's own, shared with the verifier client.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from rewards.environments.interface import CallStats, EpisodeError, EpisodeSession, StepResult
-from rewards.remote import Redacting, _is_finite_number, describe_transport_error
+from rewards.remote import Redacting, RetriesFailed, Retryable, _is_finite_number, retrying
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ class RemoteEnvironmentError(EpisodeError):
     def __init__(self, message: str, url: str = "", call: str = ""):
         super().__init__(message)
         self.url, self.call = url, call
-
-
-class _Retryable(Exception):
-    """A fault worth another attempt (refused, reset, timeout, 5xx, malformed reply)."""
-
-
-class _Permanent(Exception):
-    """A fault not worth another attempt (4xx)."""
 
 
 class RemoteEnvironments(Redacting):
@@ -178,81 +170,60 @@ class RemoteEnvironments(Redacting):
         """POST `body` to `path`, retrying transient faults (attempt k on urls[k % len(urls)]); (read(reply), URL)
         or `RemoteEnvironmentError`."""
         self._stats.add(calls=1)
-        for attempt in range(self.max_retries + 1):
-            url = urls[attempt % len(urls)]
-            try:
-                async with self._semaphore:
-                    start = time.perf_counter()
-                    value = await asyncio.wait_for(self._post(url, path, body, read), timeout=self.timeout)
-                    self._stats.latency(time.perf_counter() - start)
-                return value, url
-            except _Permanent as err:
-                reason = str(err)
-                break
-            except _Retryable as err:
-                reason = str(err)
-            except (httpx.RequestError, TimeoutError) as err:
-                reason = self._describe(err)
-            if attempt == self.max_retries:
-                if self.max_retries:
-                    reason = f"{self.max_retries} retries exhausted: {reason}"
-                break
+        url = urls[0]
+
+        async def attempt(k: int) -> Any:
+            nonlocal url
+            url = urls[k % len(urls)]
+            async with self._semaphore:
+                start = time.perf_counter()
+                value = await asyncio.wait_for(self._post(url, path, body, read), timeout=self.timeout)
+                self._stats.latency(time.perf_counter() - start)
+            return value
+
+        def retried(reason: str, delay: float) -> None:
             self._stats.add(retries=1)
-            delay = random.uniform(0, min(self.backoff_max, self.backoff * 2**attempt))
             log.debug("environment '%s' at %s: %s: %s; retry in %.2fs", self.name, url, what, self._scrub(reason),
                       delay)
-            await asyncio.sleep(delay)
-        self._stats.add(failures=1)
-        message = self._scrub(f"environment '{self.name}' at {url}: {what} failed: {reason}")
-        log.warning("%s", message)
-        raise RemoteEnvironmentError(message, url=url, call=what)
+
+        try:
+            value = await retrying(attempt, max_retries=self.max_retries, backoff=self.backoff,
+                                   backoff_max=self.backoff_max, timeout=self.timeout, on_retry=retried)
+        except RetriesFailed as err:
+            self._stats.add(failures=1)
+            message = self._scrub(f"environment '{self.name}' at {url}: {what} failed: {err}")
+            log.warning("%s", message)
+            raise RemoteEnvironmentError(message, url=url, call=what) from None
+        return value, url
 
     async def _post(self, url: str, path: str, body: dict[str, Any], read: Callable[[Any], Any]) -> Any:
-        response = await self._client.post(f"{url}{path}", json=body)
-        status = response.status_code
-        if status >= 500:
-            raise _Retryable(f"HTTP {status}{self._snippet(response)}")
-        if status >= 400:
-            hint = ""
-            if status in (401, 403):
-                hint = (f" (check the token in ${self.token_env})" if self.token_env
-                        else " (the service wants a bearer token: set token_env)")
-            raise _Permanent(f"HTTP {status}, not retried{hint}{self._snippet(response)}")
-        if status != 200:
-            raise _Retryable(f"unexpected HTTP {status}")
-        try:
-            reply = response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _Retryable("malformed reply: not JSON") from None
-        return read(reply)
+        return read(self._json_reply(await self._client.post(f"{url}{path}", json=body), self.token_env))
 
     def _read_reset(self, reply: Any) -> tuple[str, str]:
         if not isinstance(reply, dict):
-            raise _Retryable('malformed reply: expected {"session_id": ..., "observation": ...}')
+            raise Retryable('malformed reply: expected {"session_id": ..., "observation": ...}')
         session_id, observation = reply.get("session_id"), reply.get("observation")
         if not isinstance(session_id, str) or not session_id:
-            raise _Retryable(f"malformed reply: session_id {self._quote(session_id)} is not a non-empty string")
+            raise Retryable(f"malformed reply: session_id {self._quote(session_id)} is not a non-empty string")
         if not isinstance(observation, str):
-            raise _Retryable(f"malformed reply: observation {self._quote(observation)} is not a string")
+            raise Retryable(f"malformed reply: observation {self._quote(observation)} is not a string")
         return session_id, observation
 
     def _read_step(self, reply: Any) -> StepResult:
         if not isinstance(reply, dict):
-            raise _Retryable('malformed reply: expected {"observation": ..., "reward": ..., "done": ..., "info": ...}')
+            raise Retryable('malformed reply: expected {"observation": ..., "reward": ..., "done": ..., "info": ...}')
         observation, reward, done = reply.get("observation"), reply.get("reward"), reply.get("done")
         info = reply.get("info", {})
         if not isinstance(observation, str):
-            raise _Retryable(f"malformed reply: observation {self._quote(observation)} is not a string")
+            raise Retryable(f"malformed reply: observation {self._quote(observation)} is not a string")
         if not _is_finite_number(reward):
-            raise _Retryable(f"malformed reply: reward {self._quote(reward)} is not a finite number")
+            raise Retryable(f"malformed reply: reward {self._quote(reward)} is not a finite number")
         if not isinstance(done, bool):
-            raise _Retryable(f"malformed reply: done {self._quote(done)} is not true or false")
+            raise Retryable(f"malformed reply: done {self._quote(done)} is not true or false")
         if not isinstance(info, dict):
-            raise _Retryable(f"malformed reply: info {self._quote(info)} is not an object")
+            raise Retryable(f"malformed reply: info {self._quote(info)} is not an object")
         return StepResult(observation, float(reward), done, info)
 
-    def _describe(self, err: Exception) -> str:
-        return describe_transport_error(err, self.timeout)
 
     def _quote(self, value: Any) -> str:
         return self._excerpt(json.dumps(value), 50)
@@ -345,3 +316,4 @@ def _check_arguments(urls: Sequence[str], timeout: float, max_retries: int, back
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
     if token_env is not None and not _TOKEN_ENV.fullmatch(token_env):
         raise ValueError(f"token_env {token_env!r} is not an environment variable name")
+

@@ -19,9 +19,10 @@ Decisions:
   it finishes. A reset past the deadline discards its session (its environment is closed when the call returns),
   and the client's retry opens a new one. `GET /health` answers 503 once `workers` calls are past their deadline
   and unfinished, so clients and load balancers see the replica is stalled.
-- An environment that raises, or returns something that is not a valid `StepResult`, gives a generic 500: the
+- An environment that raises, or returns something that is not a valid `StepResult`, gives a generic 500 whose body
+  says `"retryable": false` (the client does not retry it: the turn's kept reply would be the same 500): the
   exception's text may hold data the client should not see, so it goes to the service's log, with the session id.
-  The turn's retries get the same 500 (the call is kept like any other), and the session takes no further turn.
+  The session takes no further turn.
 - Sessions end on `/close` (idempotent: unknown ids are fine), and expire after `session_ttl` seconds idle (no
   call running). Ending one closes its environment (its `close()`, if any) in the background, after its last call
   has finished. At most `max_sessions` exist at once: a reset beyond that gets 503, which the client retries.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -51,7 +51,7 @@ from rewards.environments.interface import (
     InProcessEnvironments,
     StepResult,
 )
-from rewards.service import _authorized, _read_body
+from rewards.service import _authorized, _read_body, token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,9 @@ class CloseRequest(BaseModel):
 class _Reply(Exception):
     """An error reply: status and detail."""
 
-    def __init__(self, status: int, detail: str):
+    def __init__(self, status: int, detail: str, retryable: bool = True):
         super().__init__(detail)
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.retryable = status, detail, retryable
 
 
 @dataclass(eq=False)
@@ -197,7 +197,7 @@ class _Sessions:
                 task.add_done_callback(self.overdue.discard)
             raise _Reply(504, f"{what} took longer than step_timeout={self.step_timeout:g}s") from None
         except EpisodeError:
-            raise _Reply(500, ENVIRONMENT_FAILED) from None
+            raise _Reply(500, ENVIRONMENT_FAILED, retryable=False) from None
         except asyncio.CancelledError:
             if task.cancelled():  # the service is shutting down
                 raise _Reply(503, f"the service shut down during {what}") from None
@@ -268,7 +268,8 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     @app.exception_handler(_Reply)
     async def error_reply(_: Request, reply: _Reply):
         headers = {"WWW-Authenticate": "Bearer"} if reply.status == 401 else None
-        return JSONResponse({"detail": reply.detail}, status_code=reply.status, headers=headers)
+        body = {"detail": reply.detail} if reply.retryable else {"detail": reply.detail, "retryable": False}
+        return JSONResponse(body, status_code=reply.status, headers=headers)
 
     @app.exception_handler(ValidationError)
     async def invalid_body(_: Request, err: ValidationError):
@@ -351,10 +352,4 @@ def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_e
     from rewards.environments.interface import load_environment
 
     factory = load_environment(spec, params)
-    token = None
-    if token_env:
-        token = os.environ.get(token_env, "")
-        if not token:
-            raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token "
-                             "in it or drop --token-env")
-    return create_app(factory, token=token, **options)
+    return create_app(factory, token=token_from_env(token_env), **options)

@@ -480,10 +480,11 @@ def test_an_environment_that_raises_gives_a_generic_500_and_the_detail_in_the_lo
     caplog.set_level(logging.ERROR, logger="rewards.environments.service")
     with run_in_thread(create_app(Broken)) as url, client([url], max_retries=2) as environments:
         error = raise_from(lambda: one_step(environments))
-    assert str(error) == (f"environment 'guess' at {url}: step 0 failed: 2 retries exhausted: HTTP 500: "
+    assert str(error) == (f"environment 'guess' at {url}: step 0 failed: HTTP 500, not retried: "
                           '{"detail":"the environment raised an exception or returned an invalid result; see the '
-                          "service's log\"}")
-    assert steps == ["5"]  # the retries got the turn's kept reply
+                          "service's log\",\"retryable\":false}")
+    assert steps == ["5"]
+    assert environments.take_metrics()["retries"] == 0  # the reply says a retry would get the same 500
     logged = [r for r in caplog.records if r.name == "rewards.environments.service"]
     assert len(logged) == 1 and "step 0 raised ZeroDivisionError: /secret/path" in logged[0].getMessage()
     assert logged[0].getMessage().startswith("session ") and logged[0].exc_info is not None

@@ -12,7 +12,6 @@ import pytest
 from cluster.config import load_config
 from cluster.run.driver import run_training
 from rewards.config import EnvironmentConfig
-from sync.calls import RunError
 
 pytestmark = pytest.mark.slow
 
@@ -61,25 +60,22 @@ def test_a_remote_environment_gives_the_in_process_run_step_for_step(calc_fp32, 
             assert ours[key] == theirs[key], key
 
 
-def test_the_agent_preset_in_bfloat16(ray_local, tmp_path, calc_model_dir):
-    records = run(tmp_path, "bf16", calc_model_dir, "model.dtype=bfloat16", "max_steps=2")
+def test_the_agent_preset_in_bfloat16_on_two_workers(ray_local, tmp_path, calc_model_dir):
+    records = run(tmp_path, "bf16", calc_model_dir, "model.dtype=bfloat16", "max_steps=2", "rollout.num_workers=2",
+                  "rollout.num_cpus=0.25")
     for record in records:
-        assert ENV_METRICS <= record.keys() and record["env/failures"] == 0
+        assert ENV_METRICS <= record.keys() and record["env/failures"] == 0 and record["rollout/workers"] == 2
+        assert record["rollout/completions"] == 64
         assert record["logprob/mismatch"] < 0.05 and math.isfinite(record["loss/policy"])
 
 
-def test_failed_episodes_drop_their_groups_or_stop_the_run(ray_local, tmp_path, demo_model_dir):
-    # tests.envs.Counter raises at turn 1: every episode that reaches it fails.
-    overrides = ["env.spec=tests.envs:Counter", "env.params={fail_at: 1}", "rollout.stop=['=']",
-                 "rollout.max_new_tokens=24", "reward.sources={}", "max_steps=1"]
-    with pytest.raises(RunError, match="Counter fails at turn 1"):
-        run(tmp_path, "fail", demo_model_dir, *overrides, config="grpo")
-    [record] = run(tmp_path, "drop", demo_model_dir, *overrides, "env.params={fail_below: 100}",
-                   "env.on_failure=drop", "reward.sources={correct: {verifier: exact_match}}", config="grpo")
+def test_failed_episodes_drop_their_groups(ray_local, tmp_path, demo_model_dir):
+    # tests.envs.Counter refuses (raises at reset) every label below 100: those prompts' groups are dropped, counted.
+    # (`env.on_failure=fail` stopping the run: tests/unit/test_env_scoring.py.)
+    [record] = run(tmp_path, "drop", demo_model_dir, "env.spec=tests.envs:Counter", "env.params={fail_below: 100}",
+                   "env.on_failure=drop", "rollout.stop=['=']", "rollout.max_new_tokens=24", "max_steps=1",
+                   config="grpo")
     # The prompts whose label (a sum of two operands in 0..99) is below 100 fail at reset, all G of them.
     assert record["env/dropped_groups"] >= 1 and record["env/failures"] == 8 * record["env/dropped_groups"]
     assert record["rollout/completions"] == 8 * (8 - record["env/dropped_groups"])
-    assert record["verifier/dropped_groups"] == 0
-    with pytest.raises(RunError, match="every group was dropped"):
-        run(tmp_path, "drop_all", demo_model_dir, *overrides, "env.on_failure=drop", "env.params={fail_at: 0}",
-            config="grpo")
+    assert record["verifier/dropped_groups"] == 0 and record["reward/env"] > 0

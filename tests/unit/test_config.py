@@ -93,6 +93,23 @@ BAD = [
     (["reward.overlong_buffer=8"], "reward.overlong_buffer (8) must be below rollout.max_new_tokens (8)"),
     (["rollout.dynamic_sampling=true", "rollout.group_size=1"], "rollout.dynamic_sampling needs rollout.group_size"),
     (["learner.advantage=rloo", "rollout.group_size=1"], "learner.advantage=rloo needs rollout.group_size >= 2"),
+    (["reward.sources={}"], "reward.sources is empty and no environment gives rewards"),
+    (["rollout.stop=[']']"], "rollout.stop ends a model turn of an episode: set env.spec or env.urls"),
+    (["env.spec=a.b:C", "env.urls=[http://h:1]"], "env: spec (an in-process environment) and urls (a service) are "
+                                                   "both set; keep one"),
+    (["env.params={x: 1}"], "params are the constructor arguments of an in-process environment: set spec too"),
+    (["env.urls=[ftp://h]"], "url 'ftp://h' is not of the form http(s)://host[:port]"),
+    (["env.spec=nocolon"], "env.spec: String should match pattern"),
+    (["env.spec=a.b:C", "reward.sources={env: {verifier: exact_match}}"], "reward source name 'env' would hide"),
+    (["env.spec=a.b:C", "rollout.max_staleness=1", "rollout.in_flight_updates=true"],
+     "env episodes and rollout.in_flight_updates are not supported together"),
+    (["env.spec=a.b:C", "env.turn_rewards=steps", "learner.advantage=rloo"],
+     "env.turn_rewards=steps needs learner.advantage grpo, gae or reinforce; rloo"),
+    (["env.spec=a.b:C", "env.turn_rewards=steps", "learner.kl_coef=0", "learner.kl_reward_coef=0.1"],
+     "env.turn_rewards=steps with advantage=grpo normalises the rewards at turn ends only"),
+    (["env.spec=a.b:C", "env.turn_rewards=steps", "reward.steps.delimiter=' '",
+      "reward.sources={s: {verifier: step_match, level: steps}}"], "env.turn_rewards=steps and a reward source with "
+                                                                   "level=steps both give step rewards"),
 ]
 
 

@@ -115,6 +115,18 @@ def test_string_prompts_get_the_chat_template_only_when_asked(tmp_path, chat_tok
     assert with_system.problems[0] == Problem("<system>Add.\n<user>0+0=\n<assistant>", "0")
 
 
+def test_data_tools_go_into_the_chat_template(tmp_path, chat_tokenizer):
+    # A template that lists the tools' names before the messages, as real ones list their schemas.
+    chat_tokenizer.chat_template = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                                    + READABLE_TEMPLATE)
+    path = write_jsonl(tmp_path / "data.jsonl", ROWS[:1])
+    tools = ["rewards.environments.tools:calculate"]
+    assert dataset(path, chat_tokenizer, chat_template=True, tools=tools).problems[0].prompt == \
+        "[calculate]<user>0+0=\n<assistant>"
+    with pytest.raises(DataError, match="data.tools: .*"):
+        dataset(path, chat_tokenizer, chat_template=True, tools=["rewards.environments.tools:nothing_here"])
+
+
 def test_a_needed_chat_template_that_the_tokenizer_lacks_is_a_data_error(tmp_path, tokenizer):
     strings = write_jsonl(tmp_path / "strings.jsonl", ROWS[:2])
     messages = write_jsonl(tmp_path / "messages.jsonl", [{"prompt": [{"role": "user", "content": "1"}], "label": 1}])

@@ -50,3 +50,14 @@ def test_a_run_that_asks_a_local_ray_for_more_cpus_than_it_has_is_refused_at_onc
     for fits in (["reward.sources.rm.num_cpus=0.25", "reference.num_cpus=0.25"], ["ray.num_cpus=3"]):
         _, scorer = prepare(load_config(None, [*TRAINED_RM, *fits]), None)
         scorer.close()
+
+
+def test_an_environment_that_does_not_load_is_refused_before_anything_starts():
+    for spec, problem in [("tests.nowhere:Env", "cannot import module 'tests.nowhere'"),
+                          ("tests.envs:Missing", "module 'tests.envs' has no attribute 'Missing'")]:
+        with pytest.raises(ConfigError, match=f"env.spec: environment '{spec}': {problem}"):
+            prepare(load_config(None, [f"env.spec={spec}"]), None)
+    with pytest.raises(ConfigError, match="does not accept parameter 'nope'"):
+        prepare(load_config(None, ["env.spec=tests.envs:Counter", "env.params={nope: 1}"]), None)
+    _, scorer = prepare(load_config(None, ["env.spec=tests.envs:Counter", "env.params={turns: 2}"]), None)
+    scorer.close()
