@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,16 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import start_service, steps_to_target  # noqa: E402
+
 TARGETS, WINDOW, METRIC = (0.8, 0.9), 10, "reward/env"
 PRESET = ROOT / "configs" / "agent_calc.yaml"
-
-
-def steps_to_target(values: list[float], target: float) -> int | None:
-    """First step at which the mean of the last WINDOW values is >= target."""
-    for end in range(WINDOW, len(values) + 1):
-        if statistics.fmean(values[end - WINDOW:end]) >= target:
-            return end
-    return None
 
 
 def run(mode: str, seed: int, steps: int, overrides: list[str], tmp: Path, url: str | None = None) -> dict:
@@ -61,28 +53,6 @@ def run(mode: str, seed: int, steps: int, overrides: list[str], tmp: Path, url: 
             "env": statistics.median(r["time/env"] for r in records), "wall": wall}
 
 
-def serve() -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "env", "serve", "--port", str(port), "--env",
-                                "rewards.environments.examples:Calculator", "--param", "max_calls=2"], cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise SystemExit("relay env serve did not come up in 60 s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -101,7 +71,8 @@ def main() -> None:
             local = run("in-process", seed, args.steps, args.overrides, tmp)
             results.append(local)
             if not args.no_remote:
-                process, url = serve()
+                process, url = start_service(["env", "serve", "--env", "rewards.environments.examples:Calculator",
+                                              "--param", "max_calls=2"])
                 try:
                     remote = run("remote (HTTP)", seed, args.steps, args.overrides, tmp, url)
                 finally:

@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import steps_to_target as first_step_at  # noqa: E402
+
 PHASES = ["generate", "score", "reference", "train", "sync"]
 TARGET, WINDOW = 0.9, 10
 
@@ -34,11 +36,7 @@ METRIC = {"grpo_process": "reward/correct", "iterative_grpo": "reward/correct"}
 
 def steps_to_target(records: list[dict], key: str = "reward/mean") -> int | None:
     """First step at which the mean of `key` over the last WINDOW steps is >= TARGET."""
-    rewards = [r[key] for r in records]
-    for end in range(WINDOW, len(rewards) + 1):
-        if statistics.fmean(rewards[end - WINDOW:end]) >= TARGET:
-            return end
-    return None
+    return first_step_at([r[key] for r in records], TARGET, WINDOW)
 
 
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:

@@ -23,16 +23,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import steps_to_target  # noqa: E402
+
 TARGETS, WINDOW, METRIC = (0.8, 0.9), 10, "reward/correct"
 PRESET = ROOT / "configs" / "grpo_process.yaml"
-
-
-def steps_to_target(values: list[float], target: float) -> int | None:
-    """First step at which the mean of the last WINDOW values is >= target."""
-    for end in range(WINDOW, len(values) + 1):
-        if statistics.fmean(values[end - WINDOW:end]) >= target:
-            return end
-    return None
 
 
 def outcome_only(tmp: Path) -> Path:

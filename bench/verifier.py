@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,33 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import start_service  # noqa: E402
+
 BATCH_SIZES = [16, 64, 256]
 CONCURRENCY = [1, 4, 16]
-
-
-def start_service(workers: int) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    script = Path(sys.executable).parent / "relay"
-    relay = [str(script)] if script.exists() else [sys.executable, "-m", "cluster.cli"]
-    process = subprocess.Popen([*relay, "verifier", "serve", "--verifier", "exact_match", "--port", str(port),
-                                "--workers", str(workers)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"relay verifier serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.terminate()
-    raise SystemExit("relay verifier serve did not become healthy within 60 s")
 
 
 def measure(url: str, samples, repeats: int, **config) -> dict[str, float]:
@@ -83,7 +58,7 @@ def main() -> None:
         return [VerifierSample(id=str(i), prompt=f"{i}+{i}=", completion=str(2 * i + i % 2), label=str(2 * i))
                 for i in range(n)]
 
-    process, url = start_service(args.workers)
+    process, url = start_service(["verifier", "serve", "--verifier", "exact_match", "--workers", str(args.workers)])
     try:
         rows = [(b, c, measure(url, make(args.samples), args.repeats, batch_size=b, max_concurrency=c))
                 for b in BATCH_SIZES for c in CONCURRENCY]

@@ -14,7 +14,6 @@ cannot be read is a wrong answer and scores 0.0.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 import re
@@ -23,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from math_verify import LatexExtractionConfig, parse, verify
+
+from rewards.specs import import_spec
 
 Verifier = Callable[[str, Any], float]
 
@@ -147,21 +148,8 @@ def _resolve(spec: str, steps: bool = False) -> Callable[..., Any]:
                 else "a step verifier: use it with level=steps (relay verifier serve: --step-verifier)"
             raise ValueError(f"verifier {spec!r} is {kind}, or use one of {names}")
         raise ValueError(f"unknown verifier {spec!r}: use one of {names}, or your own as 'package.module:function'")
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"verifier {spec!r} is not of the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"verifier {spec!r}: cannot import module {module_name!r} ({error}); check the name and that it is on "
-            "PYTHONPATH"
-        ) from error
-    fn: Any = module
-    for attr in attr_path.split("."):
-        if not hasattr(fn, attr):
-            raise ValueError(f"verifier {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
-        fn = getattr(fn, attr)
+    fn = import_spec(spec, "verifier", "function")
+    attr_path = spec.partition(":")[2]
     if not callable(fn):
         raise ValueError(
             f"verifier {spec!r}: {attr_path!r} is a {type(fn).__name__}, not a function (completion, label) -> float"

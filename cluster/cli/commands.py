@@ -24,6 +24,8 @@ Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollo
 Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process,
   iterative_grpo}.yaml, e.g.
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
+A tool-using agent (multi-turn episodes with an environment):  relay train configs/agent_calc.yaml
+  (env.spec=module:Class or env.urls=[...], rollout.max_turns, rollout.stop; docs/environments.md)
 Outputs go to run_dir (default runs/<time>): config.yaml, metrics.jsonl, tensorboard/, checkpoints/step_N/.
 A killed or failed run continues exactly with:  relay train [CONFIG.yaml] run_dir=PATH resume=auto
 Charts of a run:  relay plot RUN_DIR        (docs/operations.md)

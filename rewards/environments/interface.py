@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import json
 import logging
@@ -39,6 +38,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from rewards.specs import import_spec
 
 log = logging.getLogger(__name__)
 
@@ -158,19 +159,8 @@ def load_environment(spec: str, params: Mapping[str, Any] | None = None) -> Call
 
 
 def _resolve(spec: str) -> type:
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"environment {spec!r} is not of the form 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"environment {spec!r}: cannot import module {module_name!r} ({error}); check the name and "
-                         "that it is on PYTHONPATH") from error
-    cls: Any = module
-    for attr in attr_path.split("."):
-        if not hasattr(cls, attr):
-            raise ValueError(f"environment {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
-        cls = getattr(cls, attr)
+    cls = import_spec(spec, "environment", "Class")
+    attr_path = spec.partition(":")[2]
     if not inspect.isclass(cls):
         raise ValueError(f"environment {spec!r}: {attr_path!r} is a {type(cls).__name__}, not a class with "
                          "reset(prompt, label) and step(action)")

@@ -23,7 +23,6 @@ Decisions:
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 import logging
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewards.environments.interface import StepResult
+from rewards.specs import import_spec
 from rewards.verifiers import load_verifier
 
 log = logging.getLogger(__name__)
@@ -141,19 +141,8 @@ def load_tools(tools: Tools) -> dict[str, Callable[..., Any]]:
 
 
 def _resolve_function(spec: str) -> Callable[..., Any]:
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"tool {spec!r} is not of the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"tool {spec!r}: cannot import module {module_name!r} ({error}); check the name and that "
-                         "it is on PYTHONPATH") from error
-    fn: Any = module
-    for attr in attr_path.split("."):
-        if not hasattr(fn, attr):
-            raise ValueError(f"tool {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
-        fn = getattr(fn, attr)
+    fn = import_spec(spec, "tool", "function")
+    attr_path = spec.partition(":")[2]
     if not callable(fn):
         raise ValueError(f"tool {spec!r}: {attr_path!r} is a {type(fn).__name__}, not a function")
     return fn
