@@ -105,18 +105,30 @@ class EpisodeRunner:
         self.environments = open_environments(settings.env)
         self.stop_token_ids: tuple[int, ...] = ()
         self.end_of_turn: int | None = None  # chat: the template's end-of-turn token, which every turn ends with
+        self.render: Callable[[str], list[int]] | None = None  # chat: an observation's tool-message ids
         if settings.env.observation == "chat":
             from rewards.environments.tools import ChatObservations
 
             chat = ChatObservations(tokenizer)
-            self.observation_ids: Callable[[str], list[int]] = chat.ids
+            self.render = chat.ids
             self.end_of_turn = chat.end_of_turn_id
             self.stop_token_ids = (chat.end_of_turn_id,)
-        else:
-            self.observation_ids = self._text_ids
 
     def _text_ids(self, observation: str) -> list[int]:
         return self.tokenizer.encode(observation, add_special_tokens=False) if observation else []
+
+    def observation_ids(self, observation: str, info: EpisodeInfo) -> list[int]:
+        """An observation's token ids, tokenised once: its text's (or, in chat, its tool message's), its text cut to
+        its first `env.max_observation_tokens` tokens first (counted in `info`)."""
+        cap = self.settings.env.max_observation_tokens
+        if cap is not None:
+            ids = self._text_ids(observation)
+            if len(ids) > cap:
+                info.truncated_observations += 1
+                if self.render is None:
+                    return ids[:cap]
+                observation = self.tokenizer.decode(ids[:cap])
+        return self._text_ids(observation) if self.render is None else self.render(observation)
 
     def close(self) -> None:
         self.environments.close()
@@ -170,15 +182,16 @@ class EpisodeRunner:
         response: list[int] = []
         logprobs: list[float] = []
         mask: list[int] = []
-        info = EpisodeInfo(turns=0, turn_ends=[], turn_rewards=[], calls=0, invalid_calls=0, env_seconds=0.0)
+        info = EpisodeInfo(turns=0, turn_ends=[], turn_rewards=[], calls=0, invalid_calls=0, truncated_observations=0,
+                           env_seconds=0.0)
         text, finish = "", "stop"
         session = self.environments.open()
         try:
             observation = await self._call(info, session, "reset", prompt.text, prompt.label)
-            if observation and self.end_of_turn is not None:
+            if observation and self.render is not None:
                 raise EpisodeError("with env.observation=chat the initial observation must be empty (a tool message "
                                    "needs an assistant turn before it): put it in the prompt")
-            ids = self._text_ids(observation)
+            ids = self.observation_ids(observation, info) if self.render is None else []
             if len(ids) >= limit:
                 raise EpisodeError(f"the initial observation is {len(ids)} tokens, which leaves no room for the model "
                                    f"within {limit} response tokens (rollout.max_new_tokens, rollout.max_model_len)")
@@ -202,7 +215,7 @@ class EpisodeRunner:
                 info.invalid_calls += bool(result.info.get("invalid_call"))
                 if result.done or turn == self.settings.max_turns - 1:
                     break
-                ids = self.observation_ids(result.observation)
+                ids = self.observation_ids(result.observation, info)
                 if self.end_of_turn is not None and response[-1] != self.end_of_turn:
                     ids = [self.end_of_turn, *ids]  # the turn stopped elsewhere (a stop string): close it as chat does
                 if len(response) + len(ids) >= limit:

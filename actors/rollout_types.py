@@ -47,6 +47,7 @@ class EpisodeInfo:
     turn_rewards: list[float]  # the environment's reward for each of those turns
     calls: int  # environment calls made (reset and steps)
     invalid_calls: int  # steps whose `info` said `invalid_call`
+    truncated_observations: int  # observations cut to `env.max_observation_tokens`
     env_seconds: float  # wall time of this episode's environment calls
     error: str | None = None  # one line: an environment call failed (the run's `env.on_failure` applies)
 

@@ -170,6 +170,9 @@ class EnvironmentConfig(_Section):
     """How an observation becomes tokens: `text`, its text tokenised alone (no special tokens); `chat`, a `tool`
     message of the model's chat template after the model's turn, up to the next assistant turn's header
     (`rewards/environments/tools.py`)."""
+    max_observation_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """An observation longer than this many tokens keeps its first ones (a tool's long output, as verl's
+    `max_tool_response_length`; counted in `env/truncated_observations`); empty: kept whole."""
     max_concurrency: int = Field(32, ge=1, le=4096)
     """Environment calls (in-process: threads) or requests (remote) in flight at once, per rollout worker."""
     timeout: float = Field(30.0, gt=0, le=86_400)

@@ -523,6 +523,7 @@ class Trainer:
             episodes = {"env/turns/mean": statistics.fmean(e.turns for e in infos) if infos else 0.0,
                         "env/calls": float(sum(e.calls for e in infos)),
                         "env/invalid_calls": float(sum(e.invalid_calls for e in infos)),
+                        "env/truncated_observations": float(sum(e.truncated_observations for e in infos)),
                         "env/episode_seconds": statistics.fmean(e.env_seconds for e in infos) if infos else 0.0,
                         "response_length/model_tokens": statistics.fmean(
                             float(np.sum(r.model_mask)) if r.model_mask is not None else len(r.response_ids)

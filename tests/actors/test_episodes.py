@@ -208,3 +208,13 @@ def test_chat_observations_make_the_whole_conversations_tokens(tmp_path):
             # bytes that BPE would merge. So the check is on text, and the ids are the engine's, never re-encoded.)
         assert list(r.prompt_ids) == tokenizer.encode(prompt, add_special_tokens=False)
     assert any(len(segments(r.model_mask)) >= 3 for r in group)  # some episode had an observation between turns
+
+
+def test_a_long_observation_keeps_its_first_tokens_and_is_counted(worker):
+    with runner(worker, max_observation_tokens=2) as episodes:
+        groups, _ = episodes.run(PROMPTS[:1], [worker.tokenizer.encode("37+45=")], SEEDS[:1], SAMPLING, 0)
+    for r in groups[0]:
+        env_runs = [(a, b) for value, a, b in segments(r.model_mask) if value == 0]
+        for t, (a, b) in enumerate(env_runs):  # "00 " -> "00"
+            assert list(r.response_ids[a:b]) == worker.tokenizer.encode(f"{t}{t}", add_special_tokens=False)
+        assert r.episode.truncated_observations == len(env_runs)

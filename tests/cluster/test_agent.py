@@ -70,12 +70,14 @@ def test_the_agent_preset_in_bfloat16_on_two_workers_asynchronously(ray_local, t
         assert record["logprob/mismatch"] < 0.05 and math.isfinite(record["loss/policy"])
 
 
-def test_failed_episodes_drop_their_groups(ray_local, tmp_path, demo_model_dir):
+def test_failed_episodes_drop_their_groups_and_turn_rewards_train_as_steps(ray_local, tmp_path, demo_model_dir):
     # tests.envs.Counter refuses (raises at reset) every label below 100: those prompts' groups are dropped, counted.
-    # (`env.on_failure=fail` stopping the run: tests/unit/test_env_scoring.py.)
+    # (`env.on_failure=fail` stopping the run: tests/unit/test_env_scoring.py.) Its turn rewards (1, 2, 3) are step
+    # rewards at each turn's last model token (`env.turn_rewards=steps`: grpo's process advantages).
     [record] = run(tmp_path, "drop", demo_model_dir, "env.spec=tests.envs:Counter", "env.params={fail_below: 100}",
-                   "env.on_failure=drop", "rollout.stop=['=']", "rollout.max_new_tokens=24", "max_steps=1",
-                   config="grpo")
+                   "env.on_failure=drop", "env.turn_rewards=steps", "rollout.stop=['=']", "rollout.max_new_tokens=24",
+                   "max_steps=1", config="grpo")
+    assert record["logprob/mismatch"] < 1e-4 and record["advantage/mean_abs"] > 0
     # The prompts whose label (a sum of two operands in 0..99) is below 100 fail at reset, all G of them.
     assert record["env/dropped_groups"] >= 1 and record["env/failures"] == 8 * record["env/dropped_groups"]
     assert record["rollout/completions"] == 8 * (8 - record["env/dropped_groups"])

@@ -17,7 +17,8 @@ ENV = "tests.envs:Counter"
 
 def episode(text: str, turn_rewards: list[float], turn_ends: list[int], length: int, error: str | None = None):
     info = EpisodeInfo(turns=len(turn_rewards), turn_ends=turn_ends, turn_rewards=turn_rewards,
-                       calls=1 + len(turn_rewards), invalid_calls=0, env_seconds=0.0, error=error)
+                       calls=1 + len(turn_rewards), invalid_calls=0, truncated_observations=0, env_seconds=0.0,
+                       error=error)
     return Rollout([1], list(range(length)), [0.0] * length, text, "stop", 0, model_mask=[1] * length, episode=info)
 
 
