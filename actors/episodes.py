@@ -231,13 +231,13 @@ class EpisodeRunner:
         return Rollout(prompt_ids, response, logprobs, text, finish, version, model_mask=mask, episode=info)
 
     def _action_text(self, ids: Sequence[int]) -> str:
-        """A turn's text for the environment: special tokens dropped; in chat, the turn as written, less its
-        end-of-turn token (a tool-call tag the tokenizer calls special stays)."""
+        """A turn's text for the environment: special tokens dropped; in chat, the turn as written, less the
+        end-of-turn (or EOS) token that ended it (a tool-call tag the tokenizer calls special stays)."""
         if self.end_of_turn is None:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         ids = list(ids)
-        return self.tokenizer.decode(ids[:-1] if ids and ids[-1] == self.end_of_turn else ids,
-                                     skip_special_tokens=False)
+        ended = ids and ids[-1] in (self.end_of_turn, self.tokenizer.eos_token_id)
+        return self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
 
     @staticmethod
     async def _call(info: EpisodeInfo, session: EpisodeSession, what: str, *args: Any) -> Any:

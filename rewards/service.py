@@ -330,7 +330,7 @@ def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, 
     The token, if any, is read from the environment variable `token_env`. Raises ValueError (one line) for no or an
     unknown verifier, an unset token variable or a bad option.
     """
-    from rewards.verifiers import load_verifier
+    from rewards.registry import load_verifier
 
     verifier = load_verifier(spec, params) if spec is not None else None
     step_verifier = load_verifier(step_spec, step_params, steps=True) if step_spec is not None else None

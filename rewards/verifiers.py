@@ -1,10 +1,10 @@
-"""Rule verifiers: pure functions (completion, label) -> reward, step verifiers (steps, label) -> one reward per step,
-and `load_verifier` that resolves a config's spec.
+"""Rule verifiers: pure functions (completion, label) -> reward, and step verifiers (steps, label) -> one reward per
+step.
 
-Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, matching
-each step against the label's (`step_match`), and turning a spec (a registry name or `package.module:function`)
-plus params into a ready-to-call function.
-Does not own: the name -> function table (`rewards/registry.py`), batching, weighting of several reward sources,
+Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, and
+matching each step against the label's (`step_match`).
+Does not own: the name -> function table and resolving a config's spec (`rewards/registry.py`: `load_verifier`),
+batching, weighting of several reward sources,
 time limits (callers that need a deadline enforce it around the call), remote verifiers or reward models.
 
 Data errors (a label that is not a number, a bad regex, unknown params) raise `ValueError`; a completion that
@@ -13,19 +13,13 @@ cannot be read is a wrong answer and scores 0.0.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from math_verify import LatexExtractionConfig, parse, verify
-
-from rewards.specs import import_spec
-
-Verifier = Callable[[str, Any], float]
 
 # A number as written in prose: optional sign, thousands separators (1,234), decimals (.5, 3.25), an exponent
 # (1.5e3) and a trailing percent sign that is read as a unit (50% -> 50). A minus right after a word character or
@@ -117,63 +111,6 @@ def step_match(steps: Sequence[str], label: Any, separator: str | None = None) -
     expected = ([str(item).strip() for item in label] if isinstance(label, (list, tuple))
                 else str(label).split(separator))
     return [1.0 if j < len(expected) and step.strip() == expected[j].strip() else 0.0 for j, step in enumerate(steps)]
-
-
-def load_verifier(spec: str, params: Mapping[str, Any] | None = None, steps: bool = False) -> Verifier:
-    """The verifier named by ``spec`` with ``params`` bound as keyword arguments.
-
-    ``spec`` is a name in ``RULE_VERIFIERS`` (``STEP_VERIFIERS`` with ``steps``: functions (steps, label) ->
-    list[float]) or the user's own ``package.module:function``. Every problem (unknown name, module not importable,
-    missing attribute, not callable, params the signature does not accept) is a one-line ``ValueError`` raised
-    here, before any scoring.
-    """
-    params = dict(params or {})
-    fn = _resolve(spec, steps)
-    _check_params(spec, fn, params)
-    return functools.partial(fn, **params) if params else fn
-
-
-def _resolve(spec: str, steps: bool = False) -> Callable[..., Any]:
-    """The function a spec names: a registry entry, or `module:attr` imported."""
-    # Imported here, not at the top: `rewards.registry` imports this module for its table.
-    from rewards.registry import RULE_VERIFIERS, STEP_VERIFIERS
-
-    table = STEP_VERIFIERS if steps else RULE_VERIFIERS
-    if ":" not in spec:
-        if spec in table:
-            return table[spec]
-        names = ", ".join(table)
-        if spec in (RULE_VERIFIERS if steps else STEP_VERIFIERS):
-            kind = "an outcome verifier: use it with level=outcome (relay verifier serve: --verifier)" if steps \
-                else "a step verifier: use it with level=steps (relay verifier serve: --step-verifier)"
-            raise ValueError(f"verifier {spec!r} is {kind}, or use one of {names}")
-        raise ValueError(f"unknown verifier {spec!r}: use one of {names}, or your own as 'package.module:function'")
-    fn = import_spec(spec, "verifier", "function")
-    attr_path = spec.partition(":")[2]
-    if not callable(fn):
-        raise ValueError(
-            f"verifier {spec!r}: {attr_path!r} is a {type(fn).__name__}, not a function (completion, label) -> float"
-        )
-    return fn
-
-
-def _check_params(spec: str, fn: Callable[..., Any], params: dict[str, Any]) -> None:
-    """Raises if ``fn(completion, label, **params)`` would not bind, naming the offending parameter."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # some C functions publish no signature: nothing to check before the first call
-    try:
-        signature.bind("completion", "label", **params)
-    except TypeError as error:
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        unknown = [name for name in params if name not in signature.parameters and not takes_any]
-        if unknown:
-            problem = f"does not accept parameter {unknown[0]!r}"
-        else:
-            problem = f"cannot be called as fn(completion, label, **params): {error}"
-        accepted = ", ".join(signature.parameters)
-        raise ValueError(f"verifier {spec!r} {problem}; its parameters are ({accepted})") from error
 
 
 def _label_number(label: Any) -> float:

@@ -57,8 +57,8 @@ class Scorer:
         source) on a bad verifier name, import path, parameter or token variable. Reward-model actors and the
         policy's tokenizer (to split steps) are attached later (`attach`), once the fleet has started. `env`: the
         run's environment, whose rewards the episodes carry (`Rollout.episode`)."""
+        from rewards.registry import load_verifier
         from rewards.remote import RemoteVerifier
-        from rewards.verifiers import load_verifier
 
         self.config = config
         self.env = env if env is not None and env.enabled else None

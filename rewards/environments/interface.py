@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rewards.specs import import_spec
+from rewards.specs import check_params, import_spec
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def load_environment(spec: str, params: Mapping[str, Any] | None = None) -> Call
     before any episode."""
     params = dict(params or {})
     cls = _resolve(spec)
-    _check_params(spec, cls, params)
+    check_params(spec, "environment", cls, params, call=f"{cls.__name__}(**params)")
     return functools.partial(cls, **params) if params else cls
 
 
@@ -169,23 +169,6 @@ def _resolve(spec: str) -> type:
             raise ValueError(f"environment {spec!r}: class {attr_path!r} has no method {method}(); an environment has "
                              "reset(prompt, label) -> str and step(action) -> StepResult (docs/environments.md)")
     return cls
-
-
-def _check_params(spec: str, cls: type, params: dict[str, Any]) -> None:
-    """Raises if `cls(**params)` would not bind, naming the offending parameter."""
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):
-        return  # no published signature: nothing to check before the first episode
-    try:
-        signature.bind(**params)
-    except TypeError as error:
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        unknown = [name for name in params if name not in signature.parameters and not takes_any]
-        problem = (f"does not accept parameter {unknown[0]!r}" if unknown
-                   else f"cannot be constructed as {cls.__name__}(**params): {error}")
-        raise ValueError(f"environment {spec!r} {problem}; its parameters are ({', '.join(signature.parameters)})") \
-            from error
 
 
 def _checked_step_result(value: Any) -> StepResult:

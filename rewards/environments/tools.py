@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewards.environments.interface import StepResult
+from rewards.registry import load_verifier
 from rewards.specs import import_spec
-from rewards.verifiers import load_verifier
 
 log = logging.getLogger(__name__)
 

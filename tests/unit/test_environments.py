@@ -113,7 +113,7 @@ SPEC = f"{__name__}"
                              "and step(action) -> StepResult"),
     ("rewards.environments.examples:GuessNumber", {"turns": 3}, "does not accept parameter 'turns'; its parameters "
                                                                "are (max_turns)"),
-    (f"{SPEC}:NeedsRoot", {"depth": 2}, "cannot be constructed as NeedsRoot(**params): missing a required argument: "
+    (f"{SPEC}:NeedsRoot", {"depth": 2}, "cannot be called as NeedsRoot(**params): missing a required argument: "
                                         "'root'; its parameters are (root, depth)"),
 ], ids=["no colon", "no module", "no attribute", "not a class", "no step", "unknown param", "missing param"])
 def test_load_environment_errors_are_one_line(spec, params, message):

@@ -13,8 +13,9 @@ from cluster.demo.model import build_char_tokenizer
 from cluster.demo.task import Problem
 from cluster.run.scoring import Scorer
 from rewards.config import RewardConfig
+from rewards.registry import load_verifier
 from rewards.steps import StepSplitter, token_step_rewards
-from rewards.verifiers import load_verifier, step_match
+from rewards.verifiers import step_match
 from sync.calls import RunError
 
 TOKENIZER = build_char_tokenizer()

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rewards.registry import RULE_VERIFIERS
-from rewards.verifiers import exact_match, format_match, load_verifier, math_verify_match, numeric_match
+from rewards.registry import RULE_VERIFIERS, load_verifier
+from rewards.verifiers import exact_match, format_match, math_verify_match, numeric_match
 
 GSM8K_LABEL = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips in April and May.\n#### 72"
 LONG_PROSE = "word " * 20_000  # 100,000 characters
