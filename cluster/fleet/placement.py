@@ -190,7 +190,8 @@ class RolloutLauncher:
             runtime_env={"env_vars": _env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
-        ).remote(self.settings, ro.num_threads, self.config.sync.fingerprint, self.episodes)
+        ).remote(self.settings, ro.num_threads, self.config.sync.fingerprint,
+                 **({"episodes": self.episodes} if self.episodes is not None else {}))  # a subclass may not take it
 
     def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = 10) -> None:
         """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources.

@@ -5,8 +5,8 @@ observation, `step(action)` answers one turn), `load_environment` (a `package.mo
 factory of environments), the async interface the episode loop drives (`Environments.open()` -> `EpisodeSession`
 with `reset` / `step` / `close`), `EpisodeError` (an episode's environment call failed), `CallStats` (the metrics
 both kinds of `Environments` report), and `InProcessEnvironments` (sessions on environment objects of this process).
-Does not own: the episode loop (generation, tokenising observations, masking, `rollout.max_turns`), nor the remote
-protocol (rewards/environments/remote.py, rewards/environments/service.py).
+Does not own: the episode loop (actors/episodes.py: generation, tokenising observations, masking,
+`rollout.max_turns`), nor the remote protocol (rewards/environments/remote.py, rewards/environments/service.py).
 
 Decisions:
 - The loop runs many episodes at once (`asyncio.gather` over G x prompts sessions). Environments are plain

@@ -3,8 +3,9 @@
 Owns: `RemoteEnvironments` (opens episode sessions on the service's replicas: new sessions round-robin, each
 session sticks to the URL that created it; at most `max_concurrency` requests in flight; a deadline per request;
 retries with full-jitter exponential backoff; validation of every reply; metrics), and `RemoteEnvironmentError`.
-Does not own: the failure policy (the episode loop stops the run or drops the group on `RemoteEnvironmentError`),
-nor the service side (rewards/environments/service.py).
+Does not own: the failure policy (the episode loop, actors/episodes.py, marks the episode failed on
+`RemoteEnvironmentError`; cluster/run/scoring.py stops the run or drops the group), nor the service side
+(rewards/environments/service.py).
 
 Decisions:
 - As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread with one
