@@ -171,10 +171,6 @@ class VllmEngine:
             TokensPrompt(prompt_token_ids=list(prompt_ids)), None), params)
         return request_id
 
-    def has_turns(self) -> bool:
-        """Whether some turn added by `add_turn` is still being generated."""
-        return self.llm.llm_engine.has_unfinished_requests()
-
     def step_turns(self) -> list[tuple[str, SampledCompletion]]:
         """One engine step over the queued turns; returns the turns it finished, by request id (their `text` is
         empty: the caller decodes what it needs)."""
