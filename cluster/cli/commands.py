@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--quiet", action="store_true", help="no progress display (metrics.jsonl is still written)")
     build = commands.add_parser("build-demo-model", help="build the demo's base model into the cache (once)",
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
-                                            "supervised warm-up) into $RELAY_CACHE_DIR or ~/.cache/relay.")
+                                            "supervised warm-up) from its recipe into $RELAY_CACHE_DIR or "
+                                            "~/.cache/relay, instead of the copy relay ships (what `relay train` "
+                                            "uses when the cache has none).")
     build.add_argument("--force", action="store_true", help="rebuild even if the cache holds it")
     build.add_argument("--task", choices=["arithmetic", "chain_sum", "calc"], default="arithmetic",
                        help="which demo task's model: arithmetic (a+b=), chain_sum (12+34+56= -> 46 102) or calc "
@@ -230,7 +232,7 @@ def _build_demo_model(force: bool, task: str = "arithmetic") -> int:
 
     if force and demo_model_dir(task).exists():
         shutil.rmtree(demo_model_dir(task))
-    print(ensure_demo_model(task=task))
+    print(ensure_demo_model(task=task, build=True))
     return 0
 
 

@@ -22,7 +22,8 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
 CALC_MODEL_NAME = "demo-calc-model-v1"  # likewise for `CALC_RECIPE`
 REPORT_FILE = "relay_demo_report.json"
 BUILD_THREADS = 1
+SHIPPED_MODELS_DIR = Path(__file__).parent / "models"  # relay's own builds: `shipped_demo_model`
 SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
 
 
@@ -129,12 +131,7 @@ def save_model_dir(
     Atomic: everything goes to a temporary sibling directory that is renamed to `out_dir` at the end, so a
     reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` already exists.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"model dir {out_dir} already exists: delete it or choose another path")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    try:
+    with _atomic_dir(Path(out_dir)) as tmp_dir:
         model.generation_config = GenerationConfig(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -144,16 +141,29 @@ def save_model_dir(
         tokenizer.save_pretrained(tmp_dir)
         for name, text in (extra_files or {}).items():
             (tmp_dir / name).write_text(text)
+    return Path(out_dir)
+
+
+@contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yields a temporary sibling of `out_dir` to fill, renamed to `out_dir` when the block ends (removed if it
+    raises), so a reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` exists
+    before or appears meanwhile (another process renamed its complete copy first)."""
+    if out_dir.exists():
+        raise FileExistsError(f"model dir {out_dir} already exists: delete it or choose another path")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield tmp_dir
         try:
             os.rename(tmp_dir, out_dir)
-        except OSError as error:  # ENOTEMPTY/EEXIST: another process renamed its complete copy first
+        except OSError as error:  # ENOTEMPTY/EEXIST
             if out_dir.exists():
                 raise FileExistsError(f"model dir {out_dir} was created by another process meanwhile") from error
             raise
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    return out_dir
 
 
 def make_random_reward_model_dir(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
@@ -592,6 +602,11 @@ def _calc_report(
     return report
 
 
+def demo_recipe(task: str = "arithmetic") -> WarmupRecipe:
+    """The warm-up recipe `task`'s demo model is built with (`WarmupRecipe()`, `CHAIN_RECIPE` or `CALC_RECIPE`)."""
+    return _RECIPES[_demo_task(task)]
+
+
 def demo_model_dir(task: str = "arithmetic") -> Path:
     """`$RELAY_CACHE_DIR/<name>`, or `~/.cache/relay/<name>` when the variable is unset; the name is
     `demo-model-v1` for arithmetic (and a dataset), `demo-chain-model-v1` for chain_sum, `demo-calc-model-v1` for
@@ -601,22 +616,36 @@ def demo_model_dir(task: str = "arithmetic") -> Path:
     return root / _MODEL_NAMES[_demo_task(task)]
 
 
-def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic") -> Path:
-    """Returns the directory of `task`'s demo model (`demo_model_dir(task)`), building it first if missing (its
-    build time: docs/benchmarks.md). `task` is a `data.task`: "dataset" gets the arithmetic model."""
+def shipped_demo_model(task: str = "arithmetic") -> Path:
+    """The copy of `task`'s demo model that relay ships (`cluster/demo/models/<name>`): built by
+    `build_demo_model` with the task's recipe and seed 0, so that a fresh machine starts from the same weights as
+    the numbers in the docs and needs no build (the build's float rounding differs between CPUs)."""
+    return SHIPPED_MODELS_DIR / _MODEL_NAMES[_demo_task(task)]
+
+
+def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic", build: bool = False) -> Path:
+    """Returns the directory of `task`'s demo model (`demo_model_dir(task)`), filling it first if missing: with a
+    copy of the shipped model (`shipped_demo_model`), or, with `build` (or nothing shipped), by building it from its
+    recipe (its build time: docs/benchmarks.md). `task` is a `data.task`: "dataset" gets the arithmetic model."""
     task = _demo_task(task)
     path = demo_model_dir(task)
-    if path.exists():  # complete if present: save_model_dir renames a finished directory into place
+    if path.exists():  # complete if present: _atomic_dir renames a finished directory into place
         return path
     what = {"arithmetic": "demo model", "chain_sum": "chain_sum demo model", "calc": "calc demo model"}[task]
-    how_long = "under 2 minutes" if task == "chain_sum" else "under a minute"
-    log(f"Building the {what} in {path} (once; {how_long} on 2 idle cores)...")
+    shipped = shipped_demo_model(task)
     try:
+        if not build and (shipped / "model.safetensors").exists():
+            with _atomic_dir(path) as tmp_dir:
+                shutil.copytree(shipped, tmp_dir)
+            log(f"Copied relay's shipped {what} to {path}")
+            return path
+        how_long = "under 2 minutes" if task == "chain_sum" else "under a minute"
+        log(f"Building the {what} in {path} (once; {how_long} on 2 idle cores)...")
         report = build_demo_model(path, task=task)
     except FileExistsError:
         if not path.exists():
             raise
-        log(f"Another process built the {what} in {path} first; using it")
+        log(f"Another process made the {what} in {path} first; using it")
         return path
     log(
         f"Built the {what} in {report['seconds']:.0f} s after {report['steps']} steps: held-out accuracy "

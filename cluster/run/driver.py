@@ -653,7 +653,7 @@ def cpus_asked(config: RunConfig) -> dict[str, float]:
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,
                  rollout_cls: type | None = None) -> list[dict[str, Any]]:
-    """Check the inputs, start Ray (unless connected already), build the demo model if `model_path` and
+    """Check the inputs, start Ray (unless connected already), ensure the demo model (shipped copy) if `model_path` and
     `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
     any), write checkpoints, and clean up; returns this attempt's records.
 

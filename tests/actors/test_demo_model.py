@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -10,14 +11,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.demo.model import (
     CHAIN_RECIPE,
+    DEMO_TASKS,
     REPORT_FILE,
     build_char_tokenizer,
     demo_model_dir,
+    demo_recipe,
     ensure_demo_model,
     evaluate_accuracy,
     generate_completions,
     make_random_model_dir,
     save_model_dir,
+    shipped_demo_model,
     step_accuracy,
     tiny_qwen2_config,
 )
@@ -130,10 +134,13 @@ def test_each_task_has_its_demo_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 @pytest.mark.slow
-def test_demo_model_is_built_once_and_meets_its_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_demo_model_is_built_once_from_its_recipe_and_meets_its_targets(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The one full build of the suite (~40 s): the other tasks' recipes are pinned by their shipped reports (below).
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
     messages: list[str] = []
-    path = ensure_demo_model(log=messages.append)
+    path = ensure_demo_model(log=messages.append, build=True)
     assert path == tmp_path / "demo-model-v1"
     assert any("Building" in m for m in messages)
     report = json.loads((path / REPORT_FILE).read_text())
@@ -143,8 +150,39 @@ def test_demo_model_is_built_once_and_meets_its_targets(monkeypatch: pytest.Monk
     assert report["num_eval_problems"] >= 256
 
     messages.clear()
-    assert ensure_demo_model(log=messages.append) == path
+    assert ensure_demo_model(log=messages.append, build=True) == path
     assert messages == []  # found in the cache, not rebuilt
+
+
+@pytest.mark.parametrize("task", DEMO_TASKS)
+def test_a_fresh_cache_gets_a_copy_of_the_shipped_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, task: str
+) -> None:
+    monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
+    messages: list[str] = []
+    path = ensure_demo_model(log=messages.append, task=task)
+    assert path == demo_model_dir(task)
+    assert len(messages) == 1 and messages[0].startswith("Copied relay's shipped") and str(path) in messages[0]
+    shipped = shipped_demo_model(task)
+    assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert (path / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # copied atomically: no temporary left
+    messages.clear()
+    assert ensure_demo_model(log=messages.append, task=task) == path and messages == []
+
+
+@pytest.mark.parametrize("task", DEMO_TASKS)
+def test_each_shipped_model_is_what_its_recipe_builds(task: str) -> None:
+    # A recipe changed without rebuilding (and renaming) its model fails here: `relay build-demo-model --task T`
+    # into an empty RELAY_CACHE_DIR, then copy the directory to cluster/demo/models/.
+    shipped = shipped_demo_model(task)
+    report = json.loads((shipped / REPORT_FILE).read_text())
+    assert shipped.name == report["name"] == demo_model_dir(task).name
+    assert (report["task"], report["seed"]) == (task, 0)
+    assert report["recipe"] == json.loads(json.dumps(asdict(demo_recipe(task))))
+    model = AutoModelForCausalLM.from_pretrained(shipped)
+    assert sum(p.numel() for p in model.parameters()) == report["params"]
+    assert len(AutoTokenizer.from_pretrained(shipped)) == model.config.vocab_size
 
 
 @pytest.mark.slow
