@@ -7,7 +7,6 @@ An episode of `37*48=`: the model calls `[37*48]`, the tool answers `1776 `, the
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import pytest
@@ -189,21 +188,6 @@ def test_the_calc_source_depends_on_seed_and_cursor_only():
     assert other.next_batch() != batches[0]  # and per seed
     # The same stream as the other demo tasks: batch k is drawn from the seeded rng of (seed, k).
     assert batches[1] == make_calc_problems(random.Random("relay-data:3:1"), 8, 10, 99)
-
-
-@pytest.mark.parametrize("consumed_batches", [0, 2])
-def test_a_resumed_calc_source_draws_the_same_batches(consumed_batches):
-    config = DataConfig(task="calc", prompts_per_step=4)
-    expected = draw(CalcPrompts(config, seed=7), consumed_batches + 3)[4 * consumed_batches:]
-    interrupted = CalcPrompts(config, seed=7)
-    draw(interrupted, consumed_batches)
-    assert interrupted.state() == {"batches": consumed_batches}
-    resumed = CalcPrompts(config, seed=7)
-    resumed.load_state(json.loads(json.dumps(interrupted.state())))
-    assert draw(resumed, 3) == expected
-    assert resumed.metrics() == {}
-    with pytest.raises(ValueError, match="non-negative integer 'batches'"):
-        resumed.load_state({"batches": -1})
 
 
 def test_make_prompt_source_picks_the_calc_task():

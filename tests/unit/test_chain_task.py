@@ -5,8 +5,6 @@ A chained sum `12+34+56=` is answered `46 102`: each partial sum is one step.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from cluster.config import ConfigError, DataConfig, load_config
@@ -36,24 +34,6 @@ def test_the_chain_source_depends_on_seed_and_cursor_only():
     assert batches == [again.next_batch() for _ in range(3)]
     assert batches[0] != batches[1]  # a new batch per cursor
     assert other.next_batch() != batches[0]  # and per seed
-
-
-@pytest.mark.parametrize("consumed_batches", [0, 2])
-def test_a_resumed_chain_source_draws_the_same_batches(consumed_batches):
-    config = DataConfig(task="chain_sum", prompts_per_step=4)
-    expected = draw(ChainSumPrompts(config, seed=7), consumed_batches + 3)[4 * consumed_batches:]
-    interrupted = ChainSumPrompts(config, seed=7)
-    draw(interrupted, consumed_batches)
-    assert interrupted.state() == {"batches": consumed_batches}
-    resumed = ChainSumPrompts(config, seed=7)
-    resumed.load_state(json.loads(json.dumps(interrupted.state())))
-    assert draw(resumed, 3) == expected
-    assert resumed.metrics() == {}
-
-
-def test_a_bad_chain_state_is_refused():
-    with pytest.raises(ValueError, match="non-negative integer 'batches'"):
-        ChainSumPrompts(DataConfig(task="chain_sum"), seed=0).load_state({"batches": -1})
 
 
 def test_make_prompt_source_picks_the_chain_task():

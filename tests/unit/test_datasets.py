@@ -16,7 +16,14 @@ import pytest
 from cluster.config import DataConfig
 from cluster.demo.model import build_char_tokenizer
 from cluster.demo.task import Problem
-from cluster.run.data import ArithmeticPrompts, DataError, PromptDataset, make_prompt_source
+from cluster.run.data import (
+    ArithmeticPrompts,
+    CalcPrompts,
+    ChainSumPrompts,
+    DataError,
+    PromptDataset,
+    make_prompt_source,
+)
 
 # Readable roles, for asserting rendered text: "<user>1+2=\n<assistant>".
 READABLE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -26,6 +33,7 @@ COUNTABLE_TEMPLATE = ("{% for m in messages %}{{ '0' if m['role'] == 'system' el
                       "{% endfor %}{% if add_generation_prompt %}={% endif %}")
 ROWS = [{"prompt": f"{i}+{i}=", "label": str(2 * i)} for i in range(6)]
 PROBLEMS = [Problem(prompt=f"{i}+{i}=", label=str(2 * i)) for i in range(6)]
+TASKS = {ArithmeticPrompts: "arithmetic", ChainSumPrompts: "chain_sum", CalcPrompts: "calc"}
 
 
 @pytest.fixture
@@ -229,17 +237,20 @@ def test_a_state_from_a_different_dataset_is_refused(tmp_path, tokenizer):
         smaller.load_state(data.state())
 
 
+@pytest.mark.parametrize("source_cls", [ArithmeticPrompts, ChainSumPrompts, CalcPrompts])
 @pytest.mark.parametrize("consumed_batches", [0, 2])
-def test_a_resumed_arithmetic_source_draws_the_same_batches(consumed_batches):
-    config = DataConfig(prompts_per_step=4)
-    uninterrupted = ArithmeticPrompts(config, seed=7)
-    expected = draw(uninterrupted, consumed_batches + 3)[4 * consumed_batches:]
-    interrupted = ArithmeticPrompts(config, seed=7)
+def test_a_resumed_generated_source_draws_the_same_batches(consumed_batches, source_cls):
+    config = DataConfig(task=TASKS[source_cls], prompts_per_step=4)
+    expected = draw(source_cls(config, seed=7), consumed_batches + 3)[4 * consumed_batches:]
+    interrupted = source_cls(config, seed=7)
     draw(interrupted, consumed_batches)
-    resumed = ArithmeticPrompts(config, seed=7)
+    assert interrupted.state() == {"batches": consumed_batches}
+    resumed = source_cls(config, seed=7)
     resumed.load_state(json.loads(json.dumps(interrupted.state())))
     assert draw(resumed, 3) == expected
     assert resumed.metrics() == {}
+    with pytest.raises(ValueError, match="non-negative integer 'batches'"):
+        resumed.load_state({"batches": -1})
 
 
 def test_make_prompt_source_picks_the_task(tmp_path, tiny_model_dir):
