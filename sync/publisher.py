@@ -106,6 +106,14 @@ class WeightPublisher:
         if group is not None:
             group.close()
 
+    def shutdown(self) -> None:
+        """Release what the publishing holds outside Python's memory (the weight group, the shared-memory buffer),
+        so that the process can serve another run (`cluster.fleet.placement.FleetPool`)."""
+        self.leave_weight_group()
+        shared, self.shared_weights = self.shared_weights, None
+        if shared is not None:
+            shared.close()
+
     def _joined_group(self) -> WeightGroup:
         if self.weight_group is None:
             raise RuntimeError("the learner is in no weight group: call open_weight_group first")

@@ -91,7 +91,29 @@ def ray_local():
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
+    _clear_fleets()
     ray.shutdown()
+
+
+@pytest.fixture
+def fleets(ray_local):
+    """The session's `FleetPool` (tests/fleets.py), for `run_training(..., pool=fleets)`."""
+    from tests.fleets import POOL
+
+    return POOL
+
+
+@pytest.fixture(autouse=True)
+def _no_parked_fleet_unless_shared(request):
+    """A test that does not share fleets starts with none parked: the cluster's resources are all free."""
+    if "fleets" not in request.fixturenames:
+        _clear_fleets()
+
+
+def _clear_fleets() -> None:
+    fleets = sys.modules.get("tests.fleets")
+    if fleets is not None:
+        fleets.POOL.clear()
 
 
 @contextmanager

@@ -121,10 +121,17 @@ def launch_learner_group(rank_options: list[dict[str, Any]], model_path: str, co
     if len(rank_options) != config.num_ranks:
         raise ValueError(f"{len(rank_options)} sets of actor options for learner.num_ranks={config.num_ranks}")
     remote_cls = ray.remote(learner_cls or Learner)
-    ranks = [remote_cls.options(**options).remote(model_path, config, dtype, temperature, seed, critic, norm_length,
-                                                  rank)
+    ranks = [remote_cls.options(**options).remote(*rank_args(model_path, config, rank, dtype=dtype,
+                                                             temperature=temperature, seed=seed, critic=critic,
+                                                             norm_length=norm_length))
              for rank, options in enumerate(rank_options)]
     return LearnerGroup(ranks, timeouts)
+
+
+def rank_args(model_path: str, config: LearnerConfig, rank: int, *, dtype: str, temperature: float, seed: int,
+              critic: CriticConfig | None, norm_length: int | None) -> tuple:
+    """A rank's `Learner` constructor arguments."""
+    return model_path, config, dtype, temperature, seed, critic, norm_length, rank
 
 
 def start_learner_group(rank_options: list[dict[str, Any]], model_path: str, config: LearnerConfig,

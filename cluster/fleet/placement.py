@@ -4,7 +4,8 @@ Owns: placement (one placement group for the learner, reference and reward model
 its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
 also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote` wrapping
 of the rollout, reference and reward-model workers, starting and stopping the fleet (`start_fleet`, `stop_fleet`),
-and the Ray settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
+keeping a finished run's fleet for the next run of the same shape (`FleetPool`, `reinit_actor`), and the Ray
+settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
 Does not own: the learner's ranks as actors (cluster/fleet/learner_group.py, started here in the shared placement
 group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py) or what a step does
 (cluster/run/driver.py).
@@ -81,6 +82,7 @@ class Fleet:
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
     learner_group: Any = None  # cluster.fleet.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
     pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
+    shape: tuple | None = None  # `fleet_shape`: what a `FleetPool` matches it by
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -190,8 +192,14 @@ class RolloutLauncher:
             runtime_env={"env_vars": _env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
-        ).remote(self.settings, ro.num_threads, self.config.sync.fingerprint,
-                 **({"episodes": self.episodes} if self.episodes is not None else {}))  # a subclass may not take it
+        ).remote(*self.args(), **self.kwargs())
+
+    def args(self) -> tuple:
+        """A rollout worker's constructor arguments (with `kwargs`)."""
+        return self.settings, self.config.rollout.num_threads, self.config.sync.fingerprint
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"episodes": self.episodes} if self.episodes is not None else {}  # a subclass may not take it
 
     def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = 10) -> None:
         """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources.
@@ -247,23 +255,57 @@ def reward_model_training(source: Any, seed: int) -> dict[str, Any]:
                          "seed": seed, "new_head": source.path is None}}
 
 
-def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None) -> Fleet:
+def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None,
+                pool: FleetPool | None = None) -> Fleet:
     """Reserve resources (one placement group for learner, reference and reward models; one per rollout worker)
-    and start every actor (engines load their model).
+    and start every actor (engines load their model). With `pool`, a parked fleet of the same shape is taken
+    instead and each of its actors re-initialised in place with this run's arguments (`FleetPool`).
 
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
     from actors.process_reward_model import ProcessRewardModelWorker
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
-    from cluster.fleet.learner_group import launch_learner_group
+    from cluster.fleet.learner_group import LearnerGroup, launch_learner_group, rank_args
     from learner.algo.sequences import MicroBatching
     from rewards.config import ModelSource
 
     lc, rc, ro = config.learner, config.reference, config.rollout
+    launcher = RolloutLauncher(config, model_path, rollout_cls)
+    reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
+    learner_args = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
+                        norm_length=ro.max_new_tokens, timeouts=config.timeouts)
+    reference_args = (model_path, config.model.dtype, rc.num_threads,
+                      MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch), ro.temperature)
+    reward_classes = {name: ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker
+                      for name, s in reward_sources.items()}
+    reward_args = {name: ((s.path or model_path, config.model.dtype, s.num_threads,
+                           MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch)),
+                          reward_model_training(s, config.seed)) for name, s in reward_sources.items()}
+    shape = fleet_shape(config, launcher, reward_classes)
+    fleet = pool.take(shape) if pool is not None else None
+    if fleet is not None:
+        fleet.launcher = launcher
+        fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
+        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(
+            model_path, lc, 0, **{k: v for k, v in learner_args.items() if k != "timeouts"}))]
+        restarts += [s.actor.__ray_call__.remote(reinit_actor, *launcher.args(), **launcher.kwargs())
+                     for s in fleet.rollout]
+        if fleet.reference is not None:
+            restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *reference_args))
+        restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
+                     for name, (args, kwargs) in reward_args.items()]
+        try:
+            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names] +
+                (["reference"] if fleet.reference is not None else []) +
+                [f"reward model '{name}'" for name in reward_args], "start")
+        except BaseException:
+            stop_fleet(fleet)
+            raise
+        return fleet
+
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
-    reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
     bundles += [_bundle(s.num_cpus, s.num_gpus) for s in reward_sources.values()]
     pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
                   "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
@@ -274,27 +316,19 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
 
     # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
     group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
-                                  for rank in range(lc.num_ranks)], model_path, lc, dtype=config.model.dtype,
-                                 temperature=ro.temperature, seed=config.seed, critic=config.critic,
-                                 norm_length=ro.max_new_tokens, timeouts=config.timeouts)
+                                  for rank in range(lc.num_ranks)], model_path, lc, **learner_args)
     first = lc.num_ranks
     reference = None
     if config.uses_reference:
         reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
-                                                                  rc.num_gpus)).remote(
-            model_path, config.model.dtype, rc.num_threads, MicroBatching(rc.micro_batch_size,
-                                                                          rc.max_tokens_per_micro_batch),
-            ro.temperature)
+                                                                  rc.num_gpus)).remote(*reference_args)
         first += 1
     reward_models = {  # a process reward model (level steps) scores steps, a sequence classifier completions
-        name: ray.remote(ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker).options(
-            **options(first + i, s.num_threads, s.num_cpus, s.num_gpus)).remote(
-            s.path or model_path, config.model.dtype, s.num_threads,
-            MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch), **reward_model_training(s, config.seed))
+        name: ray.remote(reward_classes[name]).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus))
+        .remote(*reward_args[name][0], **reward_args[name][1])
         for i, (name, s) in enumerate(reward_sources.items())
     }
-    launcher = RolloutLauncher(config, model_path, rollout_cls)
-    fleet = Fleet(group.rank0, reference, [], pg, launcher, reward_models, group)
+    fleet = Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, shape=shape)
     names = (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
     actors = ([reference] if reference else []) + list(reward_models.values())
     try:
@@ -305,6 +339,74 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         stop_fleet(fleet)  # release the placement groups and the actors that did start
         raise
     return fleet
+
+
+def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: dict[str, type]) -> tuple | None:
+    """What a fleet's processes and placement groups are made of: two runs of one shape can share the processes
+    (`FleetPool`); None for a fleet that cannot be re-initialised in place (several learner ranks: their process
+    group; sharded engines; the collective transport's groups)."""
+    from actors.reference import ReferenceWorker
+    from learner.learner import Learner
+
+    lc, rc, ro = config.learner, config.reference, config.rollout
+    if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
+        return None
+
+    def place(section: Any) -> tuple:
+        return (section.num_cpus, section.num_gpus, section.num_threads,
+                tuple(sorted((getattr(section, "resources", None) or {}).items())))
+
+    return (launcher.rollout_cls, ro.in_flight_updates, ro.num_workers, ro.placement, place(ro),
+            tuple(sorted(ro.node_labels.items())), Learner, place(lc), config.uses_reference and ReferenceWorker,
+            place(rc), tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()),
+            tuple(sorted(_env(0).items())), ray.get_runtime_context().get_job_id())
+
+
+def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
+    """Run inside an actor (`__ray_call__`): release what its object holds outside Python's memory (its `shutdown`,
+    if any: an engine, a shared-memory buffer), drop its state and run its constructor again with these
+    arguments, as if the process had just started it."""
+    shutdown = getattr(instance, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    instance.__dict__.clear()
+    type(instance).__init__(instance, *args, **kwargs)
+
+
+class FleetPool:
+    """Keeps the fleet of a run that finished, so that the next run of the same shape (`fleet_shape`) in this
+    process starts from the same actor processes, re-initialised in place (`reinit_actor`): a run then starts in
+    ~2 s instead of ~10 s on 2 cores (the processes' imports and the engines' start-up are most of a start), with
+    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). A different shape evicts the parked
+    fleet first. The parked fleet holds its resources until taken or `clear`ed: use one pool for runs made one after
+    the other (tests, sweeps, benchmarks), and `clear` it before anything else needs the cluster."""
+
+    def __init__(self) -> None:
+        self.parked: tuple[tuple, Fleet] | None = None
+
+    def take(self, shape: tuple | None) -> Fleet | None:
+        """The parked fleet if it has this shape (no longer parked); else None, with any parked fleet stopped."""
+        if self.parked is not None and shape is not None and self.parked[0] == shape:
+            fleet, self.parked = self.parked[1], None
+            return fleet
+        self.clear()
+        return None
+
+    def park(self, fleet: Fleet) -> bool:
+        """Keep `fleet` (replacing any parked one) if it can be reused as it stands: its shape allows it, every
+        worker it was started with is serving and none is on its way; returns whether it was kept."""
+        self.clear()
+        ro = fleet.launcher.config.rollout
+        if fleet.shape is None or fleet.pending or len(fleet.rollout) != ro.num_workers:
+            return False
+        self.parked = (fleet.shape, fleet)
+        return True
+
+    def clear(self) -> None:
+        """Stop the parked fleet, if any, releasing its resources."""
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            stop_fleet(parked[1])
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:

@@ -31,7 +31,15 @@ import ray
 from cluster.config import ConfigError, RunConfig, dump_config
 from cluster.demo.task import Problem
 from cluster.fleet.control import start_control
-from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, check_reachable, node_of, start_fleet, stop_fleet
+from cluster.fleet.placement import (
+    RAY_SYSTEM_CONFIG,
+    Fleet,
+    FleetPool,
+    check_reachable,
+    node_of,
+    start_fleet,
+    stop_fleet,
+)
 from cluster.fleet.reference_refresh import ReferenceRefresh
 from cluster.fleet.rollout_pool import Batch, RolloutPool
 from cluster.run import checkpoint, resume
@@ -652,10 +660,12 @@ def cpus_asked(config: RunConfig) -> dict[str, float]:
 
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,
-                 rollout_cls: type | None = None) -> list[dict[str, Any]]:
+                 rollout_cls: type | None = None, pool: FleetPool | None = None) -> list[dict[str, Any]]:
     """Check the inputs, start Ray (unless connected already), ensure the demo model (shipped copy) if `model_path` and
     `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
-    any), write checkpoints, and clean up; returns this attempt's records.
+    any), write checkpoints, and clean up; returns this attempt's records. With `pool`, the fleet is taken from it
+    when one of the same shape is parked, and parked in it when the run finishes (`FleetPool`; not when this call
+    started Ray, which it then shuts down).
 
     Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
     when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
@@ -669,7 +679,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     finished = False
     with ExitStack() as cleanup:  # undoes whatever was started, in reverse order, however the run ends
         cleanup.callback(scorer.close)
-        if _init_ray(config):
+        started_ray = _init_ray(config)
+        if started_ray:
             cleanup.callback(ray.shutdown)
         if model_path is None:
             from cluster.demo.model import ensure_demo_model
@@ -686,8 +697,9 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         try:
             control = start_control(str(run_dir))
             cleanup.callback(ray.kill, control)
-            fleet = start_fleet(config, model_path, rollout_cls)
-            cleanup.callback(stop_fleet, fleet)
+            fleet = start_fleet(config, model_path, rollout_cls, pool)
+            keep = pool is not None and not started_ray
+            cleanup.callback(lambda: (keep and finished and pool.park(fleet)) or stop_fleet(fleet))
             trainer = Trainer(config, fleet, data, scorer, control)
             cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
             if config.sync.probe:

@@ -12,8 +12,9 @@ import pytest
 from cluster.config import load_config
 from cluster.run.driver import run_training
 from rewards.config import EnvironmentConfig
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ENV_METRICS = {"reward/env", "env/turns/mean", "env/calls", "env/invalid_calls", "env/failures", "time/env",
@@ -27,7 +28,7 @@ def run(tmp_path: Path, name: str, model_dir: Path, *overrides: str, config: str
                                                   *overrides])
     if env is not None:
         cfg = cfg.model_copy(update={"env": env})
-    return run_training(cfg, tmp_path / name, str(model_dir), display=False)
+    return run_training(cfg, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 @pytest.fixture(scope="module")

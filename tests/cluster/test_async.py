@@ -22,8 +22,9 @@ from safetensors.torch import load_file
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting worker travels by value
 
 STEPS = 5
@@ -38,7 +39,7 @@ def run(tmp_path, model_dir, name, dtype="float32", rollout_cls=None, *overrides
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", f"max_steps={STEPS}",
                                 "data.prompts_per_step=8", "rollout.num_workers=2", "learner.lr=2e-3",
                                 "rollout.max_staleness=1", "checkpoint.every=3", f"model.dtype={dtype}", *overrides])
-    records = run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=rollout_cls)
+    records = run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL, rollout_cls=rollout_cls)
     weights = load_file(tmp_path / name / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors")
     return records, weights
 

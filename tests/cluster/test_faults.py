@@ -20,8 +20,9 @@ from actors.rollout import RolloutWorker
 from cluster.config import load_config
 from cluster.run.driver import run_training
 from sync.calls import RunError
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting workers travel by value
 
 
@@ -59,7 +60,7 @@ def faulty(tmp_path, mode):
 def run(tmp_path, model_dir, name, rollout_cls=None, *overrides):
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=4",
                                 "data.prompts_per_step=8", "rollout.num_workers=2", *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=rollout_cls)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL, rollout_cls=rollout_cls)
 
 
 @pytest.fixture(scope="module")

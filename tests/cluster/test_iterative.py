@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOLATILE = ("time/", "throughput/", "memory/")
@@ -26,7 +27,7 @@ SMALL = ["data.prompts_per_step=8", "rollout.num_workers=1", "data.replay_fracti
 def run(tmp_path, model_dir, name, steps, *overrides):
     config = load_config(CONFIGS / "iterative_grpo.yaml", [f"run_dir={tmp_path / name}", f"model.path={model_dir}",
                                                             f"max_steps={steps}", *SMALL, *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 @pytest.fixture(scope="module")

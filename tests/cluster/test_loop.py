@@ -20,8 +20,9 @@ from learner.config import LearnerConfig
 from sync.calls import RunError
 from sync.receive import Loaded
 from sync.verify import SyncError
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting workers below travel by value
 
 CONTRACT_KEYS = {"step", "reward/mean", "reward/std", "response_length/mean", "loss/policy", "grad_norm", "kl/mean",
@@ -104,7 +105,7 @@ class HangingWorker(RolloutWorker):
 
 def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_dir):
     config = config_for(tmp_path, demo_model_dir, "max_steps=25", "data.prompts_per_step=32", "learner.lr=5e-5")
-    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False)
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines == records and [r["step"] for r in lines] == list(range(1, 26))
     for record in lines:
@@ -129,7 +130,7 @@ def test_each_worker_loads_and_probes_inside_its_next_request(ray_local, tmp_pat
     probe before it samples (one call per worker per step), and the last step loads and probes at once."""
     log = tmp_path / "calls.log"
     config = config_for(tmp_path, demo_model_dir, "max_steps=3", f"model.dtype={dtype}")
-    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False,
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
                            rollout_cls=type("Logged", (CallLogWorker,), {"log": str(log)}))
     calls: dict[str, list[str]] = {}
     for line in log.read_text().splitlines():
@@ -152,7 +153,7 @@ def test_a_request_that_skips_the_probe_stops_the_run(ray_local, tmp_path, demo_
     config = config_for(tmp_path, demo_model_dir, "max_steps=2")
     with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) was asked to run the "
                                         r"probe with its request but returned none"):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=NoProbeWorker)
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL, rollout_cls=NoProbeWorker)
 
 
 @pytest.mark.parametrize("lr", ["2e-3", "default"])
@@ -169,7 +170,7 @@ def test_broken_sync_stops_the_run(ray_local, tmp_path, demo_model_dir, worker_c
     default_lr = LearnerConfig.model_fields["lr"].default
     config = config_for(tmp_path, demo_model_dir, "max_steps=3", f"learner.lr={default_lr if lr == 'default' else lr}")
     with pytest.raises(SyncError, match="weight sync check failed: rollout worker 0 " + caught_by):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=worker_cls)
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL, rollout_cls=worker_cls)
 
 
 def test_an_engine_that_skips_the_load_stops_a_bfloat16_run(ray_local, tmp_path, demo_model_dir):
@@ -180,7 +181,8 @@ def test_an_engine_that_skips_the_load_stops_a_bfloat16_run(ray_local, tmp_path,
                         "learner.warmup_steps=0")
     with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version \d\) gives bit for bit "
                                         r"the probe logprobs it gave at version 0, while the learner's logprobs"):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=EngineSkipsLoadWorker)
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                     rollout_cls=EngineSkipsLoadWorker)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -192,7 +194,8 @@ def test_a_dropped_bucket_stops_the_run(ray_local, tmp_path, demo_model_dir, dty
     with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) did not get the "
                                         r"learner's weights: \d+ of the \d+ tensors never reached the engine \(first: "
                                         r"model\.(norm|layers)"):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=DropBucketWorker)
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                     rollout_cls=DropBucketWorker)
 
 
 def test_a_skipped_prefix_cache_reset_stops_a_bfloat16_run(ray_local, tmp_path, demo_model_dir):
@@ -201,7 +204,8 @@ def test_a_skipped_prefix_cache_reset_stops_a_bfloat16_run(ray_local, tmp_path, 
     config = config_for(tmp_path, demo_model_dir, "max_steps=3", "model.dtype=bfloat16",
                         f"learner.lr={LearnerConfig.model_fields['lr'].default}")
     with pytest.raises(SyncError, match=r"rollout worker 0 \(version 1\) took 32 probe prompt tokens from its prefix"):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, rollout_cls=NoCacheResetWorker)
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                     rollout_cls=NoCacheResetWorker)
 
 
 def test_without_the_probe_every_deferred_load_is_still_fingerprinted(ray_local, tmp_path, demo_model_dir):
@@ -209,13 +213,13 @@ def test_without_the_probe_every_deferred_load_is_still_fingerprinted(ray_local,
     load's fingerprints back: a clean run trains, one that loses a bucket stops at the first step that used it."""
     overrides = ["max_steps=2", "sync.probe=false", "sync.shared_memory=false", "sync.bucket_mb=0.25"]
     records = run_training(config_for(tmp_path / "clean", demo_model_dir, *overrides), tmp_path / "clean" / "run",
-                           str(demo_model_dir), display=False)
+                           str(demo_model_dir), display=False, pool=POOL)
     assert [r["weights/version"] for r in records] == [1, 2] and math.isnan(records[-1]["sync/probe_max_diff"])
     assert all(r["logprob/mismatch"] < 1e-4 for r in records)
     with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker \d \(version 1\) did not get the "
                                         r"learner's weights: \d+ of the \d+ tensors never reached the engine"):
         run_training(config_for(tmp_path / "drop", demo_model_dir, *overrides), tmp_path / "drop" / "run",
-                     str(demo_model_dir), display=False, rollout_cls=DropBucketWorker)
+                     str(demo_model_dir), display=False, pool=POOL, rollout_cls=DropBucketWorker)
 
 
 def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_run(ray_local, tmp_path, tiny_model_dir):
@@ -224,5 +228,5 @@ def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_ru
     started = time.monotonic()
     with pytest.raises(RunError, match=r"rollout worker 0 missed the 5 s deadline of 'generate', and 1 rollout "
                                        r"workers were already replaced \(rollout.max_restarts=1\)"):
-        run_training(config, tmp_path / "run", str(tiny_model_dir), display=False, rollout_cls=HangingWorker)
+        run_training(config, tmp_path / "run", str(tiny_model_dir), display=False, pool=POOL, rollout_cls=HangingWorker)
     assert time.monotonic() - started < 120

@@ -11,8 +11,9 @@ import pytest
 
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STEPS = 3
@@ -35,7 +36,7 @@ def run_preset(tmp_path, model_dir, name, *overrides):
     config = load_config(CONFIGS / f"{name}.yaml", [
         f"run_dir={tmp_path / name}", f"model.path={model_dir}", f"max_steps={STEPS}", "data.prompts_per_step=8",
         "rollout.num_workers=1", *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 @pytest.fixture(scope="module")

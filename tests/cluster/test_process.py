@@ -12,8 +12,9 @@ import yaml
 
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STEPS = 3
@@ -23,7 +24,7 @@ def run(tmp_path, model_dir, name, *overrides, config_file=CONFIGS / "grpo_proce
     config = load_config(config_file, [
         f"run_dir={tmp_path / name}", f"model.path={model_dir}", f"max_steps={STEPS}", "data.prompts_per_step=8",
         "rollout.num_workers=1", *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 @pytest.fixture(scope="module")

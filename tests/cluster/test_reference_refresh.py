@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 VOLATILE = ("time/", "throughput/", "memory/")
 
@@ -20,7 +21,7 @@ def run(tmp_path, model_dir, name, steps, *overrides):
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", f"max_steps={steps}",
                                 "data.prompts_per_step=8", "rollout.num_workers=1", "learner.lr=2e-3",
                                 "learner.warmup_steps=0", "reference.refresh_every=2", *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -17,8 +17,9 @@ import pytest
 from cluster.config import load_config
 from cluster.run.driver import run_training
 from sync.calls import RunError
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ def verifier_service():
 def run(tmp_path, model_dir, name, *overrides, config_file=None):
     config = load_config(config_file, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=4",
                                        "data.prompts_per_step=8", "rollout.num_workers=1", *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL)
 
 
 def test_remote_verifier_gives_exactly_the_in_process_run(ray_local, tmp_path, demo_model_dir, verifier_service):
