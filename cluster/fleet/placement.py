@@ -272,8 +272,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     lc, rc, ro = config.learner, config.reference, config.rollout
     launcher = RolloutLauncher(config, model_path, rollout_cls)
     reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
-    learner_args = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
-                        norm_length=ro.max_new_tokens, timeouts=config.timeouts)
+    rank_kwargs = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
+                       norm_length=ro.max_new_tokens)
     reference_args = (model_path, config.model.dtype, rc.num_threads,
                       MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch), ro.temperature)
     reward_classes = {name: ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker
@@ -286,8 +286,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     if fleet is not None:
         fleet.launcher = launcher
         fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
-        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(
-            model_path, lc, 0, **{k: v for k, v in learner_args.items() if k != "timeouts"}))]
+        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, lc, 0, **rank_kwargs))]
         restarts += [s.actor.__ray_call__.remote(reinit_actor, *launcher.args(), **launcher.kwargs())
                      for s in fleet.rollout]
         if fleet.reference is not None:
@@ -316,7 +315,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
 
     # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
     group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
-                                  for rank in range(lc.num_ranks)], model_path, lc, **learner_args)
+                                  for rank in range(lc.num_ranks)], model_path, lc, **rank_kwargs,
+                                 timeouts=config.timeouts)
     first = lc.num_ranks
     reference = None
     if config.uses_reference:
@@ -345,9 +345,6 @@ def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: di
     """What a fleet's processes and placement groups are made of: two runs of one shape can share the processes
     (`FleetPool`); None for a fleet that cannot be re-initialised in place (several learner ranks: their process
     group; sharded engines; the collective transport's groups)."""
-    from actors.reference import ReferenceWorker
-    from learner.learner import Learner
-
     lc, rc, ro = config.learner, config.reference, config.rollout
     if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
         return None
@@ -357,8 +354,8 @@ def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: di
                 tuple(sorted((getattr(section, "resources", None) or {}).items())))
 
     return (launcher.rollout_cls, ro.in_flight_updates, ro.num_workers, ro.placement, place(ro),
-            tuple(sorted(ro.node_labels.items())), Learner, place(lc), config.uses_reference and ReferenceWorker,
-            place(rc), tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()),
+            tuple(sorted(ro.node_labels.items())), place(lc), config.uses_reference, place(rc),
+            tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()),
             tuple(sorted(_env(0).items())), ray.get_runtime_context().get_job_id())
 
 

@@ -698,8 +698,12 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             control = start_control(str(run_dir))
             cleanup.callback(ray.kill, control)
             fleet = start_fleet(config, model_path, rollout_cls, pool)
-            keep = pool is not None and not started_ray
-            cleanup.callback(lambda: (keep and finished and pool.park(fleet)) or stop_fleet(fleet))
+
+            def release(fleet: Fleet) -> None:  # parked for the next run only if this one finished in a Ray it joined
+                if pool is None or started_ray or not finished or not pool.park(fleet):
+                    stop_fleet(fleet)
+
+            cleanup.callback(release, fleet)
             trainer = Trainer(config, fleet, data, scorer, control)
             cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
             if config.sync.probe:
