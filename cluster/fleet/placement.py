@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -82,7 +82,7 @@ class Fleet:
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
     learner_group: Any = None  # cluster.fleet.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
     pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
-    shape: tuple | None = None  # `fleet_shape`: what a `FleetPool` matches it by
+    shape: FleetShape | None = None  # `fleet_shape`: what a `FleetPool` matches it by
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -284,23 +284,35 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     shape = fleet_shape(config, launcher, reward_classes)
     fleet = pool.take(shape) if pool is not None else None
     if fleet is not None:
-        fleet.launcher = launcher
+        # The parked fleet's learner, reference and reward models run again with this run's arguments; its rollout
+        # workers too if they are of this run's kind (up to `num_workers` of them), the rest are stopped and started.
+        keep = fleet.rollout[:ro.num_workers] if fleet.shape.rollout == shape.rollout else []
+        launcher.stop(fleet.rollout[len(keep):])
+        fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(keep)]
+        fleet.launcher, fleet.shape = launcher, shape
         fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
         restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, lc, 0, **rank_kwargs))]
-        restarts += [s.actor.__ray_call__.remote(reinit_actor, *launcher.args(), **launcher.kwargs())
-                     for s in fleet.rollout]
+        restarts += [s.actor.__ray_call__.remote(reinit_actor, *launcher.args(), **launcher.kwargs()) for s in keep]
         if fleet.reference is not None:
             restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *reference_args))
         restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
                      for name, (args, kwargs) in reward_args.items()]
         try:
-            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names] +
-                (["reference"] if fleet.reference is not None else []) +
-                [f"reward model '{name}'" for name in reward_args], "start")
+            fleet.rollout += start_rollout_slots(launcher, list(range(len(keep), ro.num_workers)),
+                                                 [s.node_id for s in keep])
         except BaseException:
             stop_fleet(fleet)
             raise
-        return fleet
+        try:
+            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
+                (["reference"] if fleet.reference is not None else []) +
+                [f"reward model '{name}'" for name in reward_args], "start")
+            return fleet
+        except RunError:  # a parked actor died (or a constructor raised, which then raises again below): start afresh
+            stop_fleet(fleet)
+        except BaseException:
+            stop_fleet(fleet)
+            raise
 
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if config.uses_reference:
@@ -341,10 +353,19 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     return fleet
 
 
-def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: dict[str, type]) -> tuple | None:
-    """What a fleet's processes and placement groups are made of: two runs of one shape can share the processes
-    (`FleetPool`); None for a fleet that cannot be re-initialised in place (several learner ranks: their process
-    group; sharded engines; the collective transport's groups)."""
+@dataclass(frozen=True)
+class FleetShape:
+    """What a fleet's processes and placement groups are made of (`fleet_shape`). Two runs of one `core` can share
+    the learner, reference and reward-model processes; of one `rollout` too, the rollout workers (as many as both
+    have: the worker count is not part of it)."""
+
+    core: tuple
+    rollout: tuple
+
+
+def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: dict[str, type]) -> FleetShape | None:
+    """The shape a `FleetPool` matches fleets by; None for a fleet that cannot be re-initialised in place (several
+    learner ranks: their process group; sharded engines; the collective transport's groups)."""
     lc, rc, ro = config.learner, config.reference, config.rollout
     if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
         return None
@@ -353,10 +374,12 @@ def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: di
         return (section.num_cpus, section.num_gpus, section.num_threads,
                 tuple(sorted((getattr(section, "resources", None) or {}).items())))
 
-    return (launcher.rollout_cls, ro.in_flight_updates, ro.num_workers, ro.placement, place(ro),
-            tuple(sorted(ro.node_labels.items())), place(lc), config.uses_reference, place(rc),
-            tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()),
-            tuple(sorted(_env(0).items())), ray.get_runtime_context().get_job_id())
+    where = (tuple(sorted(_env(0).items())), ray.get_runtime_context().get_job_id())
+    return FleetShape(
+        core=(place(lc), config.uses_reference, place(rc),
+              tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()), where),
+        rollout=(launcher.rollout_cls, ro.in_flight_updates, ro.placement, place(ro),
+                 tuple(sorted(ro.node_labels.items())), where))
 
 
 def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
@@ -371,39 +394,52 @@ def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
 
 
 class FleetPool:
-    """Keeps the fleet of a run that finished, so that the next run of the same shape (`fleet_shape`) in this
-    process starts from the same actor processes, re-initialised in place (`reinit_actor`): a run then starts in
-    ~2 s instead of ~10 s on 2 cores (the processes' imports and the engines' start-up are most of a start), with
-    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). A different shape evicts the parked
-    fleet first. The parked fleet holds its resources until taken or `clear`ed: use one pool for runs made one after
-    the other (tests, sweeps, benchmarks), and `clear` it before anything else needs the cluster."""
+    """Keeps the fleet of a run that ended, so that the next run in this process whose fleet has the same shape
+    (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`): a run then starts
+    in ~2 s instead of ~10 s on 2 cores (the processes' imports and the engines' start-up are most of a start), with
+    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
+    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too; a different core
+    stops the parked fleet first. The parked fleet holds its resources until taken or `clear`ed: use one pool for runs
+    made one after the other (tests, sweeps, benchmarks), and `clear` it before anything else needs the cluster."""
+
+    HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
 
     def __init__(self) -> None:
-        self.parked: tuple[tuple, Fleet] | None = None
+        self.parked: Fleet | None = None
 
-    def take(self, shape: tuple | None) -> Fleet | None:
-        """The parked fleet if it has this shape (no longer parked); else None, with any parked fleet stopped."""
-        if self.parked is not None and shape is not None and self.parked[0] == shape:
-            fleet, self.parked = self.parked[1], None
+    def take(self, shape: FleetShape | None) -> Fleet | None:
+        """The parked fleet if its core has this shape (no longer parked); else None, with any parked fleet stopped."""
+        if self.parked is not None and shape is not None and self.parked.shape.core == shape.core:
+            fleet, self.parked = self.parked, None
             return fleet
         self.clear()
         return None
 
-    def park(self, fleet: Fleet) -> bool:
-        """Keep `fleet` (replacing any parked one) if it can be reused as it stands: its shape allows it, every
-        worker it was started with is serving and none is on its way; returns whether it was kept."""
+    def park(self, fleet: Fleet, failed: bool = False) -> bool:
+        """Keep `fleet` (replacing any parked one) if its shape allows; returns whether it was kept. Workers still on
+        their way in are stopped. After a run that `failed`, its rollout workers are stopped too (one may be stuck in a
+        call, or broken) and the other actors are kept only if they answer within `HEALTH_TIMEOUT`."""
         self.clear()
-        ro = fleet.launcher.config.rollout
-        if fleet.shape is None or fleet.pending or len(fleet.rollout) != ro.num_workers:
+        if fleet.shape is None:
             return False
-        self.parked = (fleet.shape, fleet)
+        stale, fleet.pending = list(fleet.pending), []
+        if failed:
+            stale, fleet.rollout = stale + fleet.rollout, []
+        fleet.launcher.stop(stale)
+        if failed:
+            actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
+            try:
+                ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
+            except Exception:  # dead, or still busy with a call of the failed run
+                return False
+        self.parked = fleet
         return True
 
     def clear(self) -> None:
         """Stop the parked fleet, if any, releasing its resources."""
         parked, self.parked = self.parked, None
         if parked is not None:
-            stop_fleet(parked[1])
+            stop_fleet(parked)
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:

@@ -664,8 +664,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     """Check the inputs, start Ray (unless connected already), ensure the demo model (shipped copy) if `model_path` and
     `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
     any), write checkpoints, and clean up; returns this attempt's records. With `pool`, the fleet is taken from it
-    when one of the same shape is parked, and parked in it when the run finishes (`FleetPool`; not when this call
-    started Ray, which it then shuts down).
+    when one of the same shape is parked, and parked in it when the run ends (`FleetPool`; not when this call started
+    Ray, which it then shuts down).
 
     Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
     when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
@@ -699,8 +699,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             cleanup.callback(ray.kill, control)
             fleet = start_fleet(config, model_path, rollout_cls, pool)
 
-            def release(fleet: Fleet) -> None:  # parked for the next run only if this one finished in a Ray it joined
-                if pool is None or started_ray or not finished or not pool.park(fleet):
+            def release(fleet: Fleet) -> None:  # parked for the next run only if this run joined a Ray it did not start
+                if pool is None or started_ray or not pool.park(fleet, failed=not finished):
                     stop_fleet(fleet)
 
             cleanup.callback(release, fleet)

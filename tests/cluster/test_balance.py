@@ -13,8 +13,9 @@ import ray
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
 from cluster.run.driver import run_training
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
 
 
@@ -45,7 +46,7 @@ def run(tmp_path, model_dir, name, balance):
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=3",
                                 "data.prompts_per_step=16", "rollout.num_workers=2",
                                 f"rollout.balance={balance}", "checkpoint.every=0"])
-    records = run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=worker_cls)
+    records = run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL, rollout_cls=worker_cls)
     served = {"slow": 0, "fast": 0}
     for line in log.read_text().splitlines():
         speed, prompts = line.split()

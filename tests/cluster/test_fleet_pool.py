@@ -1,6 +1,7 @@
-"""`FleetPool`: a run that finished leaves its fleet parked; the next run of the same shape re-initialises those
-actor processes in place and trains exactly as on a fresh fleet; another shape, a failed run or a run that started
-its own Ray does not reuse it."""
+"""`FleetPool`: a run leaves its fleet parked; the next run of the same shape re-initialises those actor processes in
+place and trains exactly as on a fresh fleet. Rollout workers of another kind or number are stopped or added while
+the learner and reference are kept; a failed run parks only those two; another learner or reference shape, or a
+parked actor that died, starts a fresh fleet."""
 
 from __future__ import annotations
 
@@ -26,12 +27,28 @@ def train(tmp_path, model_dir, name, pool, *overrides, **kwargs):
 
 
 def parked_actors(pool: FleetPool) -> list:
-    fleet = pool.parked[1]
+    fleet = pool.parked
     return [a for a in (fleet.learner, fleet.reference, *fleet.rollout_workers) if a is not None]
 
 
 def actor_ids(pool: FleetPool) -> set[str]:
     return {actor._actor_id.hex() for actor in parked_actors(pool)}
+
+
+def worker_ids(pool: FleetPool) -> set[str]:
+    return {actor._actor_id.hex() for actor in pool.parked.rollout_workers}
+
+
+def assert_same_run(ours, theirs):
+    assert ours[0] == theirs[0]
+    assert ours[1].keys() == theirs[1].keys()
+    assert all((ours[1][name] == theirs[1][name]).all() for name in theirs[1])
+
+
+def assert_stopped(actors):
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -44,27 +61,45 @@ def test_a_reused_fleet_trains_exactly_as_a_fresh_one(ray_local, tmp_path, demo_
         train(tmp_path, demo_model_dir, "other", pool, f"model.dtype={dtype}", "learner.lr=1e-3", "seed=5")
         again = train(tmp_path, demo_model_dir, "again", pool, f"model.dtype={dtype}")
         assert actor_ids(pool) == first  # the same actors all along
-        assert again[0] == fresh[0]
-        assert again[1].keys() == fresh[1].keys()
-        assert all((again[1][name] == fresh[1][name]).all() for name in fresh[1])
+        assert_same_run(again, fresh)
     finally:
         pool.clear()
     assert pool.parked is None
 
 
-def test_another_shape_or_a_failed_run_starts_afresh(ray_local, tmp_path, demo_model_dir):
+def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_run(ray_local, tmp_path,
+                                                                                demo_model_dir):
     from tests.cluster.test_loop import NoProbeWorker
 
     pool = FleetPool()
     try:
-        train(tmp_path, demo_model_dir, "one", pool)
-        one = parked_actors(pool)
-        train(tmp_path, demo_model_dir, "two", pool, "rollout.num_workers=2")  # another shape: the first is stopped
-        assert not actor_ids(pool) & {a._actor_id.hex() for a in one} and len(actor_ids(pool)) == 4
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(one[0].__ray_ready__.remote(), timeout=60)
-        with pytest.raises(SyncError):  # a run that fails leaves nothing parked
+        one = train(tmp_path, demo_model_dir, "one", pool)
+        core, first = actor_ids(pool) - worker_ids(pool), worker_ids(pool)
+        train(tmp_path, demo_model_dir, "two", pool, "rollout.num_workers=2")  # worker 0 kept, worker 1 added
+        assert actor_ids(pool) - worker_ids(pool) == core and first < worker_ids(pool) and len(worker_ids(pool)) == 2
+        two = list(pool.parked.rollout_workers)
+        with pytest.raises(SyncError):  # another kind of worker: both stopped, one started; its run fails
             train(tmp_path, demo_model_dir, "bad", pool, rollout_cls=NoProbeWorker)
-        assert pool.parked is None
+        assert actor_ids(pool) == core and pool.parked.rollout == []  # a failed run parks no rollout worker
+        assert_stopped(two)
+        assert_same_run(train(tmp_path, demo_model_dir, "again", pool), one)
+        assert actor_ids(pool) - worker_ids(pool) == core
+    finally:
+        pool.clear()
+
+
+def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(ray_local, tmp_path, demo_model_dir):
+    pool = FleetPool()
+    try:
+        one = train(tmp_path, demo_model_dir, "one", pool)
+        before = parked_actors(pool)
+        ray.kill(pool.parked.reference)  # dies while parked: the next run cannot re-initialise it
+        assert_same_run(train(tmp_path, demo_model_dir, "again", pool), one)
+        assert not actor_ids(pool) & {a._actor_id.hex() for a in before}
+        assert_stopped(before)
+        again = parked_actors(pool)
+        train(tmp_path, demo_model_dir, "threads", pool, "learner.num_threads=1")  # another learner shape
+        assert not actor_ids(pool) & {a._actor_id.hex() for a in again}
+        assert_stopped(again)
     finally:
         pool.clear()

@@ -16,8 +16,9 @@ from cluster.config import load_config
 from cluster.run.driver import run_training
 from sync.calls import RunError
 from sync.shared_memory import SharedWeightsHandle
+from tests.fleets import POOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
 
 
@@ -34,7 +35,7 @@ def run(tmp_path, model_dir, name, *overrides):
     config = load_config(None, [f"run_dir={tmp_path / name}", f"model.path={model_dir}", "max_steps=2",
                                 "data.prompts_per_step=4", "rollout.num_workers=1", "rollout.max_restarts=1",
                                 *overrides])
-    return run_training(config, tmp_path / name, str(model_dir), display=False, rollout_cls=ForeignWorker)
+    return run_training(config, tmp_path / name, str(model_dir), display=False, pool=POOL, rollout_cls=ForeignWorker)
 
 
 def test_a_worker_that_cannot_open_the_learners_buffer_stops_the_run_naming_the_switch(ray_local, tmp_path,

@@ -1,5 +1,5 @@
-"""The `relay` command as a user runs it: help, bad input (exit 2, one line, nothing written), and a short demo run
-read back from metrics.jsonl."""
+"""The `relay` command as a user runs it: help, bad input (exit 2, one line, nothing written), a short demo run read
+back from metrics.jsonl and TensorBoard and plotted with `relay plot`, and the demo learning in bfloat16."""
 
 from __future__ import annotations
 
@@ -79,16 +79,44 @@ def test_a_wrong_ray_address_is_one_line_and_leaves_nothing_behind(tmp_path, add
 
 
 @pytest.mark.slow
-def test_demo_trains_and_writes_metrics(tmp_path, demo_model_dir):
+def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
+    """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address, the run
+    directory holds metrics.jsonl, the resolved config and TensorBoard events, and the PNG has every panel."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.cli.plot import PANELS, load_run, plot_figure
+
     run_dir = tmp_path / "run"
-    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16", "--quiet")
+    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ray dashboard: http://127.0.0.1:" in result.stdout + result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["logprob/mismatch"] < 1e-4 and r["weights/version"] == r["step"] for r in records)
     assert "max_steps: 2" in (run_dir / "config.yaml").read_text()
     again = relay("train", "max_steps=2", f"run_dir={run_dir}")  # an existing run is never overwritten
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2]
+    assert {"time/generate", "time/train", "logprob/mismatch"} <= set(events.Tags()["scalars"])
+
+    plotted = relay("plot", str(run_dir))
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    png = Path(plotted.stdout.strip())
+    assert png == run_dir / "plots.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    with Image.open(png) as image:
+        assert image.text["Description"] == "panels: " + "; ".join(PANELS)
+    figure = plot_figure(load_run(run_dir))
+    assert [ax.get_title() for ax in figure.axes] == list(PANELS)
+    assert all(ax.has_data() for ax in figure.axes)  # every panel drew the real run's values
+
+    bad = relay("plot", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and bad.stderr.startswith("relay: config error: ") and bad.stderr.count("\n") == 1
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """`rollout.max_staleness=0` is the loop from before asynchronous training, bit for bit: the demo trained by the last
-commit before it (taken from this repository's history with `git archive`) and by this code gives the same metrics
-and bitwise the same weights, in float32 and bfloat16."""
+commit before it (taken from this repository's history with `git archive`, run as `relay train`) and by this
+code (in the test's process, on the session's shared fleets) gives the same metrics and bitwise the same weights, in
+float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from cluster.config import load_config
+from cluster.run.driver import run_training
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,17 +29,25 @@ NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rol
 VOLATILE = ("time/", "throughput/", "memory/")
 
 
-def train(tree: Path, run_dir: Path, model_dir: Path, dtype: str) -> tuple[list[dict], dict]:
+def overrides(run_dir: Path, model_dir: Path, dtype: str) -> list[str]:
+    return [f"run_dir={run_dir}", f"model.path={model_dir}", f"max_steps={STEPS}", f"model.dtype={dtype}",
+            "rollout.num_workers=1", "data.prompts_per_step=8", "ray.dashboard=false"]
+
+
+def train_before(tree: Path, run_dir: Path, model_dir: Path, dtype: str) -> tuple[list[dict], dict]:
     """`relay train` with the code in `tree` (its own Ray, its own processes), 3 demo steps."""
-    process = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "train", "--quiet", f"run_dir={run_dir}", f"model.path={model_dir}",
-         f"max_steps={STEPS}", f"model.dtype={dtype}", "rollout.num_workers=1", "data.prompts_per_step=8",
-         "ray.dashboard=false"],
-        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=600)
+    process = subprocess.run([sys.executable, "-m", "cluster.cli", "train", "--quiet",
+                              *overrides(run_dir, model_dir, dtype)],
+                             cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                             timeout=600)
     assert process.returncode == 0, process.stderr[-3000:]
+    return results(run_dir)
+
+
+def results(run_dir: Path) -> tuple[list[dict], dict]:
+    """The run's metrics records and final weights."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    weights = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors")
-    return records, weights
+    return records, load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "policy" / "model.safetensors")
 
 
 def stable(records: list[dict]) -> list[dict]:
@@ -45,15 +57,18 @@ def stable(records: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_path, demo_model_dir, dtype):
+def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_path, demo_model_dir, fleets, dtype):
     before = tmp_path / "before"
     before.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_ASYNC], capture_output=True)
     assert archive.returncode == 0, (f"this test needs the repository's history (commit {BEFORE_ASYNC}): "
                                      f"{archive.stderr.decode()[-500:]}")
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(before, filter="data")
-    old, old_weights = train(before, tmp_path / "old", demo_model_dir, dtype)
-    new, new_weights = train(ROOT, tmp_path / "new", demo_model_dir, dtype)
+    old, old_weights = train_before(before, tmp_path / "old", demo_model_dir, dtype)
+    # This code in this process (on the session's shared fleets): what `relay train` runs with the same arguments.
+    config = load_config(None, overrides(tmp_path / "new", demo_model_dir, dtype))
+    run_training(config, tmp_path / "new", display=False, pool=fleets)
+    new, new_weights = results(tmp_path / "new")
     assert not any(key in old[0] for key in NEW_KEYS)  # the old code ran
     assert [r["async/staleness"] for r in new] == [0] * STEPS
     assert stable(new) == stable(old)

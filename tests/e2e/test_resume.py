@@ -1,6 +1,7 @@
 """Exact resume after SIGKILL: the `relay` driver is killed mid-run and then mid-checkpoint-write, resumed each time
 with `resume=auto`, and ends with the same metrics and bitwise the same weights as an uninterrupted run. Also:
-resuming a finished run exits 0 without training; resuming with a config that changed the computation is refused."""
+resuming a finished run exits 0 without training; resuming with a config that changed the computation is refused.
+The uninterrupted runs are made in the test's process (the same code and config as `relay train`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from cluster.config import load_config
 from cluster.run import checkpoint
+from cluster.run.driver import run_training
+from tests.fleets import POOL
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +75,15 @@ def final_weights(run_dir: Path) -> dict:
                      "model.safetensors")
 
 
+def train_here(run_dir: Path, *args: str) -> None:
+    """The run `relay train run_dir=... *args` makes, made in this process (on the session's shared fleets)."""
+    run_training(load_config(None, [f"run_dir={run_dir}", *args]), run_dir, display=False, pool=POOL)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, demo_model_dir):
+def uninterrupted(tmp_path_factory, ray_local, demo_model_dir):
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    result = relay(*TRAIN, f"run_dir={run_dir}", *ARGS)
-    assert result.returncode == 0, result.stderr[-2000:]
+    train_here(run_dir, *ARGS)
     return run_dir
 
 
@@ -117,14 +125,13 @@ def test_resuming_with_a_changed_computation_is_refused(uninterrupted):
     assert result.stderr.strip().count("\n") == 0
 
 
-def test_asynchronous_run_killed_with_batches_in_flight_resumes_exactly(tmp_path):
+def test_asynchronous_run_killed_with_batches_in_flight_resumes_exactly(tmp_path, fleets):
     """`rollout.max_staleness=1`: the pipeline drains at checkpoint steps, so a run killed with batches in flight
     (after step 3: step 4's batch is out) and resumed from step_2 samples every batch with the same version as an
     uninterrupted run, and ends with the same metrics and bitwise the same weights."""
     args = [*ARGS, "rollout.max_staleness=1"]
     whole = tmp_path / "whole"
-    result = relay(*TRAIN, f"run_dir={whole}", *args)
-    assert result.returncode == 0, result.stderr[-2000:]
+    train_here(whole, *args)
     assert [r["rollout/version"] for r in records(whole)] == [0, 0, 2, 2, 4, 4]  # drains at 2 and 4
     run_dir = tmp_path / "run"
     process = relay_process(*TRAIN, f"run_dir={run_dir}", *args)
