@@ -75,6 +75,20 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
+@contextlib.contextmanager
+def _no_full_collections() -> Iterator[None]:
+    """`gc.collect()` a no-op: vLLM's engine-core shutdown collects twice (0.85 s of a worker's 0.9 s shutdown on
+    this CPU, mostly walking torch's and vLLM's modules), to hand GPU memory back at once. A CPU engine's memory goes
+    back when its objects die (cycles at the next automatic collection), or with its process, which a stopped worker's
+    is about to be."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
 class VllmEngine:
     """A running vLLM `LLM` plus the few operations relay needs from it."""
 
@@ -91,6 +105,12 @@ class VllmEngine:
 
         device_args: dict = {}
         if current_platform.is_cpu():
+            if settings.enforce_eager:
+                # Eager means eager here: vLLM compiles one sampler helper with inductor even so (the sampled
+                # tokens' ranks among the logprobs, which relay does not read), on the first sample of every new
+                # process: 2 s on this 2-core CPU, 9 s without inductor's on-disk cache (a fresh machine), for an
+                # op that takes microseconds eagerly. Process-wide, as the engine is its process's reason to be.
+                torch._dynamo.config.disable = True
             device_args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
             # The CPU default (128-token blocks) would leave short prompts out of the prefix cache entirely.
             device_args["block_size"] = 32
@@ -101,6 +121,7 @@ class VllmEngine:
             # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self._cpu = current_platform.is_cpu()
         self.llm = LLM(
             model=settings.model_path,
             dtype=settings.dtype,
@@ -279,7 +300,8 @@ class VllmEngine:
             engine = getattr(self.llm, "llm_engine", None)
             core = getattr(engine, "engine_core", None)
             if core is not None:
-                core.shutdown()
+                with _no_full_collections() if self._in_process and self._cpu else contextlib.nullcontext():
+                    core.shutdown()
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
             destroy_model_parallel()

@@ -67,11 +67,11 @@ def test_a_reused_fleet_trains_exactly_as_a_fresh_one(ray_local, tmp_path, demo_
     assert pool.parked is None
 
 
-def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_run(ray_local, tmp_path,
-                                                                                demo_model_dir):
+def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_run(fleets, tmp_path, demo_model_dir):
+    """On the session's pool (its first run may take the fleet an earlier test parked: reused equals fresh, above)."""
     from tests.cluster.test_loop import NoProbeWorker
 
-    pool = FleetPool()
+    pool = fleets
     try:
         one = train(tmp_path, demo_model_dir, "one", pool)
         core, first = actor_ids(pool) - worker_ids(pool), worker_ids(pool)
@@ -88,8 +88,8 @@ def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_ru
         pool.clear()
 
 
-def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(ray_local, tmp_path, demo_model_dir):
-    pool = FleetPool()
+def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(fleets, tmp_path, demo_model_dir):
+    pool = fleets
     try:
         one = train(tmp_path, demo_model_dir, "one", pool)
         before = parked_actors(pool)
