@@ -1,5 +1,5 @@
 """The `relay` command as a user runs it: help, bad input (exit 2, one line, nothing written), a short demo run read
-back from metrics.jsonl and TensorBoard and plotted with `relay plot`, and the demo learning in bfloat16."""
+back from metrics.jsonl and TensorBoard and plotted with `relay plot`, and the demo's run learning in bfloat16."""
 
 from __future__ import annotations
 
@@ -120,16 +120,20 @@ def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
 
 
 @pytest.mark.slow
-def test_demo_learns_in_bfloat16(tmp_path, demo_model_dir):
-    """`relay train model.dtype=bfloat16` clears the float32 demo's bar (mean reward of 10 steps >= 0.9 within 80
-    steps): engines and reference in bfloat16, the learner's forward in bfloat16 on float32 master weights, the probe's
-    tolerance derived from the bfloat16 noise floor. The final checkpoint serves bfloat16 and resumes from float32."""
+def test_demo_learns_in_bfloat16(tmp_path, demo_model_dir, fleets, capsys):
+    """The run `relay train model.dtype=bfloat16` makes (here in the test's process, on the session's fleets) clears
+    the float32 demo's bar (mean reward of 10 steps >= 0.9 within 80 steps): engines and reference in bfloat16, the
+    learner's forward in bfloat16 on float32 master weights, the probe's tolerance derived from the bfloat16 noise
+    floor. The final checkpoint serves bfloat16 and resumes from float32."""
     import torch
 
+    from cluster.config import load_config
+    from cluster.run.driver import run_training
+
     run_dir = tmp_path / "run"
-    result = relay("train", "model.dtype=bfloat16", "max_steps=80", f"run_dir={run_dir}", "--quiet")
-    assert result.returncode == 0, result.stderr[-3000:]
-    tolerance = float(result.stderr.split("relay: sync probe tolerance ")[1].split()[0])
+    config = load_config(None, ["model.dtype=bfloat16", "max_steps=80", f"run_dir={run_dir}"])
+    run_training(config, run_dir, str(demo_model_dir), display=False, pool=fleets)
+    tolerance = float(capsys.readouterr().err.split("relay: sync probe tolerance ")[1].split()[0])
     assert 1e-3 < tolerance < 0.25  # 5x a bfloat16 noise floor (float32's would give the 1e-4 minimum)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in records]
