@@ -403,6 +403,7 @@ class FleetPool:
     made one after the other (tests, sweeps, benchmarks), and `clear` it before anything else needs the cluster."""
 
     HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
+    STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to shut their engines down before the kill
 
     def __init__(self) -> None:
         self.parked: Fleet | None = None
@@ -418,14 +419,15 @@ class FleetPool:
     def park(self, fleet: Fleet, failed: bool = False) -> bool:
         """Keep `fleet` (replacing any parked one) if its shape allows; returns whether it was kept. Workers still on
         their way in are stopped. After a run that `failed`, its rollout workers are stopped too (one may be stuck in a
-        call, or broken) and the other actors are kept only if they answer within `HEALTH_TIMEOUT`."""
+        call, or broken: each has `STUCK_TIMEOUT` to shut its engine down, then is killed) and the other actors are kept
+        only if they answer within `HEALTH_TIMEOUT`."""
         self.clear()
         if fleet.shape is None:
             return False
         stale, fleet.pending = list(fleet.pending), []
         if failed:
             stale, fleet.rollout = stale + fleet.rollout, []
-        fleet.launcher.stop(stale)
+        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else 10)
         if failed:
             actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
             try:
