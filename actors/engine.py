@@ -104,7 +104,8 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         device_args: dict = {}
-        if current_platform.is_cpu():
+        self._cpu = current_platform.is_cpu()
+        if self._cpu:
             if settings.enforce_eager:
                 # Eager means eager here: vLLM compiles one sampler helper with inductor even so (the sampled
                 # tokens' ranks among the logprobs, which relay does not read), on the first sample of every new
@@ -121,7 +122,6 @@ class VllmEngine:
             # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        self._cpu = current_platform.is_cpu()
         self.llm = LLM(
             model=settings.model_path,
             dtype=settings.dtype,

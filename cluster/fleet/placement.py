@@ -131,6 +131,8 @@ class RolloutLauncher:
     """Reserves, starts and stops rollout workers, each in its own placement group of `tensor_parallel_size`
     bundles packed on one node, on the nodes the config allows (custom resources, node labels), packed or spread."""
 
+    SHUTDOWN_TIMEOUT = 10.0  # s: how long `stop` waits for the engines to shut down before it kills the actors
+
     def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
         from actors.engine import EngineSettings
         from actors.rollout import RolloutWorker
@@ -201,7 +203,7 @@ class RolloutLauncher:
     def kwargs(self) -> dict[str, Any]:
         return {"episodes": self.episodes} if self.episodes is not None else {}  # a subclass may not take it
 
-    def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = 10) -> None:
+    def stop(self, slots: list[RolloutSlot] | list[PendingWorker], timeout: float = SHUTDOWN_TIMEOUT) -> None:
         """Shut the engines down (else vLLM leaves files in /dev/shm), kill the actors, release their resources.
         Pending workers too: an engine still starting shuts down once it is up, or is killed at the timeout."""
         started = [s for s in slots if s.actor is not None]
@@ -427,7 +429,7 @@ class FleetPool:
         stale, fleet.pending = list(fleet.pending), []
         if failed:
             stale, fleet.rollout = stale + fleet.rollout, []
-        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else 10)
+        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
         if failed:
             actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
             try:
