@@ -15,7 +15,8 @@ batch with non-zero advantages moves the policy). Before each load the probe com
 previous weights, with the updated learner ("stale"); after it, the engine on the new weights ("fresh"). Every probe
 uses the run's seed, and the learner scores each probe alone, as a run does.
 Columns: the noise floor (the gap before any update), the largest fresh gap, the smallest stale gap, the tolerance
-derived from the noise floor as a run derives it (`sync.verify.probe_tolerance_from`: 5x, at least 1e-4),
+derived from the noise floor as a run derives it (`sync.verify.probe_tolerance_from`: 5x, at least 1e-4
+in float32 and 2^-5 in bfloat16),
 whether the gap caught every stale engine with no correct load refused, how many one-step-stale engines the repeat
 rule caught, the step at which it caught an engine that never loaded (its probe is the one of step 0, as a stale
 engine repeats its probe exactly), and the repeat rule's false alarms on fresh engines.
@@ -107,7 +108,7 @@ def main() -> int:
                     fresh.append(gap)
                     false_alarms += stale_probe(last, record, noise) is not None
                     last = next_probe_record(last, record)
-                tolerance = probe_tolerance_from(noise, ["the engine"])
+                tolerance = probe_tolerance_from(noise, ["the engine"], dtype)
                 caught = min(stale) > tolerance >= max(fresh)
                 rows.append((dtype, master, lr, noise, max(fresh), min(stale), tolerance, "yes" if caught else "NO",
                              f"{repeats_caught}/{args.steps}", never_caught, false_alarms))

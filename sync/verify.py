@@ -49,18 +49,27 @@ def check_loaded(name: str, loaded: Loaded | None, version: int, expected: dict[
 # Far above float32's engine-learner noise, far below what one float32 step at lr 1e-6 moves the probe
 # (docs/benchmarks.md, the sync probe's limits).
 PROBE_TOLERANCE_MIN = 1e-4
+# bfloat16's minimum: one bfloat16 ulp of a logit of magnitude 4 to 8. A first probe of near-certain tokens measures
+# a floor of ~0, which is not bfloat16's (the calc demo model on an AVX2 CPU: 0, then 2.4e-4 after one step).
+PROBE_TOLERANCE_MIN_BFLOAT16 = 2.0**-5
 PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps change with the probe's sampled tokens
 PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
 
 
-def probe_tolerance_from(noise: float, names: list[str]) -> float:
+def probe_tolerance_from(noise: float, names: list[str], dtype: str = "float32") -> float:
     """The probe's tolerance from the largest gap of the first probe (engines and learner on the same weights):
-    `PROBE_NOISE_FACTOR` x it, at least `PROBE_TOLERANCE_MIN`; a gap above `PROBE_NOISE_CEILING` raises SyncError."""
+    `PROBE_NOISE_FACTOR` x it, at least `probe_tolerance_min(dtype)`; a gap above `PROBE_NOISE_CEILING` raises
+    SyncError."""
     if not noise <= PROBE_NOISE_CEILING:
         raise SyncError(f"weight sync check failed before the first update: the engines' probe logprobs differ from "
                         f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
                         f"({', '.join(names)}); that is not numerics: check model.path and the engine's dtype")
-    return max(PROBE_TOLERANCE_MIN, PROBE_NOISE_FACTOR * noise)
+    return max(probe_tolerance_min(dtype), PROBE_NOISE_FACTOR * noise)
+
+
+def probe_tolerance_min(dtype: str) -> float:
+    """The smallest tolerance `probe_tolerance_from` derives for engines in `dtype` (`model.dtype`)."""
+    return PROBE_TOLERANCE_MIN_BFLOAT16 if dtype == "bfloat16" else PROBE_TOLERANCE_MIN
 
 
 class ProbeRecord(NamedTuple):

@@ -33,12 +33,12 @@ from sync.fingerprint import digest
 from sync.transport import make_transport
 from sync.verify import (
     PROBE_SEED,
-    PROBE_TOLERANCE_MIN,
     ProbeRecord,
     SyncError,
     check_loaded,
     next_probe_record,
     probe_tolerance_from,
+    probe_tolerance_min,
     stale_probe,
 )
 
@@ -573,9 +573,10 @@ class RolloutPool:
         if self.noise is None:
             self.noise = max((gap for _, gap, _, _ in checks), default=0.0)
         if self.tolerance is None:
-            self.tolerance = probe_tolerance_from(self.noise, self.fleet.rollout_names)
+            dtype = self.config.model.dtype
+            self.tolerance = probe_tolerance_from(self.noise, self.fleet.rollout_names, dtype)
             print(f"relay: sync probe tolerance {self.tolerance:.3g} (5x the engine-learner noise floor, at least "
-                  f"{PROBE_TOLERANCE_MIN:g})", file=sys.stderr, flush=True)
+                  f"{probe_tolerance_min(dtype):g} in {dtype})", file=sys.stderr, flush=True)
         tolerance = self.tolerance
         for slot, gap, sample, weights in checks:
             name, version, slot_id = slot.name, sample.weights_version, slot.id

@@ -65,7 +65,7 @@ def test_broadcast_loads_the_learners_weights_into_the_engine(tiny_tied_model_di
     try:
         # Both start from the model directory (the probe prompt is cached): the gap is the noise floor, and the
         # tolerance is derived from it as a run derives it (float32: 1e-4).
-        tolerance = probe_tolerance_from(probe_gap(worker, learner), ["the engine"])
+        tolerance = probe_tolerance_from(probe_gap(worker, learner), ["the engine"], dtype)
         assert tolerance == 1e-4 or dtype == "bfloat16"
         first = form_group()
         assert len(first.layout) > 1 and {s.dtype for b in first.layout for s in b.slots} == {dtype}

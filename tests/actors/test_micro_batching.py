@@ -27,6 +27,9 @@ MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-to
 # padding its pass carries (other matmul shapes round differently); measured up to 1.2e-2 (norm) and 1.5e-2 of the
 # largest element (seq-mean-token-sum). A real mistake (a wrong normaliser, a lost pass) is 10% or more.
 TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (3e-2, 3e-2)}  # (element / largest, norm)
+# Of every metric, relative. bfloat16: the same padding effect; differences of logprobs move most (approx_kl: 2.6%
+# on an AVX2 CPU, whose bfloat16 kernels round differently from AVX-512's).
+METRIC_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def make(model_dir, dtype: str, **overrides) -> Learner:
@@ -74,7 +77,7 @@ def assert_same_update(ours, theirs, dtype: str) -> None:
     assert metrics.keys() == expected_metrics.keys()
     for name, value in expected_metrics.items():
         if not name.startswith(("memory/", "grad_norm")):
-            assert metrics[name] == pytest.approx(value, rel=1e-4 if dtype == "float32" else 2e-2, abs=1e-6), name
+            assert metrics[name] == pytest.approx(value, rel=METRIC_TOLERANCE[dtype], abs=1e-6), name
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -8,6 +8,7 @@ the staleness bound."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -164,7 +165,11 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
 
 
 class SlowStepsWorker(RolloutWorker):
-    """Takes 40 ms more per engine step (a slow engine, or long generations): new weights land mid-request."""
+    """A slow engine, or long generations: each engine step takes 40 ms more, and a request's second step waits (up
+    to `WAIT` s) for the learner's next version to be offered, so new weights land mid-request however fast the
+    learner is against the engine (bfloat16 on an AVX2 CPU: its step outlasted a whole request)."""
+
+    WAIT = 3.0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -172,7 +177,16 @@ class SlowStepsWorker(RolloutWorker):
 
         def slow(*args):
             *head, before_step = args
-            return stepwise(*head, lambda: (time.sleep(0.04), before_step())[1])
+            steps = itertools.count()
+
+            def slowed() -> int:
+                time.sleep(0.04)
+                if next(steps) == 1:
+                    deadline = time.monotonic() + self.WAIT
+                    while self._newest_offer() is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                return before_step()
+            return stepwise(*head, slowed)
         self.engine.generate_stepwise = slow
 
 

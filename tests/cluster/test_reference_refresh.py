@@ -26,13 +26,18 @@ def run(tmp_path, model_dir, name, steps, *overrides):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_refreshed_reference_brings_the_kl_back_to_the_floor(ray_local, tmp_path, demo_model_dir, dtype):
-    records = run(tmp_path, demo_model_dir, "refresh", 4, f"model.dtype={dtype}")
+    # lr 2e-3 saturates the demo model's logits within a few steps, where bfloat16's engine-learner gap outgrows 5x
+    # its first floor (an AVX2 CPU: 0.11 at version 4 against 0.055): such a run sets the tolerance
+    # (docs/operations.md); float32's stays derived.
+    tolerance = ["sync.probe_tolerance=0.25"] if dtype == "bfloat16" else []
+    records = run(tmp_path, demo_model_dir, "refresh", 4, f"model.dtype={dtype}", *tolerance)
     assert [r["reference/version"] for r in records] == [0, 1, 1, 3]
     kl = [r["kl/mean"] for r in records]
     # Step 1 (the policy is the reference) and the refresh steps 2 and 4 (the reference is the policy that sampled
     # and trains): only numerics (bfloat16: a pure-bfloat16 reference against the learner's autocast over float32
-    # master weights, measured 4e-5..3e-4); step 3 is one update of lr 2e-3 away from its reference (~1-2).
-    floor = 1e-6 if dtype == "float32" else 1e-3
+    # master weights, measured 4e-5..3e-4 on AVX-512, up to 1.9e-3 on an AVX2 CPU, whose kernels round the saturated
+    # logits differently); step 3 is one update of lr 2e-3 away from its reference (~1-2).
+    floor = 1e-6 if dtype == "float32" else 1e-2
     assert kl[1] < floor and kl[3] < floor and kl[2] > 100 * max(kl[1], kl[3]), kl
     assert all(r["sync/reference_probe_diff"] < (1e-4 if dtype == "float32" else 0.1) for r in records[1::2])
 

@@ -10,8 +10,16 @@ from sync.verify import ProbeRecord, SyncError, next_probe_record, probe_toleran
 
 def test_float32_noise_gives_the_minimum_and_bfloat16_noise_five_times_itself():
     assert probe_tolerance_from(4.8e-7, ["rollout worker 0"]) == 1e-4  # float32: engines agree to ~1e-6
-    assert probe_tolerance_from(1.07e-2, ["rollout worker 0"]) == pytest.approx(5.35e-2)  # bfloat16, measured demo
     assert probe_tolerance_from(0.0, ["rollout worker 0"]) == 1e-4
+    # bfloat16, measured on the demo: 5x the floor
+    assert probe_tolerance_from(1.07e-2, ["rollout worker 0"], "bfloat16") == pytest.approx(5.35e-2)
+
+
+def test_a_bfloat16_floor_of_near_certain_tokens_gives_bfloat16s_minimum():
+    """The calc demo model's first probe in bfloat16 measured 0 (its tokens near-certain), its next 2.4e-4: a float32
+    minimum (1e-4) would stop a correct run."""
+    assert probe_tolerance_from(0.0, ["rollout worker 0"], "bfloat16") == 2.0**-5
+    assert probe_tolerance_from(4.8e-7, ["rollout worker 0"], "bfloat16") > 100 * 2.4e-4
 
 
 @pytest.mark.parametrize("gap", [0.3, float("nan"), float("inf")])
