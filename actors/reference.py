@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from learner.algo.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
-from learner.device import pick_device
+from learner.device import matmuls_in, pick_device
 from sync.receive import Loaded, Weights, fingerprints, received
 
 
@@ -40,7 +40,8 @@ class ReferenceWorker:
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """log pi_ref of every response token: [B][T_resp_i] (float32 logprobs, computed on the model's device)."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
-        return unpad_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
+        with matmuls_in(self.device, self.model.dtype):
+            return unpad_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
 
     def compute_flat_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                               response_ids: Sequence[Sequence[int]]) -> tuple[int, np.ndarray]:
@@ -48,7 +49,8 @@ class ReferenceWorker:
         `num_returns=2`, the driver reads the count (did it succeed, in time?) and hands the array's ref to the
         learner, so the logprobs go from this actor to the learner without passing through the driver."""
         batch = pad_sequences(prompt_ids, response_ids, self.pad_id, self.device)
-        flat = flat_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
+        with matmuls_in(self.device, self.model.dtype):
+            flat = flat_per_token(batched_logprobs(self.model, batch, self.batching, self.temperature), batch)
         return len(flat), flat.numpy()  # numpy: read zero-copy from the object store
 
     def load_weights(self, version: int, *buckets: Weights, fingerprint: bool = True) -> Loaded:

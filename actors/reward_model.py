@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.algo.sequences import MicroBatching
-from learner.device import compute_in, pick_device, to_cpu
+from learner.device import compute_in, matmuls_in, pick_device, to_cpu
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the Hugging Face files that `save_state` writes: AdamW state, update count
 OPTIMIZER_STATE_FORMAT = 1
@@ -170,7 +170,8 @@ class RewardModelWorker:
             self.optimizer.zero_grad(set_to_none=True)
             for rows, input_ids, attention_mask in passes:
                 mb_scores = self._forward(input_ids, attention_mask)  # [b] with gradient
-                (mb_scores * b_scores.grad[rows]).sum().backward()  # sum_b dL/ds_b s_b: the chain rule's share
+                with matmuls_in(self.device, self.compute_dtype):  # sum_b dL/ds_b s_b: the chain rule's share
+                    (mb_scores * b_scores.grad[rows]).sum().backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), training.max_grad_norm))
             if math.isfinite(grad_norm):
                 self.optimizer.step()

@@ -22,7 +22,7 @@ import torch
 
 from learner.algo.losses import value_loss
 from learner.algo.sequences import SequenceBatch
-from learner.device import compute_in, pick_device
+from learner.device import compute_in, matmuls_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ class Critic:
         model's tokens (`mb.loss_mask`): the environment's tokens of an episode have no value target."""
         values = self.values(mb)
         loss, metrics = value_loss(values, old_values, returns, mb.loss_mask, self.config.value_clip, "token-mean")
-        (loss * weight).backward()
+        with matmuls_in(self.device, self.compute_dtype):
+            (loss * weight).backward()
         with torch.no_grad():
             mask = mb.loss_mask.bool()
             mean_value = float(values[mask].mean()) if mask.any() else 0.0

@@ -1,18 +1,21 @@
 """Which device the torch-side actors (learner, value model, reference, reward model) run their models on.
 
 Owns `pick_device` (the GPU this process sees, else the CPU), `compute_in` (mixed precision: float32 parameters
-computed in bfloat16) and `to_cpu` (a nested state moved to host memory for a checkpoint). Does not own asking for
-GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in the actor's process, so the
-one GPU it was given is `cuda:0` there. One device per process: nothing here spreads a model over several GPUs.
+computed in bfloat16), `matmuls_in` (bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions) and
+`to_cpu` (a nested state moved to host memory for a checkpoint). Does not own asking for GPUs: each actor asks Ray
+for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is
+`cuda:0` there. One device per process: nothing here spreads a model over several GPUs.
 Imports only torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def pick_device() -> torch.device:
@@ -22,12 +25,52 @@ def pick_device() -> torch.device:
 
 def compute_in(device: torch.device, compute: torch.dtype, params: torch.dtype) -> contextlib.AbstractContextManager:
     """The context a forward pass runs in: torch's autocast to `compute` when the parameters are kept in a wider
-    dtype (float32 master weights, bfloat16 compute), else nothing. Matmuls then run in `compute` on weights cast per
-    use, the numerically sensitive ops (softmax, norms) stay float32, and gradients reach the parameters in their own
-    dtype. Run the backward outside it (torch's advice): it follows the dtypes the forward recorded."""
-    if compute == params:
+    dtype (float32 master weights, bfloat16 compute), else nothing; and `matmuls_in(device, compute)`. Matmuls then
+    run in `compute` on weights cast per use, the numerically sensitive ops (softmax, norms) stay float32, and
+    gradients reach the parameters in their own dtype. Run the backward outside it (torch's advice), in
+    `matmuls_in`: it follows the dtypes the forward recorded."""
+    stack = contextlib.ExitStack()
+    if compute != params:
+        stack.enter_context(torch.autocast(device.type, dtype=compute))
+    stack.enter_context(matmuls_in(device, compute))
+    return stack
+
+
+def matmuls_in(device: torch.device, compute: torch.dtype) -> contextlib.AbstractContextManager:
+    """The context a forward or backward pass in `compute` runs in: on a CPU without bfloat16 instructions (AVX2:
+    no AVX-512), bfloat16 matmuls computed as float32 ones on the same bfloat16 inputs, rounded back to bfloat16
+    (`_Float32Matmuls`); elsewhere nothing."""
+    if device.type != "cpu" or compute != torch.bfloat16 or _native_bfloat16():
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=compute)
+    return _Float32Matmuls()
+
+
+# Set to "torch" (in the environment of the process that starts Ray: relay passes it on to its actors): torch's own
+# bfloat16 matmuls on every CPU, e.g. to compare with code from before `matmuls_in`.
+CPU_BFLOAT16_MATMULS = "RELAY_CPU_BFLOAT16_MATMULS"
+
+
+def _native_bfloat16() -> bool:
+    """This CPU multiplies bfloat16 matrices in hardware (oneDNN's bfloat16 kernels: AVX-512 and newer), or torch's
+    own kernels were asked for (`CPU_BFLOAT16_MATMULS`)."""
+    return os.environ.get(CPU_BFLOAT16_MATMULS) == "torch" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class _Float32Matmuls(TorchDispatchMode):
+    """bfloat16 matrix products computed in float32 and rounded to bfloat16. Without bfloat16 instructions torch's
+    own CPU kernel does the same, products of bfloat16 inputs summed in float32 and the sum rounded once (it and this
+    agree bit for bit on all but ~1e-4 of the elements, where the order of the sums differs), 40-100x slower than a
+    float32 matmul here (docs/vllm-cpu.md). Every other op runs as it is."""
+
+    OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                     torch.ops.aten.baddbmm.default})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS and all(a.dtype == torch.bfloat16 for a in args if isinstance(a, torch.Tensor)):
+            wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+            return func(*wide, **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
 
 
 def to_cpu(state: Any) -> Any:

@@ -53,7 +53,7 @@ from learner.algo.sequences import (
     unpad_per_token,
 )
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
-from learner.device import compute_in, pick_device, to_cpu
+from learner.device import compute_in, matmuls_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
 from sync.publisher import WeightPublisher, cast_to_engine
 
@@ -354,7 +354,8 @@ class Learner(WeightPublisher):
                 add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
             if cfg.entropy_coef > 0:
                 loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
-            (loss * weight).backward()
+            with matmuls_in(self.device, self.compute_dtype):
+                (loss * weight).backward()
             add("loss/policy", policy_loss.detach(), weight)
             add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
             for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences

@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
+from learner.device import CPU_BFLOAT16_MATMULS
 from sync.calls import RunError, get
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
@@ -102,7 +103,7 @@ def _env(threads: int) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    for key in ("VLLM_CACHE_ROOT", "RELAY_CACHE_DIR", "PYTHONPATH"):
+    for key in ("VLLM_CACHE_ROOT", "RELAY_CACHE_DIR", "PYTHONPATH", CPU_BFLOAT16_MATMULS):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

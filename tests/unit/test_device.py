@@ -6,6 +6,8 @@ GPU node the same tensor would have been a CPU tensor next to CUDA inputs)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards, masked_whiten
@@ -99,3 +101,42 @@ def test_the_math_makes_its_tensors_on_its_inputs_device():
             assert value.device.type == "cpu" and torch.equal(value, expected[name]), name
         else:
             assert value == expected[name], name
+
+
+def test_bfloat16_matmuls_in_float32_are_torchs_bfloat16_kernel_at_float32_speed(monkeypatch):
+    """`matmuls_in` on a CPU without bfloat16 instructions: every matmul of the forward and the backward is float32
+    on the bfloat16 inputs, rounded once, as torch's own kernel there (which sums in float32 too, in another
+    order): the same values to a bfloat16 ulp, bit for bit on nearly all elements. On a CPU with them, or in float32:
+    nothing."""
+    from learner import device
+
+    monkeypatch.setattr(device, "_native_bfloat16", lambda: False)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 48).to(torch.bfloat16)
+    x = torch.randn(4, 16, 96, dtype=torch.bfloat16, requires_grad=True)
+    a, b = torch.randn(3, 32, 40, dtype=torch.bfloat16), torch.randn(3, 40, 24, dtype=torch.bfloat16)
+
+    def run():
+        x.grad = layer.weight.grad = None
+        out = layer(x)
+        out.float().square().sum().backward()
+        return out, x.grad, layer.weight.grad, a @ b, torch.baddbmm(a @ b, a, b), torch.addmm(a[0, :, :24], a[0], b[0])
+
+    native = run()
+    with device.matmuls_in(torch.device("cpu"), torch.bfloat16) as mode:
+        assert isinstance(mode, device._Float32Matmuls)
+        ours = run()
+    for mine, theirs in zip(ours, native):
+        assert mine.dtype == theirs.dtype == torch.bfloat16
+        torch.testing.assert_close(mine, theirs, rtol=2**-7, atol=1e-2)  # a bfloat16 ulp
+        assert (mine == theirs).float().mean() > 0.99
+    assert torch.equal(ours[3], (a.float() @ b.float()).bfloat16())  # float32 products, rounded once
+    big_a, big_b = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 128, dtype=torch.bfloat16)
+    with device.matmuls_in(torch.device("cpu"), torch.bfloat16):
+        big = big_a @ big_b
+    assert torch.equal(big, (big_a.float() @ big_b.float()).bfloat16())
+    assert not torch.equal(big, big_a @ big_b)  # the mode computed it: torch's kernel sums in another order
+    assert isinstance(device.matmuls_in(torch.device("cpu"), torch.float32), contextlib.nullcontext)
+    monkeypatch.setattr(device, "_native_bfloat16", lambda: True)
+    assert isinstance(device.matmuls_in(torch.device("cpu"), torch.bfloat16), contextlib.nullcontext)
+    assert isinstance(device.matmuls_in(torch.device("cuda", 0), torch.bfloat16), contextlib.nullcontext)
