@@ -58,6 +58,7 @@ class DataParallel:
         self.world_size = world_size
         self.strategy = strategy
         self.mesh: Any = None  # fsdp2's DeviceMesh, once joined
+        self._store: dist.TCPStore | None = None  # the rendezvous, on rank 0 once it `listen`s
 
     @property
     def sharded(self) -> bool:
@@ -69,8 +70,19 @@ class DataParallel:
         """Rank 0 writes checkpoints and serves the whole weights for sync."""
         return self.rank == 0
 
+    def listen(self, host: str, timeout_s: float) -> int:
+        """Rank 0 only, before `join`: open the group's rendezvous store on `host` at a port the OS assigns, and return
+        that port for the other ranks. The store listens from now on, so no other process can take the port between
+        choosing it and joining (a port probed free and bound later can be, and was, taken meanwhile)."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} cannot host the group's rendezvous: rank 0 does")
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return self._store.port
+
     def join(self, host: str, port: int, timeout_s: float, device: torch.device | None = None) -> None:
-        """Join the group whose rank 0 listens on `host:port` (every rank calls this at about the same time).
+        """Join the group whose rank 0 listens on `host:port` (every rank calls this at about the same time; rank 0
+        after `listen`, which chose the port).
 
         `timeout_s` bounds the rendezvous and, afterwards, every collective: a dead or stalled rank makes the others
         fail within it instead of hanging. The group is the process's default one (fully_shard and DTensor use it);
@@ -79,9 +91,13 @@ class DataParallel:
             return
         device = device or pick_device()  # the models' device: NCCL needs their tensors on the GPU
         backend = "nccl" if device.type == "cuda" else "gloo"
-        address = f"[{host}]" if ":" in host else host  # an IPv6 address needs brackets in a URL
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self._store if self.rank == 0 else None
+        if store is None:
+            if self.rank == 0:
+                raise RuntimeError("rank 0 hosts the group's rendezvous: call listen(host, timeout_s) before join")
+            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         if self.strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -169,6 +169,10 @@ class Learner(WeightPublisher):
                                            weight_decay=cfg.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
 
+    def open_process_group(self, host: str, timeout_s: float) -> int:
+        """Rank 0, before every rank's `join_process_group`: start listening for the group on `host`; the port."""
+        return self.dp.listen(host, timeout_s)
+
     def join_process_group(self, host: str, port: int, timeout_s: float) -> None:
         """Join the data-parallel group whose rank 0 listens on `host:port` (every rank, before any other call).
         `timeout_s` bounds the rendezvous and every later collective. fsdp2 shards the policy and the value model

@@ -13,7 +13,6 @@ directly: rank 0 alone serves the `WeightPublisher` methods (sync/publisher.py).
 
 from __future__ import annotations
 
-import socket
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -47,8 +46,8 @@ class LearnerGroup:
         """Wait for every rank's actor to start (`timeouts.start`) and, with several ranks, form their group."""
         self._call_all("__ray_ready__", (), self.timeouts.start, "start")
         if len(self.ranks) > 1:
-            host, port = get([self.rank0.__ray_call__.remote(_free_address)], self.timeouts.start, self.names[:1],
-                             "start")[0]
+            host, port = get([self.rank0.__ray_call__.remote(_open_group, self.timeouts.train)], self.timeouts.start,
+                             self.names[:1], "start")[0]
             self._call_all("join_process_group", (host, port, self.timeouts.train), self.timeouts.start, "start")
 
     def train_step(self, batch: TrainBatch, ref_logprobs: Any = None) -> dict[str, float]:
@@ -146,11 +145,8 @@ def start_learner_group(rank_options: list[dict[str, Any]], model_path: str, con
     return group
 
 
-def _free_address(_learner: Any) -> tuple[str, int]:
-    """Run inside rank 0's actor (`__ray_call__`): its node's address and a port free there now, for the group's
-    rendezvous. Another process could take the port before rank 0 listens on it: rare, and the join then fails
-    with a clear error instead of joining a stranger."""
+def _open_group(learner: Any, timeout_s: float) -> tuple[str, int]:
+    """Run inside rank 0's actor (`__ray_call__`): its node's address and the port its group's rendezvous now
+    listens on (the OS chose it, so no other process holds it)."""
     host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
-        return host, probe.getsockname()[1]
+    return host, learner.open_process_group(host, timeout_s)

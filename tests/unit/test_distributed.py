@@ -58,11 +58,34 @@ def test_gradient_buckets_keep_one_dtype_and_the_size():
 
 
 def test_a_rank_alone_gives_up_within_the_timeout():
+    rank0 = DataParallel(0, 2)
+    port = rank0.listen("127.0.0.1", timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="[Tt]imed out|[Tt]imeout"):  # gloo waits for rank 1's address in the store
+        rank0.join("127.0.0.1", port, timeout_s=1.0)
+    assert time.monotonic() - started < 10
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_rank_without_rank_0_listening_gives_up_within_the_timeout():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.monotonic()
-    with pytest.raises(Exception, match="[Tt]imed out"):  # torch's DistStoreError: 1/2 clients joined
-        DataParallel(0, 2).join("127.0.0.1", port, timeout_s=1.0)
+    with pytest.raises(Exception, match="[Tt]imed out|[Tt]imeout"):
+        DataParallel(1, 2).join("127.0.0.1", port, timeout_s=1.0)
     assert time.monotonic() - started < 10
     assert not torch.distributed.is_initialized()
+
+
+def test_rank_0_listens_on_the_port_it_returns_before_anyone_joins():
+    """The port is held from `listen` on (it was once probed free, closed and taken by another process before rank 0
+    bound it): nothing else can bind it, and only rank 0 may listen."""
+    rank0 = DataParallel(0, 2)
+    port = rank0.listen("127.0.0.1", timeout_s=5.0)
+    with socket.socket() as intruder, pytest.raises(OSError):
+        intruder.bind(("127.0.0.1", port))
+    with pytest.raises(RuntimeError, match="rank 1 cannot host"):
+        DataParallel(1, 2).listen("127.0.0.1", timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="call listen"):
+        DataParallel(0, 2).join("127.0.0.1", port, timeout_s=1.0)
