@@ -134,12 +134,13 @@ class RolloutLauncher:
 
     SHUTDOWN_TIMEOUT = 10.0  # s: how long `stop` waits for the engines to shut down before it kills the actors
 
-    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
+    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None, pooled: bool = False):
         from actors.engine import EngineSettings
         from actors.rollout import RolloutWorker
 
         self.config = config
         self.rollout_cls = rollout_cls or RolloutWorker
+        self.pooled = pooled  # actors a FleetPool may re-initialise as another rollout class (cluster/fleet/rehost.py)
         ro = config.rollout
         self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
                                        max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
@@ -188,14 +189,24 @@ class RolloutLauncher:
         ro = self.config.rollout
         sharded = ro.tensor_parallel_size > 1
         # In-flight updates: `offer_weights` runs in its own thread while `generate` runs.
-        actor = (ray.remote(concurrency_groups={"weights": 1})(self.rollout_cls) if ro.in_flight_updates else
-                 ray.remote(self.rollout_cls))
+        actor = (ray.remote(concurrency_groups={"weights": 1})(self.actor_cls) if ro.in_flight_updates else
+                 ray.remote(self.actor_cls))
+        args = (self.rollout_cls, *self.args()) if self.pooled else self.args()
         return actor.options(
             num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
             runtime_env={"env_vars": _env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
-        ).remote(*self.args(), **self.kwargs())
+        ).remote(*args, **self.kwargs())
+
+    @property
+    def actor_cls(self) -> type:
+        """The class Ray starts: `rollout_cls`, or for a pooled fleet the host of any rollout class."""
+        if not self.pooled:
+            return self.rollout_cls
+        from cluster.fleet.rehost import PooledRolloutWorker
+
+        return PooledRolloutWorker
 
     def args(self) -> tuple:
         """A rollout worker's constructor arguments (with `kwargs`)."""
@@ -269,11 +280,12 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
     from cluster.fleet.learner_group import LearnerGroup, launch_learner_group, rank_args
+    from cluster.fleet.rehost import reinit_as
     from learner.algo.sequences import MicroBatching
     from rewards.config import ModelSource
 
     lc, rc, ro = config.learner, config.reference, config.rollout
-    launcher = RolloutLauncher(config, model_path, rollout_cls)
+    launcher = RolloutLauncher(config, model_path, rollout_cls, pooled=pool is not None)
     reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
     rank_kwargs = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
                        norm_length=ro.max_new_tokens)
@@ -288,14 +300,16 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     fleet = pool.take(shape) if pool is not None else None
     if fleet is not None:
         # The parked fleet's learner, reference and reward models run again with this run's arguments; its rollout
-        # workers too if they are of this run's kind (up to `num_workers` of them), the rest are stopped and started.
+        # workers too (as this run's rollout class) if their shape is this run's (up to `num_workers` of them), the
+        # rest are stopped and started.
         keep = fleet.rollout[:ro.num_workers] if fleet.shape.rollout == shape.rollout else []
         launcher.stop(fleet.rollout[len(keep):])
         fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(keep)]
         fleet.launcher, fleet.shape = launcher, shape
         fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
         restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, lc, 0, **rank_kwargs))]
-        restarts += [s.actor.__ray_call__.remote(reinit_actor, *launcher.args(), **launcher.kwargs()) for s in keep]
+        restarts += [s.actor.__ray_call__.remote(reinit_as, launcher.rollout_cls, *launcher.args(), **launcher.kwargs())
+                     for s in keep]
         if fleet.reference is not None:
             restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *reference_args))
         restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
@@ -381,7 +395,7 @@ def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: di
     return FleetShape(
         core=(place(lc), config.uses_reference, place(rc),
               tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()), where),
-        rollout=(launcher.rollout_cls, ro.in_flight_updates, ro.placement, place(ro),
+        rollout=(launcher.actor_cls, ro.in_flight_updates, ro.placement, place(ro),
                  tuple(sorted(ro.node_labels.items())), where))
 
 
@@ -401,12 +415,14 @@ class FleetPool:
     (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`): a run then starts
     in ~2 s instead of ~10 s on 2 cores (the processes' imports and the engines' start-up are most of a start), with
     the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
-    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too; a different core
-    stops the parked fleet first. The parked fleet holds its resources until taken or `clear`ed: use one pool for runs
-    made one after the other (tests, sweeps, benchmarks), and `clear` it before anything else needs the cluster."""
+    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
+    their class (a pooled fleet's rollout actors can be re-initialised as any RolloutWorker subclass:
+    cluster/fleet/rehost.py); a different core stops the parked fleet first. The parked fleet holds its resources
+    until taken or `clear`ed: use one pool for runs made one after the other (tests, sweeps, benchmarks), and
+    `clear` it before anything else needs the cluster."""
 
     HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
-    STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to shut their engines down before the kill
+    STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to answer (to be kept), then to shut down
 
     def __init__(self) -> None:
         self.parked: Fleet | None = None
@@ -421,15 +437,18 @@ class FleetPool:
 
     def park(self, fleet: Fleet, failed: bool = False) -> bool:
         """Keep `fleet` (replacing any parked one) if its shape allows; returns whether it was kept. Workers still on
-        their way in are stopped. After a run that `failed`, its rollout workers are stopped too (one may be stuck in a
-        call, or broken: each has `STUCK_TIMEOUT` to shut its engine down, then is killed) and the other actors are kept
-        only if they answer within `HEALTH_TIMEOUT`."""
+        their way in are stopped. After a run that `failed`, a rollout worker is kept only if it answers within
+        `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its engine down, then is
+        killed; whatever state a kept one's fault left, re-initialising it replaces), and the other actors only if
+        they answer within `HEALTH_TIMEOUT`."""
         self.clear()
         if fleet.shape is None:
             return False
         stale, fleet.pending = list(fleet.pending), []
         if failed:
-            stale, fleet.rollout = stale + fleet.rollout, []
+            idle = _answering([slot.actor for slot in fleet.rollout], self.STUCK_TIMEOUT)
+            stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
+            fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
         fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
         if failed:
             actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
@@ -445,6 +464,20 @@ class FleetPool:
         parked, self.parked = self.parked, None
         if parked is not None:
             stop_fleet(parked)
+
+
+def _answering(actors: list[Any], timeout: float) -> list[bool]:
+    """Which of `actors` answer a no-op call within `timeout` s (together): alive, and not busy with another call."""
+    refs = [actor.__ray_ready__.remote() for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    answered = set()
+    for ref in ready:
+        try:
+            ray.get(ref)
+            answered.add(ref)
+        except Exception:  # died
+            pass
+    return [ref in answered for ref in refs]
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:

@@ -229,3 +229,4 @@ def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_ru
                                        r"workers were already replaced \(rollout.max_restarts=1\)"):
         run_training(config, tmp_path / "run", str(tiny_model_dir), display=False, pool=POOL, rollout_cls=HangingWorker)
     assert time.monotonic() - started < 120
+    assert POOL.parked is not None and POOL.parked.rollout == []  # the worker stuck in its call was not kept
