@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
 from learner.device import CPU_BFLOAT16_MATMULS
-from sync.calls import RunError, get
+from sync.calls import RunError, get, wait_all
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
 # every node: deploy/'s images set them). A rollout worker's reply (G completions x response tokens x ids and
@@ -331,12 +331,21 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
             stop_fleet(fleet)
             raise
 
+    # A parked fleet of another core: its rollout workers may still serve, re-initialised (meanwhile the core starts);
+    # the rest of it stops.
+    kept = pool.take_rollout(shape, ro.num_workers) if pool is not None else []
+    restarts = [s.actor.__ray_call__.remote(reinit_as, launcher.rollout_cls, *launcher.args(), **launcher.kwargs())
+                for s in kept]
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
     bundles += [_bundle(s.num_cpus, s.num_gpus) for s in reward_sources.values()]
-    pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
-                  "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
+    try:
+        pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
+                      "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
+    except BaseException:
+        launcher.stop(kept, timeout=0)
+        raise
 
     def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
         return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": _env(threads)},
@@ -360,8 +369,15 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     fleet = Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, shape=shape)
     names = (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
     actors = ([reference] if reference else []) + list(reward_models.values())
+    fleet.rollout = kept
     try:
-        fleet.rollout = start_rollout_slots(launcher, list(range(ro.num_workers)), [])
+        # A kept worker that cannot be re-initialised (it died while parked) is stopped and replaced by a new one.
+        outcomes = wait_all(restarts, config.timeouts.start, "start")
+        launcher.stop([slot for slot, outcome in zip(kept, outcomes) if not outcome.ok], timeout=0)
+        fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(
+            slot for slot, outcome in zip(kept, outcomes) if outcome.ok)]
+        fleet.rollout += start_rollout_slots(launcher, list(range(len(fleet.rollout), ro.num_workers)),
+                                             [s.node_id for s in fleet.rollout])
         get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
         group.connect()  # the ranks are up and, with several, joined in their process group
     except BaseException:
@@ -417,7 +433,8 @@ class FleetPool:
     the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
     are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
     their class (a pooled fleet's rollout actors can be re-initialised as any RolloutWorker subclass:
-    cluster/fleet/rehost.py); a different core stops the parked fleet first. The parked fleet holds its resources
+    cluster/fleet/rehost.py); a different core stops the parked learner, reference and reward models first (and
+    the rollout workers too unless their shape matches). The parked fleet holds its resources
     until taken or `clear`ed: use one pool for runs made one after the other (tests, sweeps, benchmarks), and
     `clear` it before anything else needs the cluster."""
 
@@ -428,12 +445,21 @@ class FleetPool:
         self.parked: Fleet | None = None
 
     def take(self, shape: FleetShape | None) -> Fleet | None:
-        """The parked fleet if its core has this shape (no longer parked); else None, with any parked fleet stopped."""
+        """The parked fleet if its core has this shape (no longer parked); else None (any parked fleet stays: see
+        `take_rollout`)."""
         if self.parked is not None and shape is not None and self.parked.shape.core == shape.core:
             fleet, self.parked = self.parked, None
             return fleet
-        self.clear()
         return None
+
+    def take_rollout(self, shape: FleetShape | None, count: int) -> list[RolloutSlot]:
+        """Up to `count` of the parked fleet's rollout workers if theirs is this shape's rollout side (no longer
+        parked); everything else parked is stopped."""
+        parked, slots = self.parked, []
+        if parked is not None and shape is not None and parked.shape.rollout == shape.rollout:
+            slots, parked.rollout = parked.rollout[:count], parked.rollout[count:]
+        self.clear()
+        return slots
 
     def park(self, fleet: Fleet, failed: bool = False) -> bool:
         """Keep `fleet` (replacing any parked one) if its shape allows; returns whether it was kept. Workers still on

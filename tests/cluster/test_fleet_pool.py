@@ -1,8 +1,8 @@
 """`FleetPool`: a run leaves its fleet parked; the next run of the same shape re-initialises those actor processes in
 place and trains exactly as on a fresh fleet. Rollout workers beyond a run's number are stopped, missing ones added,
 and kept ones re-initialised as the run's rollout class, while the learner and reference are kept; a failed run parks
-the rollout workers that answer; another learner or reference shape, or a parked actor that died, starts a fresh
-fleet."""
+the rollout workers that answer; another learner or reference shape starts those afresh (and keeps the rollout
+workers), a parked actor that died a fresh fleet."""
 
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(fleets, tmp_
         assert_same_run(train(tmp_path, demo_model_dir, "again", pool), one)
         assert not actor_ids(pool) & {a._actor_id.hex() for a in before}
         assert_stopped(before)
-        again = parked_actors(pool)
+        again, workers = parked_actors(pool), worker_ids(pool)
         train(tmp_path, demo_model_dir, "threads", pool, "learner.num_threads=1")  # another learner shape
-        assert not actor_ids(pool) & {a._actor_id.hex() for a in again}
-        assert_stopped(again)
+        assert actor_ids(pool) & {a._actor_id.hex() for a in again} == workers  # only the rollout worker is kept
+        assert_stopped([a for a in again if a._actor_id.hex() not in workers])
+        assert_same_run(train(tmp_path, demo_model_dir, "back", pool), one)  # and back: the same run on that worker
     finally:
         pool.clear()
