@@ -164,6 +164,16 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
     assert all((weights[name] == clean_weights[name]).all() for name in weights)
 
 
+def test_dynamic_sampling_samples_a_steps_extra_rounds_with_its_own_version(ray_local, tmp_path, demo_model_dir):
+    records, _ = run(tmp_path, demo_model_dir, "dapo", "float32", None, "rollout.dynamic_sampling=true",
+                     "rollout.max_sampling_rounds=3")
+    assert [r["rollout/version"] for r in records] == VERSIONS
+    assert any(r["sampling/rounds"] > 1 for r in records)  # some step needed another round
+    assert all(r["sampling/kept_groups"] + r["sampling/filler_groups"] == 8 for r in records)
+    for r, staleness in zip(records, STALENESS):  # every round of a fresh batch: the learner's own weights
+        assert (r["logprob/mismatch"] < 1e-4) if staleness == 0 else (r["logprob/mismatch"] > 1e-3), r
+
+
 class SlowStepsWorker(RolloutWorker):
     """A slow engine, or long generations: each engine step takes 40 ms more, and a request's second step waits (up
     to `WAIT` s) for the learner's next version to be offered, so new weights land mid-request however fast the
@@ -205,16 +215,6 @@ def test_in_flight_updates_give_fresher_tokens_within_the_bound(ray_local, tmp_p
     assert any(t < s for t, s in zip(tokens, STALENESS)), tokens  # some tokens of a stale batch came fresher
     gaps = [r["sync/probe_max_diff"] for r in records]
     assert not any(gap >= (1e-4 if dtype == "float32" else 0.1) for gap in gaps if gap == gap), gaps
-
-
-def test_dynamic_sampling_samples_a_steps_extra_rounds_with_its_own_version(ray_local, tmp_path, demo_model_dir):
-    records, _ = run(tmp_path, demo_model_dir, "dapo", "float32", None, "rollout.dynamic_sampling=true",
-                     "rollout.max_sampling_rounds=3")
-    assert [r["rollout/version"] for r in records] == VERSIONS
-    assert any(r["sampling/rounds"] > 1 for r in records)  # some step needed another round
-    assert all(r["sampling/kept_groups"] + r["sampling/filler_groups"] == 8 for r in records)
-    for r, staleness in zip(records, STALENESS):  # every round of a fresh batch: the learner's own weights
-        assert (r["logprob/mismatch"] < 1e-4) if staleness == 0 else (r["logprob/mismatch"] > 1e-3), r
 
 
 def test_a_data_parallel_learner_exports_and_probes_every_version(ray_local, tmp_path, demo_model_dir):

@@ -52,25 +52,6 @@ def preset_run(ray_local, tmp_path_factory, demo_model_dir):
     return run
 
 
-@pytest.mark.parametrize("name", sorted(OWN_METRICS))
-def test_preset_runs_end_to_end(preset_run, name):
-    records = preset_run(name)
-    assert [r["weights/version"] for r in records] == list(range(1, STEPS + 1))
-    for record in records:
-        assert OWN_METRICS[name] <= record.keys()
-        assert ("kl/mean" in record) == ("kl/mean" in OWN_METRICS[name])  # KL reported exactly when it is on
-        assert ("loss/value" in record) == (name == "ppo")
-        assert ("returns/mean" in record) == (name in ("ppo", "reinforce"))
-        assert ("seq_ratio_mean" in record) == (name == "gspo")
-        assert math.isfinite(record["loss/policy"]) and record["grad_norm"] > 0
-        assert record["logprob/mismatch"] < 1e-4 and record["sync/probe_max_diff"] < 1e-4
-        assert record["train/skipped_updates"] == 0
-    if name == "gspo":
-        # Its clip range (3e-4, 4e-4) is far below how much a sequence's ratio moves in the second minibatch, which
-        # comes after the first one's update: whole sequences are clipped.
-        assert max(r["seq_clip_fraction"] for r in records) > 0
-
-
 def test_dr_grpo_divides_the_token_sum_by_the_fixed_length(preset_run):
     # Step 1 of dr_grpo against the same step with token-mean aggregation: same seeds and initial weights, so the
     # same completions and advantages, and one update with ratio 1. Dr.GRPO's loss sum_bt l / (B * L) is token-mean's
@@ -116,3 +97,24 @@ def test_overlong_responses_lose_reward(ray_local, tmp_path, tiny_model_dir):
     (record,) = records
     assert record["response/truncated_fraction"] > 0.3
     assert -0.5 <= record["reward/mean"] <= -0.5 * record["response/truncated_fraction"]
+
+
+# Last, and the presets without a reference first: runs of one fleet shape follow each other (tests/fleets.py).
+@pytest.mark.parametrize("name", sorted(OWN_METRICS, key=lambda name: (load_config(CONFIGS / f"{name}.yaml")
+                                                                       .uses_reference, name)))
+def test_preset_runs_end_to_end(preset_run, name):
+    records = preset_run(name)
+    assert [r["weights/version"] for r in records] == list(range(1, STEPS + 1))
+    for record in records:
+        assert OWN_METRICS[name] <= record.keys()
+        assert ("kl/mean" in record) == ("kl/mean" in OWN_METRICS[name])  # KL reported exactly when it is on
+        assert ("loss/value" in record) == (name == "ppo")
+        assert ("returns/mean" in record) == (name in ("ppo", "reinforce"))
+        assert ("seq_ratio_mean" in record) == (name == "gspo")
+        assert math.isfinite(record["loss/policy"]) and record["grad_norm"] > 0
+        assert record["logprob/mismatch"] < 1e-4 and record["sync/probe_max_diff"] < 1e-4
+        assert record["train/skipped_updates"] == 0
+    if name == "gspo":
+        # Its clip range (3e-4, 4e-4) is far below how much a sequence's ratio moves in the second minibatch, which
+        # comes after the first one's update: whole sequences are clipped.
+        assert max(r["seq_clip_fraction"] for r in records) > 0
