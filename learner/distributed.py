@@ -92,11 +92,12 @@ class DataParallel:
         device = device or pick_device()  # the models' device: NCCL needs their tensors on the GPU
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = self._store if self.rank == 0 else None
-        if store is None:
-            if self.rank == 0:
-                raise RuntimeError("rank 0 hosts the group's rendezvous: call listen(host, timeout_s) before join")
+        if self.rank > 0:
             store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+        elif self._store is None:
+            raise RuntimeError("rank 0 hosts the group's rendezvous: call listen(host, timeout_s) before join")
+        else:
+            store = self._store
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         if self.strategy == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh

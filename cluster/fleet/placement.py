@@ -208,6 +208,12 @@ class RolloutLauncher:
 
         return PooledRolloutWorker
 
+    def reinit(self, slots: list[RolloutSlot]) -> list[Any]:
+        """Re-initialise pooled rollout actors in place as this launcher's workers (`reinit_as`); the calls' refs."""
+        from cluster.fleet.rehost import reinit_as
+
+        return [s.actor.__ray_call__.remote(reinit_as, self.rollout_cls, *self.args(), **self.kwargs()) for s in slots]
+
     def args(self) -> tuple:
         """A rollout worker's constructor arguments (with `kwargs`)."""
         return self.settings, self.config.rollout.num_threads, self.config.sync.fingerprint
@@ -280,7 +286,6 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
     from cluster.fleet.learner_group import LearnerGroup, launch_learner_group, rank_args
-    from cluster.fleet.rehost import reinit_as
     from learner.algo.sequences import MicroBatching
     from rewards.config import ModelSource
 
@@ -308,8 +313,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         fleet.launcher, fleet.shape = launcher, shape
         fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
         restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, lc, 0, **rank_kwargs))]
-        restarts += [s.actor.__ray_call__.remote(reinit_as, launcher.rollout_cls, *launcher.args(), **launcher.kwargs())
-                     for s in keep]
+        restarts += launcher.reinit(keep)
         if fleet.reference is not None:
             restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *reference_args))
         restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
@@ -334,8 +338,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     # A parked fleet of another core: its rollout workers may still serve, re-initialised (meanwhile the core starts);
     # the rest of it stops.
     kept = pool.take_rollout(shape, ro.num_workers) if pool is not None else []
-    restarts = [s.actor.__ray_call__.remote(reinit_as, launcher.rollout_cls, *launcher.args(), **launcher.kwargs())
-                for s in kept]
+    restarts = launcher.reinit(kept)
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if config.uses_reference:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
@@ -472,7 +475,9 @@ class FleetPool:
             return False
         stale, fleet.pending = list(fleet.pending), []
         if failed:
-            idle = _answering([slot.actor for slot in fleet.rollout], self.STUCK_TIMEOUT)
+            # Answering a no-op call in time: alive, and not busy with another call.
+            idle = [outcome.ok for outcome in wait_all([slot.actor.__ray_ready__.remote() for slot in fleet.rollout],
+                                                       self.STUCK_TIMEOUT, "park")]
             stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
             fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
         fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
@@ -490,20 +495,6 @@ class FleetPool:
         parked, self.parked = self.parked, None
         if parked is not None:
             stop_fleet(parked)
-
-
-def _answering(actors: list[Any], timeout: float) -> list[bool]:
-    """Which of `actors` answer a no-op call within `timeout` s (together): alive, and not busy with another call."""
-    refs = [actor.__ray_ready__.remote() for actor in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
-    answered = set()
-    for ref in ready:
-        try:
-            ray.get(ref)
-            answered.add(ref)
-        except Exception:  # died
-            pass
-    return [ref in answered for ref in refs]
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:
