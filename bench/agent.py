@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every run")
     args = parser.parse_args()
 
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     ensure_demo_model(task="calc")  # built once, outside the runs' wall clock
     results = []

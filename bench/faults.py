@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cluster.config import load_config
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
     from cluster.run.driver import run_training
     from sync.calls import RunError
 

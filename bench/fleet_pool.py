@@ -31,7 +31,7 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from cluster.config import load_config
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
     from cluster.fleet.placement import FleetPool
     from cluster.run.driver import run_training
 

@@ -40,7 +40,7 @@ VARIANTS = {
 
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     from cluster.config import load_config
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
     from cluster.run.driver import run_training
 
     run_dir = Path(tmp) / name
@@ -67,7 +67,7 @@ def progress(steps: int, lr: float) -> dict[str, float]:
     """How far each precision's learner moves a fixed batch's rewarded completions in `steps` on-policy steps."""
     from transformers import AutoTokenizer
 
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
     from learner.config import LearnerConfig
     from learner.learner import Learner, TrainBatch
 

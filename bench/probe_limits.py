@@ -51,7 +51,7 @@ def main() -> int:
 
     from actors.engine import EngineSettings
     from actors.rollout import RolloutWorker, SamplingSettings
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
     from learner.config import LearnerConfig
     from learner.learner import Learner, TrainBatch
     from sync.config import SyncConfig

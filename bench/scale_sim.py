@@ -203,7 +203,7 @@ def calibrate() -> tuple[float, float, float]:
     from vllm import SamplingParams, TokensPrompt
 
     from actors.engine import EngineSettings, VllmEngine
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     torch.set_num_threads(1)
     engine = VllmEngine(EngineSettings(model_path=str(ensure_demo_model())))

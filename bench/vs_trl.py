@@ -232,7 +232,7 @@ def kv_cache_bytes_25m(prompts: int, group_size: int, workers: int, max_model_le
 def relay_overrides(work: str, steps: int, extra: list[str]) -> tuple[Path, list[str]]:
     """The model directory and the `relay train` overrides of one configuration (run_dir excluded)."""
     from cluster.config import load_config
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     base = [f"max_steps={steps}", *extra]
     if work == "demo":

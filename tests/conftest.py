@@ -63,7 +63,7 @@ def tiny_prm_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The demo's warmed-up base model, built once into RELAY_CACHE_DIR (about a minute the first time)."""
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     return ensure_demo_model()
 
@@ -71,7 +71,7 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def chain_model_dir() -> Path:
     """The chained-sum demo task's warmed-up base model (process supervision), built once into RELAY_CACHE_DIR."""
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     return ensure_demo_model(task="chain_sum")
 
@@ -79,7 +79,7 @@ def chain_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def calc_model_dir() -> Path:
     """The calculator-tool demo task's warmed-up base model (multi-turn episodes), built once into RELAY_CACHE_DIR."""
-    from cluster.demo.model import ensure_demo_model
+    from cluster.demo.cache import ensure_demo_model
 
     return ensure_demo_model(task="calc")
 

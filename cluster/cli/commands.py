@@ -228,7 +228,7 @@ def _control_command(args) -> int:
 def _build_demo_model(force: bool, task: str = "arithmetic") -> int:
     import shutil
 
-    from cluster.demo.model import demo_model_dir, ensure_demo_model
+    from cluster.demo.cache import demo_model_dir, ensure_demo_model
 
     if force and demo_model_dir(task).exists():
         shutil.rmtree(demo_model_dir(task))

@@ -1,10 +1,12 @@
 """The demo's base models: a character tokenizer and tiny Qwen2s warmed up on the demo tasks, built locally.
 
-Owns building, saving (atomically) and caching the model directories that the demo's engines and learner load
+Owns building and saving (atomically) the model directories that the demo's engines and learner load
 (one per task: `arithmetic`, `a+b=`; `chain_sum`, `12+34+56=` -> `46 102`; `calc`, `37*48=` -> `1776` with a
 calculator tool), and the transformers-based accuracy checks used to tune them. Does not own the RL loop, the tasks
 and their reward (`cluster.demo.task`, which re-exports `rewards.verifiers.exact_match`), the calc task's episodes
-(`cluster.demo.calc`) or any engine: the directory is a plain Hugging Face model dir, read like any other.
+(`cluster.demo.calc`), where the models are cached and shipped (`cluster.demo.cache`, whose `ensure_demo_model`
+calls `build_demo_model` here only when a model must be built) or any engine: the directory is a plain Hugging Face
+model dir, read like any other.
 
 Each one-turn model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only
 ~25% when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
@@ -20,10 +22,8 @@ import json
 import math
 import os
 import random
-import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from cluster.demo.cache import MODEL_NAMES, atomic_dir, demo_task
 from cluster.demo.calc import (
     call_probabilities,
     draw_calc_sequences,
@@ -44,12 +45,8 @@ PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 CHARACTERS = "0123456789+-*= "
 CALC_CHARACTERS = CHARACTERS + "[]"  # appended: the other characters keep their ids
-DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe below changes the built weights
-CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
-CALC_MODEL_NAME = "demo-calc-model-v1"  # likewise for `CALC_RECIPE`
 REPORT_FILE = "relay_demo_report.json"
 BUILD_THREADS = 1
-SHIPPED_MODELS_DIR = Path(__file__).parent / "models"  # relay's own builds: `shipped_demo_model`
 SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
 
 
@@ -131,7 +128,7 @@ def save_model_dir(
     Atomic: everything goes to a temporary sibling directory that is renamed to `out_dir` at the end, so a
     reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` already exists.
     """
-    with _atomic_dir(Path(out_dir)) as tmp_dir:
+    with atomic_dir(Path(out_dir)) as tmp_dir:
         model.generation_config = GenerationConfig(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -142,28 +139,6 @@ def save_model_dir(
         for name, text in (extra_files or {}).items():
             (tmp_dir / name).write_text(text)
     return Path(out_dir)
-
-
-@contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yields a temporary sibling of `out_dir` to fill, renamed to `out_dir` when the block ends (removed if it
-    raises), so a reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` exists
-    before or appears meanwhile (another process renamed its complete copy first)."""
-    if out_dir.exists():
-        raise FileExistsError(f"model dir {out_dir} already exists: delete it or choose another path")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        yield tmp_dir
-        try:
-            os.rename(tmp_dir, out_dir)
-        except OSError as error:  # ENOTEMPTY/EEXIST
-            if out_dir.exists():
-                raise FileExistsError(f"model dir {out_dir} was created by another process meanwhile") from error
-            raise
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
 
 
 def make_random_reward_model_dir(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
@@ -298,25 +273,14 @@ class CalcRecipe(WarmupRecipe):
 
 
 CALC_RECIPE = CalcRecipe()
-DEMO_TASKS = ("arithmetic", "chain_sum", "calc")  # the tasks with a built-in model; "dataset" gets the arithmetic one
-_MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME, "calc": CALC_MODEL_NAME}
 _RECIPES = {"arithmetic": WarmupRecipe(), "chain_sum": CHAIN_RECIPE, "calc": CALC_RECIPE}
-
-
-def _demo_task(task: str) -> str:
-    """The built-in task whose model serves `task` (a `data.task`): itself, or arithmetic for a user's dataset."""
-    if task == "dataset":  # a dataset without model.path has always run on the arithmetic model (char tokenizer)
-        return "arithmetic"
-    if task not in DEMO_TASKS:
-        raise ValueError(f"no demo model for task {task!r}; use one of {', '.join(DEMO_TASKS)} or set model.path")
-    return task
 
 
 def draw_warmup_problems(task: str, recipe: WarmupRecipe, rng: random.Random, n: int) -> list[Problem]:
     """`n` problems of `task` ("arithmetic", "chain_sum" or "calc") with the recipe's operands and terms."""
-    if _demo_task(task) == "chain_sum":
+    if demo_task(task) == "chain_sum":
         return make_chain_problems(rng, n, recipe.num_terms, recipe.min_operand, recipe.max_operand)
-    if _demo_task(task) == "calc":
+    if demo_task(task) == "calc":
         return make_calc_problems(rng, n, recipe.min_operand, recipe.max_operand)
     return make_problems(rng, n, recipe.min_operand, recipe.max_operand)
 
@@ -532,7 +496,7 @@ def build_demo_model(
     and single steps (`step_accuracy`), for calc of episodes with the tool (`_calc_report`).
     Deterministic for a seed, recipe and task on one machine.
     """
-    task = _demo_task(task)
+    task = demo_task(task)
     recipe = _RECIPES[task] if recipe is None else recipe
     if (task == "calc") != isinstance(recipe, CalcRecipe):
         raise ValueError(f"task {task!r} with a {type(recipe).__name__}: calc takes a CalcRecipe, the others do not")
@@ -559,7 +523,7 @@ def build_demo_model(
             model = Qwen2ForCausalLM(config)
             steps = _train_warmup(model, tokenizer, recipe, val_problems, excluded, seed, task)
         report: dict[str, object] = {
-            "name": _MODEL_NAMES[task],
+            "name": MODEL_NAMES[task],
             "task": task,
             "seed": seed,
             "params": sum(p.numel() for p in model.parameters()),
@@ -604,52 +568,4 @@ def _calc_report(
 
 def demo_recipe(task: str = "arithmetic") -> WarmupRecipe:
     """The warm-up recipe `task`'s demo model is built with (`WarmupRecipe()`, `CHAIN_RECIPE` or `CALC_RECIPE`)."""
-    return _RECIPES[_demo_task(task)]
-
-
-def demo_model_dir(task: str = "arithmetic") -> Path:
-    """`$RELAY_CACHE_DIR/<name>`, or `~/.cache/relay/<name>` when the variable is unset; the name is
-    `demo-model-v1` for arithmetic (and a dataset), `demo-chain-model-v1` for chain_sum, `demo-calc-model-v1` for
-    calc."""
-    cache_dir = os.environ.get("RELAY_CACHE_DIR")
-    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "relay"
-    return root / _MODEL_NAMES[_demo_task(task)]
-
-
-def shipped_demo_model(task: str = "arithmetic") -> Path:
-    """The copy of `task`'s demo model that relay ships (`cluster/demo/models/<name>`): built by
-    `build_demo_model` with the task's recipe and seed 0, so that a fresh machine starts from the same weights as
-    the numbers in the docs and needs no build (the build's float rounding differs between CPUs)."""
-    return SHIPPED_MODELS_DIR / _MODEL_NAMES[_demo_task(task)]
-
-
-def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic", build: bool = False) -> Path:
-    """Returns the directory of `task`'s demo model (`demo_model_dir(task)`), filling it first if missing: with a
-    copy of the shipped model (`shipped_demo_model`), or, with `build` (or nothing shipped), by building it from its
-    recipe (its build time: docs/benchmarks.md). `task` is a `data.task`: "dataset" gets the arithmetic model."""
-    task = _demo_task(task)
-    path = demo_model_dir(task)
-    if path.exists():  # complete if present: _atomic_dir renames a finished directory into place
-        return path
-    what = {"arithmetic": "demo model", "chain_sum": "chain_sum demo model", "calc": "calc demo model"}[task]
-    shipped = shipped_demo_model(task)
-    try:
-        if not build and (shipped / "model.safetensors").exists():
-            with _atomic_dir(path) as tmp_dir:
-                shutil.copytree(shipped, tmp_dir)
-            log(f"Copied relay's shipped {what} to {path}")
-            return path
-        how_long = "under 2 minutes" if task == "chain_sum" else "under a minute"
-        log(f"Building the {what} in {path} (once; {how_long} on 2 idle cores)...")
-        report = build_demo_model(path, task=task)
-    except FileExistsError:
-        if not path.exists():
-            raise
-        log(f"Another process made the {what} in {path} first; using it")
-        return path
-    log(
-        f"Built the {what} in {report['seconds']:.0f} s after {report['steps']} steps: held-out accuracy "
-        f"greedy {report['greedy_accuracy']:.2f}, sampled at T=1 {report['sampled_accuracy']:.2f}"
-        + (f" (tool used on {report['sampled_tool_use_rate']:.2f} of first turns)" if task == "calc" else "")
-    )
-    return path
+    return _RECIPES[demo_task(task)]

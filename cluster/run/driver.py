@@ -683,7 +683,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         if started_ray:
             cleanup.callback(ray.shutdown)
         if model_path is None:
-            from cluster.demo.model import ensure_demo_model
+            from cluster.demo.cache import ensure_demo_model
 
             model_path = str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr),
                                                task=config.data.task))

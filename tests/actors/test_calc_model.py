@@ -24,15 +24,14 @@ from cluster.demo.calc import (
     run_calc_episodes,
     summarize_episodes,
 )
+from cluster.demo.cache import DEMO_TASKS, demo_model_dir
 from cluster.demo.model import (
     CALC_CHARACTERS,
     CALC_RECIPE,
-    DEMO_TASKS,
     REPORT_FILE,
     WarmupRecipe,
     build_char_tokenizer,
     build_demo_model,
-    demo_model_dir,
     draw_warmup_problems,
 )
 from cluster.demo.task import Problem, make_calc_problems

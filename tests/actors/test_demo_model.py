@@ -9,19 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.demo.cache import DEMO_TASKS, demo_model_dir, ensure_demo_model, shipped_demo_model
 from cluster.demo.model import (
     CHAIN_RECIPE,
-    DEMO_TASKS,
     REPORT_FILE,
     build_char_tokenizer,
-    demo_model_dir,
     demo_recipe,
-    ensure_demo_model,
     evaluate_accuracy,
     generate_completions,
     make_random_model_dir,
     save_model_dir,
-    shipped_demo_model,
     step_accuracy,
     tiny_qwen2_config,
 )
