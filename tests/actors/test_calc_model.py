@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import DataConfig
+from cluster.demo.cache import DEMO_TASKS, demo_model_dir
 from cluster.demo.calc import (
     calc_segments,
     call_probabilities,
@@ -24,7 +25,6 @@ from cluster.demo.calc import (
     run_calc_episodes,
     summarize_episodes,
 )
-from cluster.demo.cache import DEMO_TASKS, demo_model_dir
 from cluster.demo.model import (
     CALC_CHARACTERS,
     CALC_RECIPE,
