@@ -1,8 +1,9 @@
-"""Exact resume after SIGKILL: the `relay` driver is killed mid-run and then mid-checkpoint-write, resumed each time
-with `resume=auto`, and ends with the same metrics and bitwise the same weights as an uninterrupted run. Also:
-resuming a finished run exits 0 without training; resuming with a config that changed the computation is refused.
-The uninterrupted runs and the last resumption of each killed run are made in the test's process (the same code and
-config as `relay train`; the run directory is all a resumption reads)."""
+"""Exact resume after SIGKILL: the `relay` driver is killed while it writes a checkpoint, two steps past the last
+complete one (synchronous), or with batches in flight (asynchronous), resumed with `resume=auto`, and ends with the
+same metrics and bitwise the same weights as an uninterrupted run. Also: resuming a finished run exits 0 without
+training; resuming with a config that changed the computation is refused. The uninterrupted runs and the resumptions
+of the killed runs are made in the test's process (the same code and config as `relay train`; the run directory is
+all a resumption reads)."""
 
 from __future__ import annotations
 
@@ -88,18 +89,16 @@ def uninterrupted(tmp_path_factory, ray_local, demo_model_dir):
     return run_dir
 
 
-def test_killed_twice_and_resumed_equals_the_uninterrupted_run(tmp_path, uninterrupted):
+def test_killed_mid_checkpoint_and_resumed_equals_the_uninterrupted_run(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    # 1. Killed mid-run: after step 3 is recorded (the last checkpoint is step_2).
+    # Killed while the learner writes checkpoint step_4: steps 3 and 4 are recorded past the last complete checkpoint
+    # (step_2), and step_4's temporary directory is left behind.
     process = relay_process(*TRAIN, f"run_dir={run_dir}", *ARGS)
-    kill_when(process, lambda: len(records(run_dir)) >= 3, "step 3")
-    assert checkpoint.latest(run_dir).name == "step_2"
-    # 2. Resumed, then killed while the learner writes checkpoint step_4: step_2 stays the latest complete one.
-    process = relay_process(*TRAIN, f"run_dir={run_dir}", "resume=auto", *ARGS)
     kill_when(process, lambda: writing_checkpoint(run_dir, 4), "the step_4 checkpoint write")
     assert checkpoint.latest(run_dir).name == "step_2"
     assert not (run_dir / checkpoint.CHECKPOINTS_DIR / "step_4").exists()
-    # 3. Resumed again (here: from what is on disk, as a new `relay` process would): runs steps 3-6 and finishes.
+    assert len(records(run_dir)) >= 3
+    # Resumed (here: from what is on disk, as a new `relay` process would): runs steps 3-6 and finishes.
     train_here(run_dir, "resume=auto", *ARGS)
 
     assert records(run_dir) == records(uninterrupted)  # every step once, the same numbers
