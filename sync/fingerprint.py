@@ -1,9 +1,9 @@
 """Exact fingerprints of weights, for checking that every engine received exactly the learner's weights of a version.
 
-Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve), `differences` (what a
-worker's fingerprints lack or get wrong against the learner's, in one line) and `digest` (one string per version).
-The learner fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it
-received and handed to its engine, whichever transport brought them; `sync.verify.check_loaded` compares the two.
+Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve). The learner
+fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it received and
+handed to its engine, whichever transport brought them; `sync.verify.check_loaded` compares the two (the comparison
+and a version's `digest` are sync/verify.py's: plain strings, so the driver, which compares, needs no torch).
 Unlike the logprob probe this does not depend on numerics, so it is as exact in bfloat16 as in float32.
 
 A tensor's fingerprint hashes its dtype, shape and three exact integer sums over its bits read as 16-bit integers
@@ -45,27 +45,6 @@ def tensor_fingerprint(tensor: torch.Tensor | np.ndarray) -> str:
     plain, by_column, by_row = (_sums_on_host if bits.device.type == "cpu" else _sums_on_device)(bits)
     text = f"{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|{plain}|{by_column}|{by_row}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def digest(fingerprints: dict[str, str]) -> str:
-    """One string for a whole set of fingerprints (a weights version), independent of the names' order."""
-    return hashlib.blake2b(repr(sorted(fingerprints.items())).encode(), digest_size=8).hexdigest()
-
-
-def differences(expected: dict[str, str], received: dict[str, str]) -> str | None:
-    """What `received` (a worker's) lacks or gets wrong against `expected` (the learner's), in one line; None when
-    they are the same."""
-    missing = [name for name in expected if name not in received]
-    wrong = [name for name in expected if name in received and received[name] != expected[name]]
-    extra = [name for name in received if name not in expected]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} of the {len(expected)} tensors never reached the engine (first: {missing[0]})")
-    if wrong:
-        problems.append(f"{len(wrong)} arrived with other contents than the learner's (first: {wrong[0]})")
-    if extra:
-        problems.append(f"{len(extra)} that the learner did not send (first: {extra[0]})")
-    return "; ".join(problems) or None
 
 
 def _sums_on_host(bits: torch.Tensor) -> tuple[int, int, int]:

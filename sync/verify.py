@@ -1,6 +1,8 @@
 """Verifying a sync: the rules that decide whether an engine serves the learner's weights.
 
-Owns: `check_loaded` (a worker's report of a load against the learner's version and fingerprints), the probe's
+Owns: `check_loaded` (a worker's report of a load against the learner's version and fingerprints, compared by
+`differences`: what the worker's fingerprints lack or get wrong, in one line), `digest` (one string for a version's
+fingerprints), the probe's
 tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat rule (`stale_probe`,
 `next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while the learner's
 logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
@@ -10,10 +12,10 @@ Does not own: calling the workers and the learner for the probe (cluster/fleet/r
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, NamedTuple
 
 from sync.calls import RunError
-from sync.fingerprint import differences
 
 if TYPE_CHECKING:
     from sync.receive import Loaded
@@ -23,6 +25,27 @@ PROBE_SEED = 0  # one seed for every probe: an engine still on the weights of it
 
 class SyncError(RunError):
     """An engine does not serve the learner's weights after a sync."""
+
+
+def digest(fingerprints: dict[str, str]) -> str:
+    """One string for a whole set of fingerprints (a weights version), independent of the names' order."""
+    return hashlib.blake2b(repr(sorted(fingerprints.items())).encode(), digest_size=8).hexdigest()
+
+
+def differences(expected: dict[str, str], received: dict[str, str]) -> str | None:
+    """What `received` (a worker's) lacks or gets wrong against `expected` (the learner's), in one line; None when
+    they are the same."""
+    missing = [name for name in expected if name not in received]
+    wrong = [name for name in expected if name in received and received[name] != expected[name]]
+    extra = [name for name in received if name not in expected]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of the {len(expected)} tensors never reached the engine (first: {missing[0]})")
+    if wrong:
+        problems.append(f"{len(wrong)} arrived with other contents than the learner's (first: {wrong[0]})")
+    if extra:
+        problems.append(f"{len(extra)} that the learner did not send (first: {extra[0]})")
+    return "; ".join(problems) or None
 
 
 def check_loaded(name: str, loaded: Loaded | None, version: int, expected: dict[str, str] | None) -> None:

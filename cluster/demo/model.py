@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from cluster.demo.cache import MODEL_NAMES, atomic_dir, demo_task
@@ -40,42 +39,11 @@ from cluster.demo.calc import (
     summarize_episodes,
 )
 from cluster.demo.task import Problem, exact_match, make_calc_problems, make_chain_problems, make_problems
+from cluster.demo.tokenizer import CALC_CHARACTERS, CHARACTERS, build_char_tokenizer
 
-PAD_TOKEN = "<pad>"
-EOS_TOKEN = "<eos>"
-CHARACTERS = "0123456789+-*= "
-CALC_CHARACTERS = CHARACTERS + "[]"  # appended: the other characters keep their ids
 REPORT_FILE = "relay_demo_report.json"
 BUILD_THREADS = 1
 SUPPORTED_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
-
-
-def build_char_tokenizer(model_max_length: int = 64, characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
-    """One token per character of `characters` (id 2 + its index); `<pad>` is id 0, `<eos>` id 1; no BOS, nothing
-    added on encode. The calc task's tokenizer has `CALC_CHARACTERS`, the others `CHARACTERS`.
-
-    Built as a byte-level BPE without merges because transformers reloads any qwen2 model directory with
-    `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the saved vocabulary and merges (a character-level
-    WordLevel tokenizer would silently lose its spaces). The space is therefore stored as byte-level "Ġ", and
-    `unk_token` is saved as null so the reload adds no `<|endoftext|>`. Characters outside the vocabulary are
-    dropped on encode, by this tokenizer and by the reloaded one alike.
-    """
-    byte_level = pre_tokenizers.ByteLevel.alphabet()  # printable stand-ins for bytes, e.g. " " -> "Ġ"
-    if len(set(characters)) != len(characters) or not all(char in byte_level or char == " " for char in characters):
-        raise ValueError(f"characters {characters!r} must be distinct and printable ASCII (or the space)")
-    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1} | {("Ġ" if char == " " else char): 2 + i for i, char in enumerate(characters)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(PAD_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        unk_token=None,
-        clean_up_tokenization_spaces=False,
-        model_max_length=model_max_length,
-    )
 
 
 def tiny_qwen2_config(

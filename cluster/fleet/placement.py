@@ -24,7 +24,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
-from learner.device import CPU_BFLOAT16_MATMULS
 from sync.calls import RunError, get, wait_all
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
@@ -96,6 +95,8 @@ class Fleet:
 
 
 def _env(threads: int) -> dict[str, str]:
+    from learner.device import CPU_BFLOAT16_MATMULS  # here, not above: the driver imports torch only to start actors
+
     env = {
         "OMP_NUM_THREADS": str(threads),
         # The engine runs inside the actor's process: weights are handed over as tensors and start-up is fast.

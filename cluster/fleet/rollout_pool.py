@@ -29,13 +29,13 @@ import ray
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, PendingWorker, RolloutSlot, node_of
 from sync.calls import Outcome, RunError, call_all, get, late, settle, values
-from sync.fingerprint import digest
 from sync.transport import make_transport
 from sync.verify import (
     PROBE_SEED,
     ProbeRecord,
     SyncError,
     check_loaded,
+    digest,
     next_probe_record,
     probe_tolerance_from,
     probe_tolerance_min,

@@ -171,7 +171,7 @@ def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_pat
     if config.task == "calc":
         return CalcPrompts(config, seed, batch_size)
     if model_path is None:
-        from cluster.demo.model import build_char_tokenizer
+        from cluster.demo.tokenizer import build_char_tokenizer
 
         tokenizer = build_char_tokenizer()
     else:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from cluster.config import DataConfig
-from cluster.demo.model import build_char_tokenizer
 from cluster.demo.task import Problem
+from cluster.demo.tokenizer import build_char_tokenizer
 from cluster.run.data import (
     ArithmeticPrompts,
     CalcPrompts,

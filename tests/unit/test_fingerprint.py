@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sync.fingerprint import ROW, _sums_on_device, _sums_on_host, differences, digest, fingerprint, tensor_fingerprint
+from sync.fingerprint import ROW, _sums_on_device, _sums_on_host, fingerprint, tensor_fingerprint
+from sync.verify import differences, digest
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from actors.rollout_types import Rollout
-from cluster.demo.model import build_char_tokenizer
 from cluster.demo.task import Problem
+from cluster.demo.tokenizer import build_char_tokenizer
 from cluster.run.scoring import Scorer
 from rewards.config import RewardConfig
 from rewards.registry import load_verifier
