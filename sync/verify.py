@@ -2,10 +2,9 @@
 
 Owns: `check_loaded` (a worker's report of a load against the learner's version and fingerprints, compared by
 `differences`: what the worker's fingerprints lack or get wrong, in one line), `digest` (one string for a version's
-fingerprints), the probe's
-tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat rule (`stale_probe`,
-`next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while the learner's
-logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
+fingerprints), the probe's tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat
+rule (`stale_probe`, `next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while
+the learner's logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
 Does not own: calling the workers and the learner for the probe (cluster/fleet/rollout_pool.py) or the load
 (sync/transport.py). Functions over plain data.
 """
