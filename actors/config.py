@@ -102,6 +102,8 @@ class ReferenceConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
     """Padded tokens per reference forward pass at most, as `learner.max_tokens_per_micro_batch` (sequences sorted
     by length, each pass padded to its own longest); empty: no token limit."""
+    share_prompts: bool = True
+    """Compute each prompt once for the rows that share it, as `learner.share_prompts`."""
     refresh_every: int = Field(0, ge=0, le=10_000_000)
     """Iterative GRPO: at every step that is a multiple of this, before its reference pass, the reference takes the
     policy's current weights (the ones that sampled the step's batch), checked by fingerprints and a probe, so the

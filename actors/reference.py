@@ -25,7 +25,8 @@ class ReferenceWorker:
     it last took (`load_weights`)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
-                 batching: MicroBatching = MicroBatching(max_tokens=1024), temperature: float = 1.0):
+                 batching: MicroBatching = MicroBatching(max_tokens=1024, share_prompts=True),
+                 temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)

@@ -1,13 +1,15 @@
 """How a step's sequences are cut into forward/backward passes, timed on one model: rows in batch order (the old
-fixed row count), rows sorted by length under a token budget (relay's `MicroBatching`), and packed rows (several
-sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask).
+fixed row count), rows sorted by length under a token budget (relay's `MicroBatching`), packed rows (several
+sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask), and shared
+prompts (relay's `SharedPrompts`: each group's prompt run once, each row's pass its own tokens on the prompt's cached
+states, the sorted passes cut by those tokens).
 
-Usage: python bench/micro_batching.py [--size 25M|demo] [--repeats 3] [--budgets 1024 2048 4096]
-The sequences mimic the 25M benchmark of bench/vs_trl.py: 256 = 32 prompts x 8, prompts of 4 to 6 tokens, responses
-of ~16 tokens on average (geometric, at most 64). Each way is timed without gradients (the reference's and the
-old-logprobs passes) and with the backward pass (the training forward); the table gives the median of `--repeats`
-runs and the padded tokens each way computes. Packed rows are checked against one sequence alone first: a packed
-forward that lets sequences see each other stops the script.
+Usage: python bench/micro_batching.py [--size 25M|demo] [--repeats 3] [--budgets 1024 2048 4096] [--prompt-extra N]
+The sequences mimic the 25M benchmark of bench/vs_trl.py: 256 = 32 prompts x 8, prompts of 4 to 6 tokens (plus
+`--prompt-extra`), responses of ~16 tokens on average (geometric, at most 64). Each way is timed without gradients
+(the reference's and the old-logprobs passes) and with the backward pass (the training forward); the table gives the
+median of `--repeats` runs and the padded tokens each way computes. Packed rows are checked against one sequence
+alone first, and shared prompts' logprobs against whole rows: a way that computes something else stops the script.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.demo.model import tiny_qwen2_config  # noqa: E402
-from learner.algo.sequences import MicroBatching  # noqa: E402
+from learner.algo.sequences import (  # noqa: E402
+    MicroBatching,
+    SharedPrompts,
+    pad_sequences,
+    sequence_logprobs,
+    tail_lengths,
+)
 
 SHAPES = {  # the model shapes of bench/weight_sync.py and the demo's
     "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
@@ -34,17 +42,19 @@ SHAPES = {  # the model shapes of bench/weight_sync.py and the demo's
 VOCAB = 17  # the character tokenizer's
 
 
-def make_sequences(count: int, seed: int = 0) -> list[torch.Tensor]:
-    """`count` prompt + response token rows: groups of 8 sharing a prompt of 4-6 tokens, responses geometric with
-    mean ~16, at most 64 tokens."""
+def make_sequences(count: int, seed: int = 0, prompt_extra: int = 0) -> tuple[list[torch.Tensor], list[int]]:
+    """`count` prompt + response token rows: groups of 8 sharing a prompt of 4-6 tokens (+ `prompt_extra`),
+    responses geometric with mean ~16, at most 64 tokens; and each row's prompt length."""
     generator = torch.Generator().manual_seed(seed)
-    rows = []
+    rows, prompt_lengths = [], []
     for _ in range(count // 8):
-        prompt = torch.randint(2, VOCAB, (int(torch.randint(4, 7, (1,), generator=generator)),), generator=generator)
+        size = int(torch.randint(4, 7, (1,), generator=generator)) + prompt_extra
+        prompt = torch.randint(2, VOCAB, (size,), generator=generator)
         for _ in range(8):
             length = min(64, 1 + int(torch.empty(1).geometric_(1 / 16, generator=generator)))
             rows.append(torch.cat([prompt, torch.randint(2, VOCAB, (length,), generator=generator)]))
-    return rows
+            prompt_lengths.append(size)
+    return rows, prompt_lengths
 
 
 def padded_pass(model: torch.nn.Module, rows: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -103,12 +113,48 @@ def time_way(model: torch.nn.Module, rows: list[torch.Tensor], passes: list[list
     return time.perf_counter() - start, computed
 
 
+def time_shared(model: torch.nn.Module, batch, budget: int, grad: bool) -> tuple[float, int, int]:
+    """Seconds for the shared-prompts way (the prompts' passes, then the rows' passes; with `grad`, each pass's
+    backward and the prompts' own), the tokens computed and the passes (prompt passes included)."""
+    batching = MicroBatching(max_tokens=budget, share_prompts=True)
+    ran = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: ran.append(kwargs["input_ids"].numel()),
+                                       with_kwargs=True)
+    start = time.perf_counter()
+    try:
+        with torch.set_grad_enabled(grad):
+            prompts = SharedPrompts(model, batch, grad, batching)
+            for rows in batching.split(tail_lengths(batch)):
+                part = batch.select(rows)
+                logprobs = sequence_logprobs(model, part, prompts=prompts)
+                if grad:
+                    (logprobs * part.response_mask).sum().backward()
+            if grad:
+                prompts.backward()
+    finally:
+        hook.remove()
+    return time.perf_counter() - start, sum(ran), len(ran)
+
+
+def check_shared(model: torch.nn.Module, batch) -> None:
+    """Shared prompts must give every response token the logprob of its whole row."""
+    with torch.no_grad():
+        whole = sequence_logprobs(model, batch)
+        prompts = SharedPrompts(model, batch)
+        shared = sequence_logprobs(model, batch, prompts=prompts)
+    response = batch.response_mask.bool()
+    gap = float((whole[response] - shared[response]).abs().max())
+    if gap > 1e-4:
+        raise SystemExit(f"shared prompts change the logprobs (gap {gap:.3g}): the shared timing would be wrong")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SHAPES), default="25M")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-extra", type=int, default=0, help="tokens added to every prompt")
     args = parser.parse_args()
 
     from transformers import Qwen2ForCausalLM
@@ -118,8 +164,11 @@ def main() -> None:
     config = tiny_qwen2_config(VOCAB, max_position_embeddings=128, **SHAPES[args.size])
     config._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(config).eval()
-    rows = make_sequences(256)
+    rows, prompt_lengths = make_sequences(256, prompt_extra=args.prompt_extra)
+    batch = pad_sequences([row[:n].tolist() for row, n in zip(rows, prompt_lengths)],
+                          [row[n:].tolist() for row, n in zip(rows, prompt_lengths)])
     check_packing(model, rows)
+    check_shared(model, batch)
     lengths = torch.tensor([len(row) for row in rows])
     ways: dict[str, tuple[list[list[int]], bool]] = {
         "batch order, 64 rows per pass": ([list(range(i, min(i + 64, len(rows)))) for i in range(0, len(rows), 64)],
@@ -143,6 +192,14 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         print(f"| {name} | {len(passes)} | {forward[0][1]} | {statistics.median(t for t, _ in forward):.2f} | "
               f"{statistics.median(t for t, _ in backward):.2f} |", flush=True)
+    for budget in args.budgets:
+        time_shared(model, batch, budget, grad=True)  # warm-up
+        forward = [time_shared(model, batch, budget, grad=False) for _ in range(args.repeats)]
+        backward = [time_shared(model, batch, budget, grad=True) for _ in range(args.repeats)]
+        model.zero_grad(set_to_none=True)
+        print(f"| shared prompts, sorted, {budget} padded tokens per pass | {forward[0][2]} | {forward[0][1]} | "
+              f"{statistics.median(t for t, *_ in forward):.2f} | {statistics.median(t for t, *_ in backward):.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

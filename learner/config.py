@@ -75,6 +75,12 @@ class LearnerConfig(_Section):
     alone): each rank's rows are sorted by length and cut into passes under this budget, each padded only to its
     own longest sequence, so compute follows the real tokens. Larger uses more memory (activations, logits);
     on CPU 512-1024 were fastest (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
+    share_prompts: bool = True
+    """Compute each prompt once for the rows that share it (a group's G completions): the prompt's tokens run in
+    one forward whose key/value states every row's pass attends to, gradients carried back through them once; the
+    token budget then counts each row's own tokens. The same logprobs, losses and gradients (up to float summation
+    order); saves the prompt's compute G-1 times. Off under `strategy=fsdp2` with several ranks, and for models
+    whose cache is not one plain key/value layer per layer (sliding windows, recurrent state)."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)

@@ -135,6 +135,10 @@ class DataParallel:
                 child.set_gradient_divide_factor(1.0)
                 child.set_force_sum_reduction_for_comms(True)
 
+    def share(self, rows: Tensor) -> Tensor:
+        """This rank's share of `rows` (global row indices): a contiguous slice, sizes differing by at most one."""
+        return rows if self.world_size == 1 else rows.tensor_split(self.world_size)[self.rank]
+
     def micro_batches(self, rows: Tensor, lengths: Tensor, batching: MicroBatching) -> list[tuple[Tensor, bool]]:
         """This rank's passes over `rows` (global row indices, one minibatch or the batch; `lengths` [B]: every row's
         tokens, indexed by those), each with whether it is live: `batching` cuts this rank's share. Every rank gets
@@ -149,14 +153,15 @@ class DataParallel:
         return mine + [(rows[:1], False)] * (max(map(len, passes)) - len(mine))
 
     def compute_rows(self, batch: SequenceBatch, compute: Callable[[SequenceBatch], Tensor],
-                     batching: MicroBatching) -> Tensor:
+                     batching: MicroBatching, lengths: Tensor | None = None) -> Tensor:
         """`compute(part)` -> [B_part, L_part-1] per pass of this rank's share of the rows, assembled into the
         whole batch's [B, L-1] float32 on every rank, on the batch's device (zeros past each sequence). Every other
-        rank's rows are 0 here, so the all-reduce sum places each value exactly."""
+        rank's rows are 0 here, so the all-reduce sum places each value exactly. `lengths` [B]: the tokens a pass
+        runs per row, which the budget counts (default: whole rows; each row's own when prompts are shared)."""
         self._check_joined()
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-        for mb_idx, live in self.micro_batches(torch.arange(len(batch), device=batch.device), batch.lengths,
-                                               batching):
+        for mb_idx, live in self.micro_batches(torch.arange(len(batch), device=batch.device),
+                                               batch.lengths if lengths is None else lengths, batching):
             part = batch.select(mb_idx)
             values = compute(part)
             if live:

@@ -8,12 +8,12 @@ advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.mo
 tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each
 row's model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
 (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
-(`learner.algo.sequences.MicroBatching`); skipping non-finite updates; saving and restoring its whole state for
-checkpoints; the weights version (it counts the updates it made, and `train_step` and `load_checkpoint` return it:
-everyone else reads it from there). Mixed precision: parameters,
-gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
-(autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
-`model.dtype`, once per sync.
+(`learner.algo.sequences.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
+non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the
+updates it made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed
+precision: parameters, gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and
+backward in `model.dtype` (autocast when the two differ); whatever leaves for an engine or the Hugging Face policy
+directory is cast to `model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
 gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
 optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
@@ -26,7 +26,7 @@ cluster/fleet/learner_group.py.
 from __future__ import annotations
 
 import resource
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,10 +46,15 @@ from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, mic
 from learner.algo.sequences import (
     MicroBatching,
     SequenceBatch,
+    SharedPrompts,
     pad_per_token,
     pad_sequences,
+    prompt_rounds,
+    prompts_shared,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
+    shared_prompts,
+    tail_lengths,
     unpad_per_token,
 )
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
@@ -153,7 +158,11 @@ class Learner(WeightPublisher):
         if (self.critic is None) == config.uses_value_model:
             raise ValueError(f"advantage={config.advantage!r} (baseline {config.baseline!r}) and a critic go together: "
                              "gae needs one, as does reinforce with baseline 'value'; the others don't")
-        self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch)
+        # Prompts shared by a group's rows are computed once (`SharedPrompts`). Not under fsdp2 with several ranks:
+        # its per-backward gradient reduction would run once more, for the prompts' own backward (not measured).
+        self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch,
+                                      config.share_prompts and not self.dp.sharded)
+        self._prompts_cacheable = SharedPrompts.supports(self.model)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
@@ -214,12 +223,16 @@ class Learner(WeightPublisher):
         rows, pass by pass."""
         temperature = self.temperature if temperature is None else temperature
 
+        with torch.no_grad(), self._compute():
+            prompts = shared_prompts(self.model, batch, self.batching)
+
         @torch.no_grad()
         def compute(part: SequenceBatch) -> torch.Tensor:
             with self._compute():
-                return sequence_logprobs(self.model, part, temperature)
+                return sequence_logprobs(self.model, part, temperature, prompts)
 
-        return self.dp.compute_rows(batch, compute, self.batching)
+        return self.dp.compute_rows(batch, compute, self.batching,
+                                    tail_lengths(batch) if prompts is not None else None)
 
     def _compute(self):
         """The context of every policy forward pass (`learner.device.compute_in`)."""
@@ -307,6 +320,23 @@ class Learner(WeightPublisher):
             metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
         return token_rewards, step_ends
 
+    def _rounds(self, batch: SequenceBatch, rows: torch.Tensor
+                ) -> Iterator[tuple[SharedPrompts | None, list[tuple[torch.Tensor, bool]]]]:
+        """This rank's passes over `rows`, in rounds that share their prompts: each round's `SharedPrompts` (computed
+        with gradients when the round is reached, carried back after its last pass: one prefix pass's activations
+        are kept at a time) and its passes, cut by the tokens they run (each row's own; whole rows with a value
+        model, which runs whole rows in the same passes). Without shared prompts, one round of
+        `DataParallel.micro_batches`."""
+        mine = self.dp.share(rows)
+        if not (self.batching.share_prompts and self._prompts_cacheable and prompts_shared(batch.select(mine))):
+            yield None, self.dp.micro_batches(rows, batch.lengths, self.batching)
+            return
+        lengths = batch.lengths if self.critic else tail_lengths(batch)
+        for round_rows in prompt_rounds(batch, mine, self.batching):
+            with self._compute():
+                prompts = SharedPrompts(self.model, batch.select(round_rows), True, self.batching)
+            yield prompts, [(round_rows[part], True) for part in self.batching.split(lengths[round_rows])]
+
     def _minibatch_update(self, step: StepTensors, b_idx: torch.Tensor) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite).
 
@@ -322,52 +352,55 @@ class Learner(WeightPublisher):
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
-        lengths = step.batch.lengths
-        for mb_idx, live in self.dp.micro_batches(b_idx, lengths, self.batching):
-            mb = step.batch.select(mb_idx)
-            width = mb.response_mask.shape[1]
-            mb_mask = mb.loss_mask
-            # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for
-            # every mode. A dead pass (ranks run equally many) weighs 0.
-            weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
-            token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
-            seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
-            with self._compute():
-                logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
-                                                                  cfg.entropy_coef > 0)
-            if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
-                old = logprobs.detach()
-                behavior = step.behavior[mb_idx, :width]
-                add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
-                correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
-                                                           cfg.rollout_correction_cap, cfg.rollout_correction_level)
-                for name, value in corrected.items():  # token means
-                    add(name, value, token_share)
-                if cfg.rollout_correction == "none":
-                    correction = None
-            else:
-                old = step.old_logprobs[mb_idx, :width]
-                correction = None if step.correction is None else step.correction[mb_idx, :width]
-            policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
-                logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
-                cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
-            loss = policy_loss
-            if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
-                token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)
-                loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
-                add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
-            if cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
-            with matmuls_in(self.device, self.compute_dtype):
-                (loss * weight).backward()
-            add("loss/policy", policy_loss.detach(), weight)
-            add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
-            for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
-                add(name, value, seq_share if name.startswith("seq_") else token_share)
-            if self.critic:
-                for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
-                                                          step.returns[mb_idx, :width], token_share).items():
-                    add(name, value, 1.0)
+        for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
+            for mb_idx, live in passes:
+                mb = step.batch.select(mb_idx)
+                width = mb.response_mask.shape[1]
+                mb_mask = mb.loss_mask
+                # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for
+                # every mode. A dead pass (ranks run equally many) weighs 0.
+                weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
+                token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
+                seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
+                with self._compute():
+                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
+                                                                      cfg.entropy_coef > 0, prompts)
+                if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
+                    old = logprobs.detach()
+                    behavior = step.behavior[mb_idx, :width]
+                    add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
+                    correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
+                                                               cfg.rollout_correction_cap, cfg.rollout_correction_level)
+                    for name, value in corrected.items():  # token means
+                        add(name, value, token_share)
+                    if cfg.rollout_correction == "none":
+                        correction = None
+                else:
+                    old = step.old_logprobs[mb_idx, :width]
+                    correction = None if step.correction is None else step.correction[mb_idx, :width]
+                policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
+                    logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
+                    cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
+                loss = policy_loss
+                if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
+                    token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)
+                    loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
+                    add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
+                with matmuls_in(self.device, self.compute_dtype):
+                    (loss * weight).backward()
+                add("loss/policy", policy_loss.detach(), weight)
+                add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
+                for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
+                    add(name, value, seq_share if name.startswith("seq_") else token_share)
+                if self.critic:
+                    for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
+                                                              step.returns[mb_idx, :width], token_share).items():
+                        add(name, value, 1.0)
+            if prompts is not None:  # the prompts' own backward, once
+                with matmuls_in(self.device, self.compute_dtype):
+                    prompts.backward()
         self.dp.reduce_gradients([self.model, self.critic.model] if self.critic else [self.model])
         totals = self.dp.sum_metrics(totals)
         norms = {"grad_norm": clip_grad_norm(self.model.parameters(), cfg.max_grad_norm)}

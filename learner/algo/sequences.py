@@ -7,8 +7,11 @@ model sampled (what is trained: a multi-turn episode's environment tokens are re
 Tensors are built in host memory and moved to the consumer's device in one copy; everything computed from a batch
 stays on the batch's device, and results for Python lists come back through the CPU. Also how a batch is cut
 into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget of padded
-tokens, so compute follows the real tokens (a pass is trimmed to its own longest sequence), not the batch's longest.
-Does not own: models, optimizers, or choosing the device. Imports only torch and numpy.
+tokens, so compute follows the real tokens (a pass is trimmed to its own longest sequence), not the batch's longest;
+and prompts shared by several rows (a group's G completions) computed once (`SharedPrompts`), each row's pass
+running only its own tokens on the prompt's cached key/value states.
+Does not own: models, optimizers, or choosing the device. Imports only torch and numpy (and transformers' cache
+class, when prompts are shared).
 
 Why sorted, padded passes rather than packed rows (several sequences in one row, attention kept within each): on
 CPU, transformers keeps packed sequences apart with a dense block-diagonal mask, whose cost grows with the square
@@ -53,6 +56,9 @@ class MicroBatching:
 
     max_rows: int | None = None
     max_tokens: int | None = None
+    # Each distinct prompt computed once for the rows that share it (`SharedPrompts`); the budgets then count each
+    # row's own tokens (its prompt's last token and its response: `tail_lengths`).
+    share_prompts: bool = False
 
     def split(self, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Passes over rows whose token counts are `lengths` [N]: each a tensor of positions into `lengths` (on its
@@ -212,37 +218,231 @@ def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[flo
     return [values[i][keep[i]].tolist() for i in range(len(batch))]
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller."""
+def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
+                      prompts: SharedPrompts | None = None) -> torch.Tensor:
+    """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller. With
+    `prompts` (covering the batch's rows), only each row's own tokens are run, on its prompt's cached states: the
+    response positions hold the same values, the prompt positions 0."""
+    if prompts is not None:
+        logits, labels, place = prompts.forward(model, batch)
+        return place(logprobs_from_logits(logits, labels, temperature))
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     return logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:], temperature)
 
 
 def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                  entropy_grad: bool = True, prompts: SharedPrompts | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` plus the entropy of each position's next-token distribution at `temperature`:
     two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
-    with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward). `prompts`: as `sequence_logprobs`
+    (the entropy, too, 0 at prompt positions)."""
+    if prompts is not None:
+        logits, labels, place = prompts.forward(model, batch)
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+        labels, place = batch.input_ids[:, 1:], _as_is
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits, temperature)
-    return logprobs_from_logits(logits, batch.input_ids[:, 1:], temperature), entropy
+        entropy = place(entropy_from_logits(logits, temperature))
+    return place(logprobs_from_logits(logits, labels, temperature)), entropy
+
+
+def _as_is(values: torch.Tensor) -> torch.Tensor:
+    return values
+
+
+def prompt_lengths(batch: SequenceBatch) -> torch.Tensor:
+    """[B] prompt tokens of each row: up to its first response token (a row without one: all of it)."""
+    responded = batch.response_mask.bool()
+    first = responded.to(torch.uint8).argmax(dim=1)  # the first response position (argmax: the first maximum)
+    return torch.where(responded.any(dim=1), first + 1, batch.lengths)
+
+
+def tail_lengths(batch: SequenceBatch) -> torch.Tensor:
+    """[B] tokens a pass runs for each row when prompts are shared: its prompt's last token and its response."""
+    return batch.lengths - prompt_lengths(batch) + 1
+
+
+def prompts_shared(batch: SequenceBatch) -> bool:
+    """Some two rows have the same prompt of at least two tokens (`SharedPrompts` then saves compute)."""
+    prefixes = [prefix for prefix in _prefixes(batch) if prefix]
+    return len(set(prefixes)) < len(prefixes)
+
+
+def _prefixes(batch: SequenceBatch) -> list[bytes]:
+    """Each row's prompt without its last token, as bytes (a dictionary key)."""
+    ids, lengths = batch.input_ids.cpu().numpy(), (prompt_lengths(batch) - 1).tolist()
+    return [ids[i, :n].tobytes() for i, n in enumerate(lengths)]
+
+
+class SharedPrompts:
+    """Each distinct prompt of some rows, all its tokens but the last (its "prefix"), run through the model once;
+    its key/value states are kept for the passes over the rows' own tokens (the prompt's last token and the
+    response), which attend to them as to the prompt itself. A group of G completions of one prompt computes that
+    prompt once instead of G times; the logprobs, entropies and gradients are those of whole rows. The prefixes run
+    in passes of their own under `batching`'s budget (sorted by length, each padded to its longest).
+
+    With `grad`, the prefixes' states are leaves of each pass's graph: the passes' backwards accumulate their
+    gradients, and `backward` (after the last pass) carries them through the prefixes' forward into the
+    parameters, once; the prefixes' activations are kept until then (`prompt_rounds` bounds them to one pass's).
+    Only models whose cache is transformers' plain per-layer key/value cache (`SharedPrompts.supports`; no sliding
+    window, no recurrent state)."""
+
+    def __init__(self, model: torch.nn.Module, batch: SequenceBatch, grad: bool = False,
+                 batching: MicroBatching = MicroBatching()):
+        keys = _prefixes(batch)
+        self.index: dict[bytes, int] = {}
+        for key in keys:
+            self.index.setdefault(key, len(self.index))
+        distinct = sorted(self.index, key=self.index.get)  # one per distinct prompt: a step's prompts, not its rows
+        sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in distinct])
+        ids = torch.zeros(len(distinct), int(sizes.max()), dtype=torch.long)
+        self.mask = torch.zeros_like(ids)  # [U, P] 1 on each prefix's tokens
+        for u, key in enumerate(distinct):
+            if key:
+                ids[u, : sizes[u]] = torch.frombuffer(bytearray(key), dtype=batch.input_ids.dtype)
+                self.mask[u, : sizes[u]] = 1
+        ids, self.mask = ids.to(batch.device), self.mask.to(batch.device)
+        self.grad = grad
+        # Per pass: its prefixes' positions among the distinct ones and, per layer, their (keys, values)
+        # [u, heads, p, head_dim]. Prefixes of no token (one-token prompts) run in no pass: their rows attend to no
+        # cached state (zeros, masked), not to a forward of an all-padding row (which has nothing to attend to).
+        self.computed: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        live = torch.nonzero(sizes > 0).flatten()
+        for part in batching.split(sizes[live]) if len(live) else []:
+            rows = live[part].to(batch.device)
+            width = int(sizes[live[part]].max())
+            with torch.set_grad_enabled(grad):
+                cache = model(input_ids=ids[rows, :width], attention_mask=self.mask[rows, :width], use_cache=True,
+                              logits_to_keep=1).past_key_values
+            self.computed.append((rows, [(layer.keys, layer.values) for layer in cache.layers]))
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: [U, heads, P, head_dim] each
+        for layer in range(len(self.computed[0][1]) if self.computed else 0):
+            pair = []
+            for which in range(2):
+                first = self.computed[0][1][layer][which]
+                full = first.new_zeros((len(distinct), first.shape[1], ids.shape[1], first.shape[3]))
+                for rows, layers in self.computed:
+                    tensor = layers[layer][which]
+                    full[rows, :, : tensor.shape[2]] = tensor.detach()
+                pair.append(full.requires_grad_(grad))
+            self.states.append((pair[0], pair[1]))
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """The model's cache is one plain key/value layer per layer (what the prefixes' states are kept as)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        config = getattr(model, "config", None)
+        if config is None:
+            return False
+        try:
+            cache = DynamicCache(config=config)
+        except Exception:  # an architecture transformers' cache does not describe
+            return False
+        return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+    def forward(self, model: torch.nn.Module, part: SequenceBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """One pass over `part` (rows among the ones this was built for): the logits of each row's own tokens
+        [b, R-1, V] (R: the longest tail), the tokens they predict [b, R-1], and `place`, which puts per-position
+        values [b, R-1] where `sequence_logprobs` has them, [b, L-1] (0 at prompt positions and past each row)."""
+        from transformers import DynamicCache
+
+        try:
+            group = torch.tensor([self.index[key] for key in _prefixes(part)], device=part.device)
+        except KeyError:
+            raise ValueError("a row's prompt is not among the shared prompts: build SharedPrompts over every row "
+                             "its passes compute") from None
+        prompt = prompt_lengths(part)  # [b]
+        tail = part.lengths - prompt + 1  # [b] the prompt's last token, then the response
+        width = max(int(tail.max()), 2)
+        offsets = torch.arange(width, device=part.device)
+        valid = offsets[None, :] < tail[:, None]  # [b, R]
+        last = part.input_ids.shape[1] - 1
+        positions = ((prompt - 1)[:, None] + offsets[None, :]).clamp(max=last)  # [b, R] each token's own position
+        ids = part.input_ids.gather(1, positions)
+        cached = int(prompt.max()) - 1  # the longest prefix among these rows
+        if cached > 0:
+            past = DynamicCache(ddp_cache_data=[(keys[group, :, :cached], values[group, :, :cached])
+                                                for keys, values in self.states])
+            mask = torch.cat([self.mask[group, :cached], valid.long()], dim=1)
+        else:
+            past, mask = None, valid.long()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                       use_cache=past is not None).logits[:, :-1]
+        scored = valid[:, 1:]  # tail position j predicts tail token j+1
+        columns = last  # the [b, L-1] layout's width
+        # Row i's tail position j is layout position prompt_i - 1 + j: distinct within a row for the positions that
+        # score a token; the others were clamped to `last` (one column past the layout) and carry 0.
+        index = positions[:, :-1]
+
+        def place(values: torch.Tensor) -> torch.Tensor:
+            kept = torch.where(scored, values, torch.zeros((), dtype=values.dtype, device=values.device))
+            return values.new_zeros((len(part), columns + 1)).scatter_add(1, index, kept)[:, :columns]
+
+        return logits, ids[:, 1:], place
+
+    def backward(self) -> None:
+        """Carry the gradients the passes left on the prefixes' states through the prefixes' forward (once, after
+        the last pass's backward)."""
+        if not self.grad:
+            raise RuntimeError("SharedPrompts was built without gradients")
+        outputs, grads = [], []
+        for rows, layers in self.computed:
+            for computed, states in zip(layers, self.states):
+                for tensor, state in zip(computed, states):
+                    if state.grad is not None and tensor.requires_grad:
+                        outputs.append(tensor)
+                        grads.append(state.grad[rows, :, : tensor.shape[2]])
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self.computed, self.states = [], []  # the prefixes' graph is freed
+
+
+def prompt_rounds(batch: SequenceBatch, rows: torch.Tensor, batching: MicroBatching) -> list[torch.Tensor]:
+    """`rows` (indices into `batch`) in rounds: every row of a prompt in the same round, each round's distinct
+    prefixes one pass of `batching` (so a round's `SharedPrompts` with gradients keeps one pass's activations until
+    its backward). In the order of the prefixes' passes."""
+    keys = _prefixes(batch.select(rows))
+    index: dict[bytes, int] = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in index])
+    round_of = torch.empty(len(index), dtype=torch.long)
+    for number, part in enumerate(batching.split(sizes)):
+        round_of[part] = number
+    of_row = round_of[torch.tensor([index[key] for key in keys])].to(rows.device)
+    return [rows[of_row == number] for number in range(int(round_of.max()) + 1)] if len(index) else []
+
+
+def shared_prompts(model: torch.nn.Module, batch: SequenceBatch, batching: MicroBatching,
+                   grad: bool = False) -> SharedPrompts | None:
+    """`SharedPrompts` over `batch`'s rows when `batching` shares prompts, some rows do share one and the model's
+    cache allows it; else None (every row runs whole)."""
+    if not (batching.share_prompts and prompts_shared(batch) and SharedPrompts.supports(model)):
+        return None
+    return SharedPrompts(model, batch, grad, batching)
 
 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, batching: MicroBatching,
                      temperature: float = 1.0) -> torch.Tensor:
-    """`sequence_logprobs` without gradients, pass by pass (`batching`): [B, L-1] on the batch's device (the
-    model's; zeros past each sequence)."""
-    return per_pass(batch, batching, lambda part: sequence_logprobs(model, part, temperature))
+    """`sequence_logprobs` without gradients, pass by pass (`batching`, prompts shared if it says so): [B, L-1] on
+    the batch's device (the model's; zeros past each sequence, and at prompt positions when prompts are shared)."""
+    prompts = shared_prompts(model, batch, batching)
+    return per_pass(batch, batching, lambda part: sequence_logprobs(model, part, temperature, prompts),
+                    tail_lengths(batch) if prompts is not None else None)
 
 
-def per_pass(batch: SequenceBatch, batching: MicroBatching,
-             compute: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
+def per_pass(batch: SequenceBatch, batching: MicroBatching, compute: Callable[[SequenceBatch], torch.Tensor],
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
     """`compute(part)` -> [B_part, L_part-1] for each pass of `batching` over the batch, assembled into [B, L-1]
-    float32 on the batch's device (zeros past each sequence)."""
+    float32 on the batch's device (zeros past each sequence). `lengths` [B]: the tokens a pass runs per row, which
+    the budget counts (default: whole rows; `tail_lengths` when prompts are shared)."""
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-    for rows in batching.split(batch.lengths):
+    for rows in batching.split(batch.lengths if lengths is None else lengths):
         values = compute(batch.select(rows))
         out[rows, : values.shape[1]] = values.float()
     return out

@@ -298,7 +298,8 @@ def test_mixed_precision_keeps_float32_master_weights_and_hands_engines_bfloat16
     from learner.algo.sequences import sequence_logprobs
     from sync.shared_memory import read_shared
 
-    config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2)
+    # Whole rows (no shared prompts): the forward compared bitwise below runs the same matmul shapes.
+    config = LearnerConfig(lr=1e-2, kl_coef=0.0, num_threads=2, share_prompts=False)
     learner = Learner(str(tiny_model_dir), config, dtype="bfloat16", seed=0, norm_length=4)
     learner.train_step(batch_for(learner, [1.0, 0.0, 0.0, 1.0]))
     assert {p.dtype for p in learner.model.parameters()} == {torch.float32}

@@ -304,8 +304,8 @@ class RankWithoutGroup(DataParallel):
     `micro_batches`, weighted against the whole minibatch) and leaves the sums over ranks (ddp's all-reduce of
     gradients and metrics) to the test; the rows every rank computes for pi_old are all computed here."""
 
-    def compute_rows(self, batch, compute, batching):
-        return DataParallel().compute_rows(batch, compute, batching)
+    def compute_rows(self, batch, compute, batching, lengths=None):
+        return DataParallel().compute_rows(batch, compute, batching, lengths)
 
     def all_reduce(self, tensor):
         return tensor

@@ -1,7 +1,8 @@
-"""Passes cut by a token budget over length-sorted rows, and the single-update path that takes old logprobs from the
-training forward: the Learner's update (every gradient and metric) equals the one-pass computation, in every
-aggregation mode, on ragged lengths, in float32 and under bfloat16 compute; the reference's logprobs do not depend
-on how their passes are cut."""
+"""Passes cut by a token budget over length-sorted rows, prompts shared by a group's rows computed once
+(`SharedPrompts`), and the single-update path that takes old logprobs from the training forward: the Learner's
+update (every gradient and metric) equals the one-pass computation over whole rows, in every aggregation mode, on
+ragged lengths, in float32 and under bfloat16 compute; the reference's logprobs do not depend on how their passes
+are cut or whether prompts are shared."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
-from learner.algo.sequences import MicroBatching
+from learner.algo.sequences import (
+    MicroBatching,
+    SharedPrompts,
+    pad_sequences,
+    prompt_lengths,
+    prompts_shared,
+    sequence_logprobs_and_entropy,
+    tail_lengths,
+)
 from learner.config import LearnerConfig
 from learner.learner import Learner, TrainBatch
 
@@ -30,11 +39,16 @@ TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (3e-2, 3e-2)}  # (element / la
 # Of every metric, relative. bfloat16: the same padding effect; differences of logprobs move most (approx_kl: 2.6%
 # on an AVX2 CPU, whose bfloat16 kernels round differently from AVX-512's).
 METRIC_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+# Absolute, for metrics that are ~0 (the policy loss: advantages sum to 0 and ratios are ~1). bfloat16: pi_old from a
+# pass over other rows than the training forward's (ranks' shares, shared prompts' prefix passes) rounds differently,
+# and ratios move by ~1e-3: measured up to 5.6e-5 on the loss (seq-mean-token-sum, which sums tokens). A real mistake
+# shows in the gradients, checked above.
+METRIC_ABS_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-4}
 
 
 def make(model_dir, dtype: str, **overrides) -> Learner:
     config = LearnerConfig(**{"lr": 1.0, "warmup_steps": 0, "kl_coef": 0.1, "entropy_coef": 0.01, "num_threads": 2,
-                              "max_grad_norm": 1e9, **overrides})
+                              "max_grad_norm": 1e9, "share_prompts": False, **overrides})
     learner = Learner(str(model_dir), config, dtype=dtype, seed=0, norm_length=8)
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # the step is -gradient
     learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
@@ -77,7 +91,8 @@ def assert_same_update(ours, theirs, dtype: str) -> None:
     assert metrics.keys() == expected_metrics.keys()
     for name, value in expected_metrics.items():
         if not name.startswith(("memory/", "grad_norm")):
-            assert metrics[name] == pytest.approx(value, rel=METRIC_TOLERANCE[dtype], abs=1e-6), name
+            expected = pytest.approx(value, rel=METRIC_TOLERANCE[dtype], abs=METRIC_ABS_TOLERANCE[dtype])
+            assert metrics[name] == expected, name
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -141,9 +156,106 @@ def test_one_update_per_batch_takes_the_rollout_correction_from_the_training_for
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_logprobs_do_not_depend_on_the_passes(tiny_model_dir, dtype):
     one = ReferenceWorker(str(tiny_model_dir), dtype, batching=MicroBatching()).compute_logprobs(PROMPTS, RESPONSES)
-    for batching in (MicroBatching(max_tokens=BUDGET), MicroBatching(max_rows=1), MicroBatching(3, 20)):
+    for batching in (MicroBatching(max_tokens=BUDGET), MicroBatching(max_rows=1), MicroBatching(3, 20),
+                     MicroBatching(max_tokens=BUDGET, share_prompts=True), MicroBatching(3, 20, True)):
         cut = ReferenceWorker(str(tiny_model_dir), dtype, batching=batching).compute_logprobs(PROMPTS, RESPONSES)
         for ours, theirs in zip(cut, one):
             # float32: the same values up to summation order; bfloat16: padding changes the matmul shapes' rounding
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0,
                                        atol=1e-5 if dtype == "float32" else 0.05)
+
+
+# Shared prompts: groups of two and three sharing a prompt, two one-token prompts (no prefix to share), two prompts
+# that differ in their last token only (one prefix), and a row without a response.
+SHARED_PROMPTS = ([[5, 9, 12, 6, 7, 15]] * 3 + [[3, 15]] * 2 + [[7]] * 2 + [[9, 12, 9, 4]] + [[9, 12, 9, 15]]
+                  + [[4, 12, 15]])
+SHARED_RESPONSES = [[12, 2, 1], [4, 4, 7, 8, 2, 9, 1], [5], [9, 3, 1], [13, 1], [3, 12, 2, 4, 1], [2, 1],
+                    [7, 7, 7, 7, 7, 1], [2, 1], []]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_model_dir, dtype):
+    """Each distinct prefix (a prompt without its last token) runs once; the passes run each row's own tokens on its
+    states; logprobs and entropies at the response positions, and the gradients of a loss over them, are the ones of
+    whole rows (0 at prompt positions)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype))
+    batch = pad_sequences(SHARED_PROMPTS, SHARED_RESPONSES)
+    weights = torch.linspace(0.5, 1.5, batch.response_mask.numel()).view_as(batch.response_mask)
+    assert prompt_lengths(batch).tolist() == [len(p) for p in SHARED_PROMPTS] and prompts_shared(batch)
+
+    def loss(logprobs, entropy, mask, rows):
+        return ((logprobs + 0.1 * entropy) * mask * weights[rows, : mask.shape[1]]).sum()
+
+    logprobs, entropy = sequence_logprobs_and_entropy(model, batch)
+    loss(logprobs, entropy, batch.response_mask, slice(None)).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    rows_run = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: rows_run.append(kwargs["input_ids"].shape),
+                                       with_kwargs=True)
+    prompts = SharedPrompts(model, batch, grad=True)
+    assert rows_run == [(4, 5)]  # 4 distinct non-empty prefixes, padded to the longest (5 tokens)
+    got_logprobs, got_entropy = torch.zeros_like(logprobs), torch.zeros_like(entropy)
+    passes = MicroBatching(max_tokens=BUDGET).split(tail_lengths(batch))
+    assert len(passes) > 2
+    for rows in passes:
+        part = batch.select(rows)
+        lp, ent = sequence_logprobs_and_entropy(model, part, prompts=prompts)
+        loss(lp, ent, part.response_mask, rows).backward()
+        got_logprobs[rows, : lp.shape[1]], got_entropy[rows, : ent.shape[1]] = lp.detach(), ent.detach()
+    prompts.backward()
+    hook.remove()
+    assert sum(r * t for r, t in rows_run[1:]) < int(batch.lengths.sum())  # the passes ran fewer tokens than rows
+    response = batch.response_mask.bool()
+    tolerance = dict(rtol=0, atol=1e-5) if dtype == "float32" else dict(rtol=0, atol=0.1)
+    torch.testing.assert_close(got_logprobs[response], logprobs.detach()[response], **tolerance)
+    torch.testing.assert_close(got_entropy[response], entropy.detach()[response], **tolerance)
+    assert not got_logprobs[~response].any() and not got_entropy[~response].any()
+    element, norm = TOLERANCE[dtype]
+    for name, grad in expected.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, grad, rtol=0, atol=element * float(grad.abs().max()) + 1e-7, msg=name)
+    every = torch.cat([g.flatten().float() for g in expected.values()])
+    got_every = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+    assert (got_every - every).norm() / every.norm() < norm
+    with pytest.raises(ValueError, match="not among the shared prompts"):
+        prompts.forward(model, pad_sequences([[8, 8, 15]], [[1]]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_prompts_make_the_one_pass_update_in_every_mode(tiny_model_dir, dtype, mode):
+    """The Learner with shared prompts (budgeted passes over each row's own tokens, pi_old from the training forward
+    or from a no-grad pass of its own) makes the update of one pass over whole rows; each minibatch runs each of
+    its prompts' prefixes once."""
+    behavior, ref = inputs(tiny_model_dir, dtype)
+    for settings in (dict(loss_agg=mode), dict(loss_agg=mode, num_minibatches=2)):
+        whole = update(make(tiny_model_dir, dtype, max_tokens_per_micro_batch=None, **settings), behavior, ref)
+        shared = make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, share_prompts=True, **settings)
+        assert shared.batching.share_prompts
+        ours = update(shared, behavior, ref)
+        # One pass per minibatch whole; shared: a prefix pass and at least one pass per minibatch (+ the same for
+        # pi_old's no-grad pass with two minibatches).
+        assert ours[2] > whole[2] + settings.get("num_minibatches", 1)
+        assert_same_update(ours, whole, dtype)
+
+
+def test_prompts_are_shared_only_where_it_saves_and_is_safe(tiny_model_dir):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert not prompts_shared(pad_sequences([[5, 9, 15], [3, 9, 15], [7]], [[1], [2, 1], [1]]))  # none repeats
+    assert not prompts_shared(pad_sequences([[7], [7]], [[1], [2, 1]]))  # one token: nothing to share
+    assert not prompts_shared(pad_sequences([[7], [7], [5, 9, 15], [3, 9, 15]], [[1], [1], [1], [1]]))
+    assert prompts_shared(pad_sequences([[5, 9, 15], [5, 9, 4]], [[1], [2, 1]]))  # the same prefix
+    dense = Qwen2Config(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1)
+    assert SharedPrompts.supports(Qwen2ForCausalLM(dense))
+    sliding = Qwen2Config(**{**dense.to_dict(), "use_sliding_window": True, "sliding_window": 8,
+                             "layer_types": ["sliding_attention"] * 2})
+    assert not SharedPrompts.supports(Qwen2ForCausalLM(sliding))  # its cache keeps a window, not every state
+    assert not make(tiny_model_dir, "float32", share_prompts=True, num_ranks=2, strategy="fsdp2").batching.share_prompts
+    assert make(tiny_model_dir, "float32", share_prompts=True, num_ranks=2, strategy="ddp").batching.share_prompts
