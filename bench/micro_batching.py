@@ -5,6 +5,7 @@ prompts (relay's `SharedPrompts`: each group's prompt run once, each row's pass 
 states, the sorted passes cut by those tokens).
 
 Usage: python bench/micro_batching.py [--size 25M|demo] [--repeats 3] [--budgets 1024 2048 4096] [--prompt-extra N]
+                                      [--ways order sorted packed shared]
 The sequences mimic the 25M benchmark of bench/vs_trl.py: 256 = 32 prompts x 8, prompts of 4 to 6 tokens (plus
 `--prompt-extra`), responses of ~16 tokens on average (geometric, at most 64). Each way is timed without gradients
 (the reference's and the old-logprobs passes) and with the backward pass (the training forward); the table gives the
@@ -155,6 +156,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-extra", type=int, default=0, help="tokens added to every prompt")
+    parser.add_argument("--ways", nargs="+", choices=["order", "sorted", "packed", "shared"],
+                        default=["order", "sorted", "packed", "shared"], help="which ways to time")
     args = parser.parse_args()
 
     from transformers import Qwen2ForCausalLM
@@ -170,13 +173,14 @@ def main() -> None:
     check_packing(model, rows)
     check_shared(model, batch)
     lengths = torch.tensor([len(row) for row in rows])
-    ways: dict[str, tuple[list[list[int]], bool]] = {
-        "batch order, 64 rows per pass": ([list(range(i, min(i + 64, len(rows)))) for i in range(0, len(rows), 64)],
-                                          False)}
-    for budget in args.budgets:
+    ways: dict[str, tuple[list[list[int]], bool]] = {}
+    if "order" in args.ways:
+        ways["batch order, 64 rows per pass"] = (
+            [list(range(i, min(i + 64, len(rows)))) for i in range(0, len(rows), 64)], False)
+    for budget in args.budgets if "sorted" in args.ways else []:
         ways[f"sorted, {budget} padded tokens per pass"] = (
             [part.tolist() for part in MicroBatching(max_tokens=budget).split(lengths)], False)
-    for budget in args.budgets:
+    for budget in args.budgets if "packed" in args.ways else []:
         ways[f"packed, {budget} tokens per row"] = (cut_packed(rows, budget), True)
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch "
@@ -192,7 +196,7 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         print(f"| {name} | {len(passes)} | {forward[0][1]} | {statistics.median(t for t, _ in forward):.2f} | "
               f"{statistics.median(t for t, _ in backward):.2f} |", flush=True)
-    for budget in args.budgets:
+    for budget in args.budgets if "shared" in args.ways else []:
         time_shared(model, batch, budget, grad=True)  # warm-up
         forward = [time_shared(model, batch, budget, grad=False) for _ in range(args.repeats)]
         backward = [time_shared(model, batch, budget, grad=True) for _ in range(args.repeats)]
