@@ -295,8 +295,9 @@ class SharedPrompts:
         for key in keys:
             self.index.setdefault(key, len(self.index))
         distinct = sorted(self.index, key=self.index.get)  # one per distinct prompt: a step's prompts, not its rows
-        sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in distinct])
-        ids = torch.zeros(len(distinct), int(sizes.max()), dtype=torch.long)
+        # Built in host memory, then moved to the batch's device in one copy each.
+        sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in distinct], device="cpu")
+        ids = torch.zeros(len(distinct), int(sizes.max()), dtype=torch.long, device="cpu")
         self.mask = torch.zeros_like(ids)  # [U, P] 1 on each prefix's tokens
         for u, key in enumerate(distinct):
             if key:
@@ -327,6 +328,8 @@ class SharedPrompts:
                     full[rows, :, : tensor.shape[2]] = tensor.detach()
                 pair.append(full.requires_grad_(grad))
             self.states.append((pair[0], pair[1]))
+        if not grad:
+            self.computed = []  # only `backward` needs them: without gradients, the states are all that is kept
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -409,11 +412,11 @@ def prompt_rounds(batch: SequenceBatch, rows: torch.Tensor, batching: MicroBatch
     index: dict[bytes, int] = {}
     for key in keys:
         index.setdefault(key, len(index))
-    sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in index])
-    round_of = torch.empty(len(index), dtype=torch.long)
+    sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in index], device="cpu")
+    round_of = torch.empty(len(index), dtype=torch.long, device="cpu")
     for number, part in enumerate(batching.split(sizes)):
         round_of[part] = number
-    of_row = round_of[torch.tensor([index[key] for key in keys])].to(rows.device)
+    of_row = round_of[torch.tensor([index[key] for key in keys], device="cpu")].to(rows.device)
     return [rows[of_row == number] for number in range(int(round_of.max()) + 1)] if len(index) else []
 
 

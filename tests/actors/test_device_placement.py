@@ -83,9 +83,12 @@ def test_a_step_builds_every_tensor_beside_the_model(tiny_model_dir, advantage, 
 
 def test_reference_and_reward_model_build_every_tensor_beside_the_model(tiny_model_dir, tiny_reward_model_dir):
     reference = ReferenceWorker(str(tiny_model_dir), batching=MicroBatching(3))
+    shared = ReferenceWorker(str(tiny_model_dir), batching=MicroBatching(3, share_prompts=True))
     reward_model = RewardModelWorker(str(tiny_reward_model_dir), batching=MicroBatching(2))
-    expected = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS))
+    expected = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS),
+                shared.compute_logprobs(PROMPTS, RESPONSES))
     with torch.device(META):
-        got = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS))
+        got = (reference.compute_logprobs(PROMPTS, RESPONSES), reward_model.score(TEXT_PROMPTS, COMPLETIONS),
+               shared.compute_logprobs(PROMPTS, RESPONSES))
     assert got == expected
     assert all(isinstance(v, float) for row in got[0] for v in row) and all(isinstance(s, float) for s in got[1])
