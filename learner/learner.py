@@ -50,10 +50,10 @@ from learner.algo.sequences import (
     pad_per_token,
     pad_sequences,
     prompt_rounds,
-    prompts_shared,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
     shared_prompts,
+    sharing,
     tail_lengths,
     unpad_per_token,
 )
@@ -162,7 +162,6 @@ class Learner(WeightPublisher):
         # its per-backward gradient reduction would run once more, for the prompts' own backward (not measured).
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch,
                                       config.share_prompts and not self.dp.sharded)
-        self._prompts_cacheable = SharedPrompts.supports(self.model)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
@@ -328,7 +327,7 @@ class Learner(WeightPublisher):
         model, which runs whole rows in the same passes). Without shared prompts, one round of
         `DataParallel.micro_batches`."""
         mine = self.dp.share(rows)
-        if not (self.batching.share_prompts and self._prompts_cacheable and prompts_shared(batch.select(mine))):
+        if not sharing(self.model, batch.select(mine), self.batching):
             yield None, self.dp.micro_batches(rows, batch.lengths, self.batching)
             return
         lengths = batch.lengths if self.critic else tail_lengths(batch)

@@ -269,6 +269,20 @@ def prompts_shared(batch: SequenceBatch) -> bool:
     return len(set(prefixes)) < len(prefixes)
 
 
+def sharing(model: torch.nn.Module, batch: SequenceBatch, batching: MicroBatching) -> bool:
+    """Passes over `batch` share prompts: `batching` says so, some of its rows do share one and the model's cache
+    allows it (`SharedPrompts.supports`)."""
+    return batching.share_prompts and prompts_shared(batch) and SharedPrompts.supports(model)
+
+
+def _distinct(keys: list[bytes], itemsize: int) -> tuple[dict[bytes, int], torch.Tensor]:
+    """Each distinct prefix's position, in the order of first appearance, and its tokens [U] (host memory)."""
+    index: dict[bytes, int] = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    return index, torch.tensor([len(key) // itemsize for key in index], dtype=torch.long, device="cpu")
+
+
 def _prefixes(batch: SequenceBatch) -> list[bytes]:
     """Each row's prompt without its last token, as bytes (a dictionary key)."""
     ids, lengths = batch.input_ids.cpu().numpy(), (prompt_lengths(batch) - 1).tolist()
@@ -290,13 +304,10 @@ class SharedPrompts:
 
     def __init__(self, model: torch.nn.Module, batch: SequenceBatch, grad: bool = False,
                  batching: MicroBatching = MicroBatching()):
-        keys = _prefixes(batch)
-        self.index: dict[bytes, int] = {}
-        for key in keys:
-            self.index.setdefault(key, len(self.index))
-        distinct = sorted(self.index, key=self.index.get)  # one per distinct prompt: a step's prompts, not its rows
-        # Built in host memory, then moved to the batch's device in one copy each.
-        sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in distinct], device="cpu")
+        # One per distinct prompt (a step's prompts, not its rows), built in host memory, then moved to the batch's
+        # device in one copy each.
+        self.index, sizes = _distinct(_prefixes(batch), batch.input_ids.element_size())
+        distinct = list(self.index)
         ids = torch.zeros(len(distinct), int(sizes.max()), dtype=torch.long, device="cpu")
         self.mask = torch.zeros_like(ids)  # [U, P] 1 on each prefix's tokens
         for u, key in enumerate(distinct):
@@ -409,10 +420,7 @@ def prompt_rounds(batch: SequenceBatch, rows: torch.Tensor, batching: MicroBatch
     prefixes one pass of `batching` (so a round's `SharedPrompts` with gradients keeps one pass's activations until
     its backward). In the order of the prefixes' passes."""
     keys = _prefixes(batch.select(rows))
-    index: dict[bytes, int] = {}
-    for key in keys:
-        index.setdefault(key, len(index))
-    sizes = torch.tensor([len(key) // batch.input_ids.element_size() for key in index], device="cpu")
+    index, sizes = _distinct(keys, batch.input_ids.element_size())
     round_of = torch.empty(len(index), dtype=torch.long, device="cpu")
     for number, part in enumerate(batching.split(sizes)):
         round_of[part] = number
@@ -422,11 +430,8 @@ def prompt_rounds(batch: SequenceBatch, rows: torch.Tensor, batching: MicroBatch
 
 def shared_prompts(model: torch.nn.Module, batch: SequenceBatch, batching: MicroBatching,
                    grad: bool = False) -> SharedPrompts | None:
-    """`SharedPrompts` over `batch`'s rows when `batching` shares prompts, some rows do share one and the model's
-    cache allows it; else None (every row runs whole)."""
-    if not (batching.share_prompts and prompts_shared(batch) and SharedPrompts.supports(model)):
-        return None
-    return SharedPrompts(model, batch, grad, batching)
+    """`SharedPrompts` over `batch`'s rows when its passes share prompts (`sharing`); else None (whole rows)."""
+    return SharedPrompts(model, batch, grad, batching) if sharing(model, batch, batching) else None
 
 
 @torch.no_grad()
