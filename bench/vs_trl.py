@@ -120,8 +120,9 @@ def machine_jiffies() -> tuple[int, int]:
 
 
 def tree_jiffies(root: int) -> dict[int, tuple[int, int]]:
-    """Process `root` and each of its living descendants, by pid: (parent pid, CPU ticks of the process and of the
-    children it has reaped: user + system + cutime + cstime), from /proc."""
+    """Process `root` and each of its living descendants, by pid: (parent pid, the CPU ticks of the process itself,
+    its threads' included: user + system), from /proc. Reaped children's time (cutime, cstime) is left out: Ray's
+    processes are not always reaped by the parent that started them, so it cannot be matched to what was seen."""
     parent, cpu = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -130,7 +131,7 @@ def tree_jiffies(root: int) -> dict[int, tuple[int, int]]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
         except OSError:  # the process ended meanwhile
             continue
-        parent[int(entry.name)], cpu[int(entry.name)] = int(fields[1]), sum(int(x) for x in fields[11:15])
+        parent[int(entry.name)], cpu[int(entry.name)] = int(fields[1]), int(fields[11]) + int(fields[12])
     tree, grown = {root}, True
     while grown:
         found = {pid for pid, ppid in parent.items() if ppid in tree} - tree
@@ -168,10 +169,10 @@ class OtherLoad:
             (busy, total), tree = machine_jiffies(), tree_jiffies(os.getpid())
             while not self.done.wait(self.period):
                 (busy_now, total_now), tree_now = machine_jiffies(), tree_jiffies(os.getpid())
+                # A process started since counts whole; one that ended since loses its last period's ticks to
+                # "others" (at most `period` of it, against a whole lifetime when reaped time was matched).
                 ours = sum(ticks - tree.get(pid, (0, 0))[1] for pid, (_, ticks) in tree_now.items())
-                # A process that ended since was reaped into its parent's ticks, whole: take off what was counted.
-                ours -= sum(ticks for pid, (ppid, ticks) in tree.items() if pid not in tree_now and ppid in tree_now)
-                self.others += busy_now - busy - ours  # may dip below 0 where a reap lands a sample late
+                self.others += busy_now - busy - ours
                 self.total += total_now - total
                 (busy, total), tree = (busy_now, total_now), tree_now
         except OSError:  # no /proc (not Linux)
