@@ -20,7 +20,8 @@ class LearnerConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, le=64)
     """GPUs Ray reserves for the learner."""
     num_threads: int = Field(2, ge=1, le=1024)
-    """Torch threads of the learner (phases run in turn, so it may use every core)."""
+    """Torch threads of the learner (phases run in turn, so it may use every core). Unset in an asynchronous run
+    (`rollout.max_staleness` >= 1), 1: the engines generate meanwhile."""
     resources: dict[str, float] = {}
     """Custom Ray resources each learner rank needs, e.g. `{learner_node: 1}`."""
     num_ranks: int = Field(1, ge=1, le=4096)

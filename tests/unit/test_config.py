@@ -206,3 +206,18 @@ def test_replay_defaults_the_rollout_correction_to_tis_and_a_trained_reward_mode
         load_config(None, ["reward.sources.rm.type=model"])
     with pytest.raises(ConfigError, match="data.replay_fraction"):
         load_config(None, ["data.replay_fraction=0.6"])
+
+
+def test_an_asynchronous_run_gives_the_learner_and_the_reference_one_thread_unless_told(tmp_path):
+    def threads(*overrides: str) -> tuple[int, int]:
+        config = load_config(None, list(overrides))
+        return config.learner.num_threads, config.reference.num_threads
+
+    assert threads() == (2, 2)  # phases take turns: each may use every core
+    assert threads("rollout.max_staleness=1") == (1, 1)  # the engines generate meanwhile
+    assert threads("rollout.max_staleness=2", "learner.num_threads=2") == (2, 1)
+    assert threads("rollout.max_staleness=1", "reference.num_threads=3") == (1, 3)
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  max_staleness: 1\nlearner:\n  lr: 0.001\n")
+    config = load_config(str(path), [])
+    assert (config.learner.num_threads, config.reference.num_threads, config.learner.lr) == (1, 1, 0.001)

@@ -18,16 +18,17 @@ def test_top_p_below_one_warns_that_the_mismatch_metric_holds_the_nucleus_renorm
     assert capsys.readouterr().err == ""
 
 
-def test_asynchronous_training_with_more_threads_than_cores_warns(capsys, monkeypatch):
+def test_asynchronous_training_with_more_than_twice_as_many_threads_as_cores_warns(capsys, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    # The demo's defaults: learner 2 + two engines of 1 + reference 2 threads = 6 on 2 cores.
-    _, scorer = prepare(load_config(None, ["rollout.max_staleness=1"]), None)
+    # The synchronous defaults' threads: learner 2 + two engines of 1 + reference 2 = 6 on 2 cores.
+    _, scorer = prepare(load_config(None, ["rollout.max_staleness=1", "learner.num_threads=2",
+                                           "reference.num_threads=2"]), None)
     scorer.close()
     err = capsys.readouterr().err
     assert "warning: rollout.max_staleness=1" in err and "6 threads on 2 cores" in err and err.count("\n") == 1
-    one_core_each = ["rollout.num_workers=1", "learner.num_threads=1", "learner.kl_coef=0"]
-    for overrides in (["rollout.max_staleness=1", *one_core_each], []):  # 2 threads on 2 cores; on-policy
+    # Asynchronous defaults (learner and reference 1 thread each: 4), one engine, and on-policy: no warning.
+    for overrides in (["rollout.max_staleness=1"], ["rollout.max_staleness=1", "rollout.num_workers=1"], []):
         _, scorer = prepare(load_config(None, overrides), None)
         scorer.close()
         assert capsys.readouterr().err == ""
