@@ -77,3 +77,20 @@ def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
     }
     for what, quote in quotes.items():
         assert quote in claim, f"README's probe limits should quote {what} as '{quote}'"
+
+
+def test_the_asynchronous_thread_claims_quote_the_threads_tables_step_column():
+    rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "### Asynchronous training's threads",
+                       "setting")
+    steps = {row["setting"]: [float(x) for x in row["s/step"].split(" / ")] for row in rows}
+    on_policy = steps["on-policy (the defaults)"]
+
+    def ratio(setting: str) -> str:
+        ratios = [run / base for run, base in zip(steps[setting], on_policy)]  # alternated: run i against run i
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    two = ratio("`rollout.max_staleness=1` (learner 1, reference 1, two engines of 1 thread)")
+    one = ratio("`rollout.max_staleness=1 rollout.num_workers=1`")
+    flat = {name: " ".join((ROOT / name).read_text().split()) for name in ("README.md", "docs/operations.md")}
+    assert f"in {two} the on-policy time" in flat["README.md"]
+    assert f"takes {two} the on-policy step time, and with one worker {one}" in flat["docs/operations.md"]
