@@ -143,6 +143,17 @@ def _given(section: Any, name: str, default: Any) -> Any:
     return section.get(name, default) if isinstance(section, dict) else getattr(section, name, default)
 
 
+def _unset_to(data: dict, section: str, name: str, value: Any) -> dict:
+    """Raw config `data` with `section.name` set to `value` where the user did not set it (a section given already
+    built is left as it is)."""
+    given = data.get(section)
+    if given is None:
+        return {**data, section: {name: value}}
+    if isinstance(given, dict) and name not in given:
+        return {**data, section: {**given, name: value}}
+    return data
+
+
 def _asynchronous(data: dict) -> bool:
     """Whether raw config `data` asks for asynchronous training (a malformed value is left to the field's check)."""
     staleness = _given(data.get("rollout"), "max_staleness", 0)
@@ -206,17 +217,9 @@ class RunConfig(_Section):
         `learner.rollout_correction` is `tis` (decoupled PPO)."""
         if not isinstance(data, dict):
             return data
-        learner = data.get("learner")
         replay = _given(data.get("data"), "replay_fraction", 0)
-        stale = _asynchronous(data)
         replayed = isinstance(replay, (int, float)) and not isinstance(replay, bool) and replay > 0
-        if not stale and not replayed:
-            return data
-        if learner is None:
-            return {**data, "learner": {"rollout_correction": "tis"}}
-        if isinstance(learner, dict) and "rollout_correction" not in learner:
-            return {**data, "learner": {**learner, "rollout_correction": "tis"}}
-        return data
+        return _unset_to(data, "learner", "rollout_correction", "tis") if _asynchronous(data) or replayed else data
 
     @model_validator(mode="before")
     @classmethod
@@ -227,13 +230,7 @@ class RunConfig(_Section):
         synchronous one's on 2 cores)."""
         if not isinstance(data, dict) or not _asynchronous(data):
             return data
-        for name in ("learner", "reference"):
-            section = data.get(name)
-            if section is None:
-                data = {**data, name: {"num_threads": 1}}
-            elif isinstance(section, dict) and "num_threads" not in section:
-                data = {**data, name: {**section, "num_threads": 1}}
-        return data
+        return _unset_to(_unset_to(data, "learner", "num_threads", 1), "reference", "num_threads", 1)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
