@@ -41,6 +41,17 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class Request:
+    """How one prompt is sampled (`VllmEngine.sample`)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
 class SampledCompletion:
     """One completion as the engine produced it."""
 
@@ -136,19 +147,33 @@ class VllmEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
+        # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend
+        # (float32 and bfloat16, batches of 2 to 257 sequences; tests/actors/test_rollout_worker.py checks it); on
+        # GPUs only in vLLM's batch-invariant mode. The sync probe rides in a request's batch only where it holds.
+        from vllm import envs
+
+        self.batch_invariant = self._cpu or bool(envs.VLLM_BATCH_INVARIANT)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:
-        """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n].
+        """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n]."""
+        return self.sample(prompt_ids, [Request(n, temperature, top_p, max_tokens, seed) for seed in seeds])
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request]
+               ) -> list[list[SampledCompletion]]:
+        """`generate` with each prompt's own sampling settings, in one engine batch: returns [prompts][its n].
+        Requests are scheduled in order, so the first one's `cached_prompt_tokens` counts only what the prefix cache
+        held before the call.
 
         vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
         would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
         batched call of the tokenizer instead, the same text (tests/actors/test_rollout_worker.py)."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True)
-                  for seed in seeds]
+        params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                 logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=False,
+                                 flat_logprobs=True)
+                  for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         texts = iter(self.tokenizer.batch_decode([c.token_ids for out in outputs for c in out.outputs],

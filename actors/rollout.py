@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from actors.engine import EngineSettings, SampledCompletion, VllmEngine
+from actors.engine import EngineSettings, Request, SampledCompletion, VllmEngine
 from actors.episodes import EpisodeRunner, EpisodeSettings
 from actors.rollout_types import (  # noqa: F401  (this module's API)
     EpisodePrompt,
@@ -38,7 +38,7 @@ class ProbeSample(NamedTuple):
     logprobs: list[float]  # the engine's, per response token
     weights_version: int  # the version the worker says it serves
     cached_prompt_tokens: int | None  # prompt tokens taken from the prefix cache: 0 right after a load (reset)
-    learner_logprobs: Sequence[float] = ()  # the learner's of the same tokens, filled in by RolloutPool.probe_gaps
+    learner_logprobs: Sequence[float] = ()  # the learner's of the same tokens, filled in by RolloutPool._scored
 
 
 class RolloutWorker:
@@ -66,15 +66,18 @@ class RolloutWorker:
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
         report comes back as the result's `loaded`; given `probe` (the `probe` method's arguments), the probe then
         runs on the new weights before anything else can fill the prefix cache, and comes back as the result's
-        `probe`; given `score_probe` instead (asynchronous training: `score_probe`'s arguments, from the learner's
-        export), that probe runs. With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
+        `probe`: as the first prompt of the request's own engine batch (scheduled first, so its cache hits are what
+        survived the load; its bits are those of a probe alone) on a batch-invariant engine, else alone before it.
+        Given `score_probe` instead (asynchronous training: `score_probe`'s arguments, from the learner's export),
+        that probe runs. With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
         started = time.time()
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if in_flight:
             return self._generate_in_flight(prompts, seeds, sampling, Offer(version, score_probe, buckets), started)
         loaded = self.load_weights(version, *buckets) if version is not None else None
-        probed = (self.probe(*probe) if probe is not None else
+        in_batch = probe is not None and self.episodes is None and self.engine.batch_invariant
+        probed = (self.probe(*probe) if probe is not None and not in_batch else
                   self.score_probe(*score_probe) if score_probe is not None else None)
         prompt_ids = self._prompt_ids(prompts)
         if self.episodes is not None:  # multi-turn: `prompts` are EpisodePrompts
@@ -82,8 +85,14 @@ class RolloutWorker:
             result = RolloutGroups(episodes)
             result.env_wait_s = env_wait_s
         else:
-            groups = self.engine.generate(prompt_ids, sampling.group_size, sampling.temperature, sampling.top_p,
-                                          sampling.max_new_tokens, list(seeds))
+            requests = [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
+                                seed) for seed in seeds]
+            if in_batch:
+                probe_ids, probe_request = self._probe_request(*probe)
+                [[c], *groups] = self.engine.sample([probe_ids, *prompt_ids], [probe_request, *requests])
+                probed = self._probe_sample(probe_ids, c)
+            else:
+                groups = self.engine.sample(prompt_ids, requests)
             result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
         result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
         return result
@@ -170,8 +179,14 @@ class RolloutWorker:
     def probe(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> ProbeSample:
         """Sample one seeded completion of a fixed prompt, with how much of the prompt came from the prefix cache
         (which a load empties: a cache hit on the first probe after a load means stale KV entries survived it)."""
-        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        [[c]] = self.engine.generate([prompt_ids], 1, temperature, 1.0, max_tokens, [seed])
+        prompt_ids, request = self._probe_request(prompt, max_tokens, temperature, seed)
+        [[c]] = self.engine.sample([prompt_ids], [request])
+        return self._probe_sample(prompt_ids, c)
+
+    def _probe_request(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> tuple[list[int], Request]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False), Request(1, temperature, 1.0, max_tokens, seed)
+
+    def _probe_sample(self, prompt_ids: list[int], c: SampledCompletion) -> ProbeSample:
         return ProbeSample(prompt_ids, c.response_ids, c.logprobs, self.weights_version, c.cached_prompt_tokens)
 
     def score_probe(self, prompt_ids: list[int], response_ids: list[int], learner_logprobs: list[float],

@@ -263,6 +263,39 @@ def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker,
         w.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone(tiny_model_dir, worker, dtype, monkeypatch):
+    """vLLM's CPU backend is batch-invariant, so the sync probe runs as the first prompt of the request that loads
+    the weights (one engine batch, not two): its tokens and logprobs are bit for bit those of the probe alone, which
+    `stale_probe` compares across a worker's loads whatever else its requests held; its cache hits count only what
+    survived the load, though the request's own prompts include the probe's. An engine that is not batch-invariant
+    runs the probe alone first, with the same result."""
+    worker.shutdown()  # one engine at a time in this process
+    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype))
+    try:
+        assert w.engine.batch_invariant
+        args = (PROBE, 8, 1.0, 1)
+        sampling = SamplingSettings(group_size=8, max_new_tokens=8)
+        tol = 1e-4 if dtype == "float32" else 0.05
+        for version, prompts in ((1, ["37+45="]), (2, ["37+45=", "1+2=", PROBE, "99+99="] * 8), (3, [PROBE])):
+            model = perturbed_state(tiny_model_dir, seed=10 + version)
+            if version == 3:
+                monkeypatch.setattr(w.engine, "batch_invariant", False)
+            groups = w.generate(prompts, list(range(len(prompts))), sampling, version, *buckets_of(model),
+                                probe=args)
+            assert len(groups) == len(prompts) and all(len(group) == 8 for group in groups)
+            probed = groups.probe
+            assert probed.weights_version == version and probed.cached_prompt_tokens == 0
+            expected = hf_logprobs(model.to(torch.bfloat16).float() if dtype == "bfloat16" else model,
+                                   probed.prompt_ids, probed.response_ids)
+            torch.testing.assert_close(torch.tensor(probed.logprobs), expected, atol=tol, rtol=0)
+            w.engine.reset_prefix_cache()
+            alone = w.probe(*args)
+            assert (alone.response_ids, alone.logprobs) == (probed.response_ids, probed.logprobs)
+    finally:
+        w.shutdown()
+
+
 def _mark_head_kernel(vllm_worker) -> None:
     vllm_worker.model_runner.get_model().lm_head.cpu_linear.relay_mark = True
 

@@ -84,9 +84,9 @@ class CallLogWorker(RolloutWorker):
         self._note(f"load {version}")
         return super().load_weights(version, *buckets)
 
-    def probe(self, prompt, max_tokens, temperature, seed):
+    def _probe_sample(self, prompt_ids, completion):  # a probe run alone or as its request's first prompt
         self._note("probe")
-        return super().probe(prompt, max_tokens, temperature, seed)
+        return super()._probe_sample(prompt_ids, completion)
 
 
 class NoProbeWorker(RolloutWorker):
