@@ -62,6 +62,16 @@ class Export:
 
 
 @dataclass(eq=False)
+class Probes:
+    """Probe samples sent to the learner to score (`RolloutPool.score_probes`), to be checked (`check_probes`)."""
+
+    slots: list[RolloutSlot]  # the workers that ran them, in order
+    samples: list[ProbeSample]
+    asked: dict[tuple, list[Any]]  # (prompt ids, response ids) -> the refs of every learner rank's logprobs of it
+    since: float  # time.monotonic() when asked
+
+
+@dataclass(eq=False)
 class Request:
     """One worker's share of a batch in flight."""
 
@@ -112,6 +122,7 @@ class RolloutPool:
         self.tolerance: float | None = config.sync.probe_tolerance
         self.noise: float | None = None  # the first probe's largest gap: engines and learner on the same weights
         self.probes: dict[int, ProbeRecord] = {}  # slot id -> its engine's probe when its output last changed
+        self.pending: Probes | None = None  # probes of a `generate(..., check_later=True)`, not checked yet
         self.expected: tuple[int, Any] | None = None  # (version, the learner's fingerprints of it, or their ref)
         # Asynchronous training (`rollout.max_staleness` >= 1): requests queue on the workers, several batches deep.
         self.probe_prompt: list[int] | None = None  # the probe prompt's tokens, once a worker ran the probe
@@ -132,14 +143,19 @@ class RolloutPool:
     def workers(self) -> list[Any]:
         return self.fleet.rollout_workers
 
-    def generate(self, prompts: list[str | Any], seeds: list[int], sampling: Any) -> list[list[Any]]:
+    def generate(self, prompts: list[str | Any], seeds: list[int], sampling: Any, check_later: bool = False
+                 ) -> list[list[Any]]:
         """[prompts][G] rollouts in prompt order, each prompt (text, or its token ids) sampled with its own seed (so
-        the result does not depend on which worker serves a prompt).
+        the result does not depend on which worker serves a prompt). Every load its requests made is checked before
+        it returns, and the probes that followed them are sent to the learner to score; with `check_later` their
+        check is left to `check_pending` (the learner scores them while the caller goes on: the caller calls it
+        before anything trains on the rollouts), else it is made here.
 
         Each worker gets one request per step (one engine batch), sized by `rollout.balance`: with `speed`, in
         proportion to the prompts per second it managed in recent steps, so a slow worker gets fewer prompts and
         the fleet finishes together. A request whose worker dies or misses `timeouts.generate` goes to the worker's
         replacement."""
+        self.check_pending()
         shares = self._shares(len(prompts))
         starts = [sum(shares[:i]) for i in range(len(shares) + 1)]
         todo = deque((i, (starts[i], starts[i + 1])) for i in range(len(shares)) if shares[i])
@@ -195,13 +211,21 @@ class RolloutPool:
                                 f"{self.weights_version}) was asked to run the probe with its request but returned "
                                 "none")
         if probed:
-            self.verify(sorted(probed), probed)
+            self.pending = self.score_probes(sorted(probed), probed)
+            if not check_later:
+                self.check_pending()
         groups = [group for start in sorted(results) for group in results[start]]
         stale = {r.weights_version for g in groups for r in g} - {self.weights_version}
         if stale:
             raise SyncError(f"rollouts came from weights version {sorted(stale)} but the learner is at "
                             f"{self.weights_version}: a worker missed a sync")
         return groups
+
+    def check_pending(self) -> None:
+        """Check the probes `generate(..., check_later=True)` left (`verify`'s rules: SyncError if one fails)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.check_probes(pending)
 
     def _shares(self, count: int) -> list[int]:
         """Prompts per worker (by index): in proportion to each worker's speed (`balance=speed`; workers not yet
@@ -561,11 +585,44 @@ class RolloutPool:
         The first call (before any update, the engines on the weights the learner started from) measures the noise
         floor; without `sync.probe_tolerance` it sets the tolerance from it (`probe_tolerance_from`). `samples`: the
         probes the workers already ran (by index), else they are asked for them now."""
+        return self.check_probes(self.score_probes(indices, samples))
+
+    def score_probes(self, indices: list[int] | None = None, samples: dict[int, ProbeSample] | None = None
+                     ) -> Probes:
+        """`verify`'s first half: the probes (`samples`, else run now) sent to the learner to score, not waited
+        for; `check_probes` finishes it."""
         indices = list(range(len(self.workers))) if indices is None else indices
-        gaps = self.probe_gaps(indices, samples)
+        if samples is not None:
+            probes = [samples[i] for i in indices]
+        else:
+            names = [self.fleet.rollout_names[i] for i in indices]
+            probes = values(call_all([self.workers[i] for i in indices], "probe", self.probe_args(),
+                                     self.config.timeouts.sync, "sync", stop_on_failure=True), names, "sync")
+        # The learner scores each distinct sample alone, so that its logprobs of the same tokens and weights are the
+        # same bits whichever other samples the probe had (batched, padding changes them in bfloat16).
+        asked: dict[tuple, list[Any]] = {}
+        for p in probes:
+            key = (tuple(p.prompt_ids), tuple(p.response_ids))
+            if key not in asked:
+                asked[key] = self.fleet.learner_group.submit("compute_logprobs", ([p.prompt_ids], [p.response_ids]))
+            self.probe_prompt = list(p.prompt_ids)
+        return Probes([self.fleet.rollout[i] for i in indices], probes, asked, time.monotonic())
+
+    def check_probes(self, probes: Probes) -> float:
+        """`verify`'s second half: the probes' gaps to the learner's logprobs and `verify`'s rules; returns the
+        largest gap."""
         weights = self._weights_digest()
-        return self._check_probes([(self.fleet.rollout[i], gap, sample, weights) for i, (gap, sample) in
-                                   zip(indices, gaps)])
+        return self._check_probes([(slot, probe_gap(sample), sample, weights)
+                                   for slot, sample in zip(probes.slots, self._scored(probes))])
+
+    def _scored(self, probes: Probes) -> list[ProbeSample]:
+        """The probes with the learner's logprobs filled in, waited for within `timeouts.sync` of when
+        `score_probes` asked."""
+        learner_group, timeout = self.fleet.learner_group, self.config.timeouts.sync
+        scored = {key: learner_group.finish(refs, max(0.0, timeout - (time.monotonic() - probes.since)), "sync")[0][0]
+                  for key, refs in probes.asked.items()}
+        return [p._replace(learner_logprobs=scored[tuple(p.prompt_ids), tuple(p.response_ids)])
+                for p in probes.samples]
 
     def _check_probes(self, checks: list[tuple[RolloutSlot, float, ProbeSample, str]]) -> float:
         """`verify`'s rules over (worker, gap, probe with the learner's logprobs, what identifies the learner's
@@ -650,28 +707,10 @@ class RolloutPool:
             return "sync.probe_tolerance"
         return "derived from the noise floor before the first update; set sync.probe_tolerance to override"
 
-    def probe_gaps(self, indices: list[int], samples: dict[int, ProbeSample] | None = None
-                   ) -> list[tuple[float, ProbeSample]]:
-        """Per worker: (largest |engine - learner| logprob over a seeded probe sample, the sample with the
-        learner's logprobs filled in); `samples` (by index) are probes the workers already ran.
-
-        The learner scores each distinct sample alone, so that its logprobs of the same tokens and weights are the
-        same bits whichever other samples the probe had (batched, padding changes them in bfloat16)."""
-        if samples is not None:
-            probes = [samples[i] for i in indices]
-        else:
-            names = [self.fleet.rollout_names[i] for i in indices]
-            probes = values(call_all([self.workers[i] for i in indices], "probe", self.probe_args(),
-                                     self.config.timeouts.sync, "sync", stop_on_failure=True), names, "sync")
-        learner_lps: dict[tuple, list[float]] = {}
-        samples = []
-        for p in probes:
-            key = (tuple(p.prompt_ids), tuple(p.response_ids))
-            if key not in learner_lps:
-                [learner_lps[key]] = self.fleet.learner_group.compute_logprobs([p.prompt_ids], [p.response_ids])
-            self.probe_prompt = list(p.prompt_ids)
-            samples.append(p._replace(learner_logprobs=learner_lps[key]))
-        return [(probe_gap(s), s) for s in samples]
+    def probe_gaps(self, indices: list[int]) -> list[tuple[float, ProbeSample]]:
+        """Per worker (by index): (largest |engine - learner| logprob over a seeded probe sample run now, the sample
+        with the learner's logprobs filled in), without `verify`'s rules (bench/weight_sync.py's stale gap)."""
+        return [(probe_gap(s), s) for s in self._scored(self.score_probes(indices))]
 
     def replace(self, index: int, cause: str) -> None:
         """Kill worker `index`, start a new one in its bundle, load the current weights and probe them."""

@@ -137,7 +137,9 @@ class Trainer:
         rollouts = [r for group in groups for r in group]
         with self.timed("reference"):
             self.refresh_reference(step, sampling)
-            ref_logprobs = self.reference_logprobs(rollouts)
+            asked = self.submit_reference(rollouts)
+            self.rollouts.check_pending()  # the probes of this step's loads, scored by the learner meanwhile
+            ref_logprobs = self.reference_result(asked)
         with self.timed("train"):
             learner_metrics = self.train(rollouts, rewards, ref_logprobs)
         self.fit_reward_models(step, sampling)
@@ -339,7 +341,7 @@ class Trainer:
         """[prompts][G] rollouts in order, one sampling seed per prompt (a replaced worker's chunk is sampled again
         with the same seeds, so a fault does not change the step)."""
         seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
-        return self.rollouts.generate(self.prompts_of(problems), seeds, self.sampling)
+        return self.rollouts.generate(self.prompts_of(problems), seeds, self.sampling, check_later=True)
 
     def shape(self, rewards: list[float], group: list[Any]) -> list[float]:
         """Add DAPO's soft overlong penalty to one group's rewards (a no-op when `reward.overlong_buffer` is 0)."""
@@ -382,11 +384,6 @@ class Trainer:
             stats["sync/reference_probe_diff"] = refresh.last_gap
         stats["reference/version"] = refresh.version
 
-    def reference_logprobs(self, rollouts: list[Any]) -> Any:
-        """The ref of the reference's logprobs of every response token (one flat array), once it has them; None
-        without a reference. The driver reads only their count: the array goes to the learner by ref."""
-        return self.reference_result(self.submit_reference(rollouts))
-
     def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
         """Ask the reference for the logprobs of every response token: (the ref of their count, the ref of the
         flat array, when asked), or None without a reference."""
@@ -417,6 +414,7 @@ class Trainer:
         from learner.algo.sequences import Rows
         from learner.learner import TrainBatch
 
+        self.rollouts.check_pending()  # nothing trains on rollouts of weights not checked yet
         submitted = time.monotonic()
         self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
 
