@@ -93,9 +93,9 @@ class ReferenceConfig(_Section):
     """CPUs Ray reserves for the reference worker."""
     num_gpus: float = Field(0.0, ge=0, le=64)
     """GPUs Ray reserves for the reference worker."""
-    num_threads: int = Field(2, ge=1, le=1024)
-    """Torch threads of the reference worker (phases run in turn, so it may use every core). Unset in an asynchronous
-    run (`rollout.max_staleness` >= 1), 1: the engines generate meanwhile."""
+    num_threads: int | None = Field(None, ge=1, le=1024)
+    """Torch threads of the reference worker, set as `learner.num_threads` when unset (2, or 1 for a policy under 1M
+    parameters; 1 in an asynchronous run)."""
     resources: dict[str, float] = {}
     """Custom Ray resources the reference worker needs (e.g. `{learner_node: 1}`)."""
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)

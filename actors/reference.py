@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from learner.algo.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
-from learner.device import matmuls_in, pick_device
+from learner.device import count_parameters, default_threads, matmuls_in, pick_device
 from sync.receive import Loaded, Weights, fingerprints, received
 
 
@@ -24,12 +24,12 @@ class ReferenceWorker:
     """Per-token logprobs of given sequences under the reference policy: the initial one, or the policy's weights
     it last took (`load_weights`)."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int = 1,
+    def __init__(self, model_path: str, dtype: str = "float32", num_threads: int | None = None,
                  batching: MicroBatching = MicroBatching(max_tokens=1024, share_prompts=True),
                  temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(num_threads or default_threads(count_parameters(model_path)))
         self.device = pick_device()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval().requires_grad_(False)

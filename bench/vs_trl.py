@@ -37,7 +37,8 @@ Same work on both sides, read from relay's resolved config (learner/config.py, a
 - optimizer: AdamW with `learner.lr`, `betas`, `weight_decay` (eps 1e-8 both), clip at `max_grad_norm`, and relay's
   own warm-up `LambdaLR(min(1, (n + 1) / warmup_steps))` passed to TRL as `optimizers=` (TRL's built-in linear warm-up
   would start at lr 0, one step behind relay's);
-- threads: TRL uses `--trl-threads` (2: `learner.num_threads`) torch threads in one process, data loading in-process;
+- threads: TRL uses `--trl-threads` torch threads in one process (2 by default: relay's unset `learner.num_threads`
+  for the 25M; for the demo's 0.3M policy relay's learner takes 1), data loading in-process;
 - no dropout (Qwen2 has none; TRL `disable_dropout=True`); no logging or saving on the TRL side (`report_to="none"`,
   `save_strategy="no"`, `logging_strategy="no"`); TRL's gradient checkpointing (on by default) off, as relay does
   not recompute activations (`--trl-gradient-checkpointing` turns it back on: TRL's defaults, slower).

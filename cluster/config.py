@@ -225,8 +225,9 @@ class RunConfig(_Section):
     @classmethod
     def _threads_for_overlap(cls, data: Any) -> Any:
         """In an asynchronous run (`rollout.max_staleness` >= 1) the engines generate while the learner and the
-        reference compute, so an unset `learner.num_threads` or `reference.num_threads` is 1, not 2: two threads
-        each beside the engines oversubscribe a small machine's cores (the demo's step took 1.6-2.8x the
+        reference compute, so an unset `learner.num_threads` or `reference.num_threads` is 1, whatever the model's
+        size (unset on-policy, it is set by the size when the fleet starts: `learner.device.default_threads`): two
+        threads each beside the engines oversubscribe a small machine's cores (the demo's step took 1.6-2.8x the
         synchronous one's on 2 cores)."""
         if not isinstance(data, dict) or not _asynchronous(data):
             return data

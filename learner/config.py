@@ -19,9 +19,10 @@ class LearnerConfig(_Section):
     """CPUs Ray reserves for the learner."""
     num_gpus: float = Field(0.0, ge=0, le=64)
     """GPUs Ray reserves for the learner."""
-    num_threads: int = Field(2, ge=1, le=1024)
-    """Torch threads of the learner (phases run in turn, so it may use every core). Unset in an asynchronous run
-    (`rollout.max_staleness` >= 1), 1: the engines generate meanwhile."""
+    num_threads: int | None = Field(None, ge=1, le=1024)
+    """Torch threads of the learner. Unset: 2 (phases run in turn, so it may use every core), or 1 for a policy under
+    1M parameters (too small for a second thread to pay); in an asynchronous run (`rollout.max_staleness` >= 1) 1:
+    the engines generate meanwhile."""
     resources: dict[str, float] = {}
     """Custom Ray resources each learner rank needs, e.g. `{learner_node: 1}`."""
     num_ranks: int = Field(1, ge=1, le=4096)

@@ -1,16 +1,19 @@
-"""Which device the torch-side actors (learner, value model, reference, reward model) run their models on.
+"""Which device the torch-side actors (learner, value model, reference, reward model) run their models on, and
+how many threads the learner and the reference take.
 
-Owns `pick_device` (the GPU this process sees, else the CPU), `compute_in` (mixed precision: float32 parameters
-computed in bfloat16), `matmuls_in` (bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions) and
-`to_cpu` (a nested state moved to host memory for a checkpoint). Does not own asking for GPUs: each actor asks Ray
-for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is
-`cuda:0` there. One device per process: nothing here spreads a model over several GPUs.
-Imports only torch.
+Owns `pick_device` (the GPU this process sees, else the CPU), `default_threads` (by the model's size, when
+`num_threads` is unset), `compute_in` (mixed precision: float32 parameters computed in bfloat16), `matmuls_in`
+(bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions) and `to_cpu` (a nested state moved to
+host memory for a checkpoint). Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray
+sets CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is `cuda:0` there. One device per
+process: nothing here spreads a model over several GPUs.
+Imports only torch (and safetensors, to read a model's size).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any
 
@@ -21,6 +24,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 def pick_device() -> torch.device:
     """`cuda:0` when this process sees a GPU, else the CPU: the same code runs on both."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# Below this many parameters a second torch thread does not pay on a CPU shared with Ray's processes: in a run on 2
+# cores the demo's 0.3M-parameter policy trains and scores faster on one; a 3.2M and the 25M model are faster on two
+# (the 25M's update in 0.6x the time). docs/benchmarks.md, "The sync probe inside its request".
+SMALL_MODEL_PARAMETERS = 1_000_000
+
+
+def default_threads(num_parameters: int | None) -> int:
+    """Torch threads of an actor whose `num_threads` is unset: 1 for a model under SMALL_MODEL_PARAMETERS (its ops
+    are too small for a second thread's share to outweigh waiting for it, and a core busy with anything else stalls
+    every parallel op), else 2; 2 when the size is not known."""
+    return 1 if num_parameters is not None and num_parameters < SMALL_MODEL_PARAMETERS else 2
+
+
+def count_parameters(model_path: str) -> int | None:
+    """Parameters of the Hugging Face model in `model_path`, read from its safetensors files' headers (nothing is
+    loaded); None when it has none."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
 
 
 def compute_in(device: torch.device, compute: torch.dtype, params: torch.dtype) -> contextlib.AbstractContextManager:

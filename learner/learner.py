@@ -58,7 +58,7 @@ from learner.algo.sequences import (
     unpad_per_token,
 )
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
-from learner.device import compute_in, matmuls_in, pick_device, to_cpu
+from learner.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
 from learner.distributed import DataParallel, clip_grad_norm
 from sync.publisher import WeightPublisher, cast_to_engine
 
@@ -132,7 +132,7 @@ class Learner(WeightPublisher):
                  seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None, rank: int = 0):
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.num_threads or default_threads(count_parameters(model_path)))
         torch.manual_seed(seed)
         self.base_rss_mb = _peak_rss_mb()  # the process before any model: interpreter, torch, transformers
         self.model_path = model_path  # where a saved policy's tokenizer and generation files come from

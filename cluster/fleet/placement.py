@@ -290,6 +290,7 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     from learner.algo.sequences import MicroBatching
     from rewards.config import ModelSource
 
+    config = with_default_threads(config, model_path)
     lc, rc, ro = config.learner, config.reference, config.rollout
     launcher = RolloutLauncher(config, model_path, rollout_cls, pooled=pool is not None)
     reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
@@ -389,6 +390,19 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
         stop_fleet(fleet)  # release the placement groups and the actors that did start
         raise
     return fleet
+
+
+def with_default_threads(config: RunConfig, model_path: str) -> RunConfig:
+    """`config` with an unset `learner.num_threads` or `reference.num_threads` set by the policy's size
+    (`learner.device.default_threads`), so that the actors' environment, the fleet's shape and the actors agree."""
+    from learner.device import count_parameters, default_threads
+
+    lc, rc = config.learner, config.reference
+    if lc.num_threads is not None and rc.num_threads is not None:
+        return config
+    threads = default_threads(count_parameters(model_path))
+    return config.model_copy(update={"learner": lc.model_copy(update={"num_threads": lc.num_threads or threads}),
+                                     "reference": rc.model_copy(update={"num_threads": rc.num_threads or threads})})
 
 
 @dataclass(frozen=True)

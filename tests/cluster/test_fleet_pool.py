@@ -103,7 +103,7 @@ def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(fleets, tmp_
         assert not actor_ids(pool) & {a._actor_id.hex() for a in before}
         assert_stopped(before)
         again, workers = parked_actors(pool), worker_ids(pool)
-        train(tmp_path, demo_model_dir, "threads", pool, "learner.num_threads=1")  # another learner shape
+        train(tmp_path, demo_model_dir, "threads", pool, "learner.num_threads=2")  # another learner shape (demo: 1)
         assert actor_ids(pool) & {a._actor_id.hex() for a in again} == workers  # only the rollout worker is kept
         assert_stopped([a for a in again if a._actor_id.hex() not in workers])
         assert_same_run(train(tmp_path, demo_model_dir, "back", pool), one)  # and back: the same run on that worker

@@ -213,7 +213,7 @@ def test_an_asynchronous_run_gives_the_learner_and_the_reference_one_thread_unle
         config = load_config(None, list(overrides))
         return config.learner.num_threads, config.reference.num_threads
 
-    assert threads() == (2, 2)  # phases take turns: each may use every core
+    assert threads() == (None, None)  # phases take turns: set by the model's size when the fleet starts (below)
     assert threads("rollout.max_staleness=1") == (1, 1)  # the engines generate meanwhile
     assert threads("rollout.max_staleness=2", "learner.num_threads=2") == (2, 1)
     assert threads("rollout.max_staleness=1", "reference.num_threads=3") == (1, 3)
@@ -221,3 +221,27 @@ def test_an_asynchronous_run_gives_the_learner_and_the_reference_one_thread_unle
     path.write_text("rollout:\n  max_staleness: 1\nlearner:\n  lr: 0.001\n")
     config = load_config(str(path), [])
     assert (config.learner.num_threads, config.reference.num_threads, config.learner.lr) == (1, 1, 0.001)
+
+
+def test_an_unset_thread_count_follows_the_models_size(tiny_model_dir, tmp_path):
+    """On-policy, an unset `learner.num_threads` or `reference.num_threads` is 1 for a policy under 1M parameters
+    (counted from its safetensors headers: every parameter the model has), else 2, and 2 when the size is unknown;
+    the fleet starts with them set, and given values stay."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.fleet.placement import with_default_threads
+    from learner.device import count_parameters, default_threads
+
+    count = count_parameters(str(tiny_model_dir))
+    assert count == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert count_parameters(str(tmp_path)) is None
+    assert [default_threads(n) for n in (count, 999_999, 1_000_000, 25_000_000, None)] == [1, 1, 2, 2, 2]
+
+    def threads(model_dir: Path, *overrides: str) -> tuple[int, int]:
+        config = with_default_threads(load_config(None, list(overrides)), str(model_dir))
+        return config.learner.num_threads, config.reference.num_threads
+
+    assert threads(tiny_model_dir) == (1, 1)
+    assert threads(tmp_path) == (2, 2)
+    assert threads(tiny_model_dir, "learner.num_threads=3") == (3, 1)
+    assert threads(tmp_path, "reference.num_threads=1") == (2, 1)
