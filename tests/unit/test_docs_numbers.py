@@ -80,7 +80,7 @@ def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
 
 
 def test_the_asynchronous_thread_claims_quote_the_threads_tables_step_column():
-    rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "### Asynchronous training's threads",
+    rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "### The sync probe inside its request",
                        "setting")
     steps = {row["setting"]: [float(x) for x in row["s/step"].split(" / ")] for row in rows}
     on_policy = steps["on-policy (the defaults)"]
