@@ -147,9 +147,10 @@ class VllmEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
-        # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend
-        # (float32 and bfloat16, batches of 2 to 257 sequences; tests/actors/test_rollout_worker.py checks it); on
-        # GPUs only in vLLM's batch-invariant mode. The sync probe rides in a request's batch only where it holds.
+        # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend (the
+        # demo's and a 25M Qwen2, float32 and bfloat16, batches of 2 to 257 sequences; tests/actors/
+        # test_rollout_worker.py checks it), on GPUs only in vLLM's batch-invariant mode. The sync probe rides in a
+        # request's batch only where it holds.
         from vllm import envs
 
         self.batch_invariant = self._cpu or bool(envs.VLLM_BATCH_INVARIANT)
