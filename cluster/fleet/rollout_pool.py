@@ -602,7 +602,7 @@ class RolloutPool:
         # same bits whichever other samples the probe had (batched, padding changes them in bfloat16).
         asked: dict[tuple, list[Any]] = {}
         for p in probes:
-            key = (tuple(p.prompt_ids), tuple(p.response_ids))
+            key = _sample_key(p)
             if key not in asked:
                 asked[key] = self.fleet.learner_group.submit("compute_logprobs", ([p.prompt_ids], [p.response_ids]))
             self.probe_prompt = list(p.prompt_ids)
@@ -621,8 +621,7 @@ class RolloutPool:
         learner_group, timeout = self.fleet.learner_group, self.config.timeouts.sync
         scored = {key: learner_group.finish(refs, max(0.0, timeout - (time.monotonic() - probes.since)), "sync")[0][0]
                   for key, refs in probes.asked.items()}
-        return [p._replace(learner_logprobs=scored[tuple(p.prompt_ids), tuple(p.response_ids)])
-                for p in probes.samples]
+        return [p._replace(learner_logprobs=scored[_sample_key(p)]) for p in probes.samples]
 
     def _check_probes(self, checks: list[tuple[RolloutSlot, float, ProbeSample, str]]) -> float:
         """`verify`'s rules over (worker, gap, probe with the learner's logprobs, what identifies the learner's
@@ -752,6 +751,11 @@ class RolloutPool:
         for i, loaded in done.items():
             self.check_loaded(i, loaded)
         return failed
+
+
+def _sample_key(sample: ProbeSample) -> tuple:
+    """What makes two probe samples the same for the learner to score: their tokens."""
+    return tuple(sample.prompt_ids), tuple(sample.response_ids)
 
 
 def probe_gap(sample: ProbeSample) -> float:

@@ -619,13 +619,14 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
     # Measured on 2 cores (docs/operations.md): 4 threads (two engines of 1, learner 1, reference 1: they are not all
     # busy at once) still beat the synchronous loop; 6 ran 1.6-2.8x slower than it. (Asynchronously every learner
     # and reference thread count is set: `RunConfig._threads_for_overlap`.)
-    threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
-               + (config.reference.num_threads if config.uses_reference else 0)) if ro.max_staleness else 0
-    if ro.max_staleness and local and threads > 2 * (os.cpu_count() or 1):
-        print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines, the reference and the "
-              f"learner at once, and this local run gives them {threads} threads on {os.cpu_count()} cores: they will "
-              "slow each other down more than the overlap gains; lower learner/rollout/reference.num_threads "
-              "(docs/operations.md)", file=sys.stderr, flush=True)
+    if ro.max_staleness and local:
+        threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
+                   + (config.reference.num_threads if config.uses_reference else 0))
+        if threads > 2 * (os.cpu_count() or 1):
+            print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines, the reference and the "
+                  f"learner at once, and this local run gives them {threads} threads on {os.cpu_count()} cores: they "
+                  "will slow each other down more than the overlap gains; lower learner/rollout/reference.num_threads "
+                  "(docs/operations.md)", file=sys.stderr, flush=True)
     if ro.top_p < 1:
         print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
