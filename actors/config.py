@@ -101,10 +101,13 @@ class ReferenceConfig(_Section):
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per reference forward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass."""
     max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
-    """Padded tokens per reference forward pass at most, as `learner.max_tokens_per_micro_batch` (sequences sorted
-    by length, each pass padded to its own longest); empty: no token limit."""
+    """Tokens per reference forward pass at most, as `learner.max_tokens_per_micro_batch` (sequences sorted by
+    length; packed passes count their real tokens, padded ones sequences x the pass's longest); empty: no token
+    limit."""
     share_prompts: bool = True
     """Compute each prompt once for the rows that share it, as `learner.share_prompts`."""
+    pack_sequences: bool = True
+    """Run each pass's rows as one packed sequence of their real tokens, as `learner.pack_sequences`."""
     refresh_every: int = Field(0, ge=0, le=10_000_000)
     """Iterative GRPO: at every step that is a multiple of this, before its reference pass, the reference takes the
     policy's current weights (the ones that sampled the step's batch), checked by fingerprints and a probe, so the

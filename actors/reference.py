@@ -25,7 +25,7 @@ class ReferenceWorker:
     it last took (`load_weights`)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", num_threads: int | None = None,
-                 batching: MicroBatching = MicroBatching(max_tokens=1024, share_prompts=True),
+                 batching: MicroBatching = MicroBatching(max_tokens=1024, share_prompts=True, pack=True),
                  temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 

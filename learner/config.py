@@ -73,16 +73,24 @@ class LearnerConfig(_Section):
     """Sequences per forward/backward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass.
     Gradients accumulate over a minibatch's micro-batches (the loss is the same however they are cut)."""
     max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
-    """Padded tokens per forward/backward pass at most (sequences x the pass's longest; a longer sequence is a pass
-    alone): each rank's rows are sorted by length and cut into passes under this budget, each padded only to its
-    own longest sequence, so compute follows the real tokens. Larger uses more memory (activations, logits);
-    on CPU 512-1024 were fastest (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
+    """Tokens per forward/backward pass at most (a longer sequence is a pass alone): each rank's rows are sorted by
+    length and cut into passes under this budget, so compute follows the real tokens. Packed passes
+    (`pack_sequences`) count the rows' own tokens; padded ones sequences x the pass's longest, each pass padded only
+    to its own longest sequence. Larger uses more memory (activations, logits); on CPU 512-1024 were fastest
+    (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
     share_prompts: bool = True
     """Compute each prompt once for the rows that share it (a group's G completions): the prompt's tokens run in
     one forward whose key/value states every row's pass attends to, gradients carried back through them once; the
     token budget then counts each row's own tokens. The same logprobs, losses and gradients (up to float summation
     order); saves the prompt's compute G-1 times. Off under `strategy=fsdp2` with several ranks, and for models
     whose cache is not one plain key/value layer per layer (sliding windows, recurrent state)."""
+    pack_sequences: bool = True
+    """Run each pass's rows as one packed sequence of their real tokens: every layer but attention computes no
+    padding; attention gathers each row's tokens into a padded row of its own (the CPU equivalent of a GPU's
+    variable-length attention; `learner.algo.packing`). The same logprobs, losses and gradients (up to float
+    summation order); on the 25M benchmark a pass's forward and backward took 0.8-0.9x the padded one's
+    (docs/benchmarks.md, "Packed passes"). Only for models whose attention is sdpa and keeps no sliding window
+    (others run padded passes), and not with a value model (`critic.enabled`: its passes stay padded)."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)

@@ -160,8 +160,11 @@ class Learner(WeightPublisher):
                              "gae needs one, as does reinforce with baseline 'value'; the others don't")
         # Prompts shared by a group's rows are computed once (`SharedPrompts`). Not under fsdp2 with several ranks:
         # its per-backward gradient reduction would run once more, for the prompts' own backward (not measured).
+        # Passes are packed (`learner.algo.packing`) unless a value model runs its whole rows in the same passes,
+        # padded: the budget must hold for those.
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch,
-                                      config.share_prompts and not self.dp.sharded)
+                                      config.share_prompts and not self.dp.sharded,
+                                      config.pack_sequences and self.critic is None)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
@@ -228,7 +231,7 @@ class Learner(WeightPublisher):
         @torch.no_grad()
         def compute(part: SequenceBatch) -> torch.Tensor:
             with self._compute():
-                return sequence_logprobs(self.model, part, temperature, prompts)
+                return sequence_logprobs(self.model, part, temperature, prompts, self.batching.pack)
 
         return self.dp.compute_rows(batch, compute, self.batching,
                                     tail_lengths(batch) if prompts is not None else None)
@@ -363,7 +366,8 @@ class Learner(WeightPublisher):
                 seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
                 with self._compute():
                     logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
-                                                                      cfg.entropy_coef > 0, prompts)
+                                                                      cfg.entropy_coef > 0, prompts,
+                                                                      self.batching.pack)
                 if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
                     old = logprobs.detach()
                     behavior = step.behavior[mb_idx, :width]

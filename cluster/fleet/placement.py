@@ -297,7 +297,8 @@ def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = N
     rank_kwargs = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
                        norm_length=ro.max_new_tokens)
     reference_args = (model_path, config.model.dtype, rc.num_threads,
-                      MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch, rc.share_prompts),
+                      MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch, rc.share_prompts,
+                                    rc.pack_sequences),
                       ro.temperature)
     reward_classes = {name: ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker
                       for name, s in reward_sources.items()}

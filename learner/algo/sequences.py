@@ -6,28 +6,31 @@ tokens 0..j; `response_mask` marks the response tokens (where per-token values l
 model sampled (what is trained: a multi-turn episode's environment tokens are response tokens, not model ones).
 Tensors are built in host memory and moved to the consumer's device in one copy; everything computed from a batch
 stays on the batch's device, and results for Python lists come back through the CPU. Also how a batch is cut
-into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget of padded
-tokens, so compute follows the real tokens (a pass is trimmed to its own longest sequence), not the batch's longest;
-and prompts shared by several rows (a group's G completions) computed once (`SharedPrompts`), each row's pass
-running only its own tokens on the prompt's cached key/value states.
+into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget, so compute
+follows the real tokens, not the batch's longest: a pass's rows packed into one sequence of their real tokens
+(`learner.algo.packing`: no padding but in attention), or padded to the pass's own longest; and prompts shared by
+several rows (a group's G completions) computed once (`SharedPrompts`), each row's pass running only its own tokens
+on the prompt's cached key/value states.
 Does not own: models, optimizers, or choosing the device. Imports only torch and numpy (and transformers' cache
-class, when prompts are shared).
+class, when prompts are shared; its attention interface, when passes are packed).
 
-Why sorted, padded passes rather than packed rows (several sequences in one row, attention kept within each): on
-CPU, transformers keeps packed sequences apart with a dense block-diagonal mask, whose cost grows with the square
-of the row; measured on the 25M-parameter model (docs/benchmarks.md, "Compute proportional to real tokens"),
-length-sorted passes were as fast or faster at every budget, and they need no layout of their own.
+Why packed passes gather each row's attention into a padded row of its own rather than use transformers' packed
+format (position ids that restart): on CPU, transformers keeps packed sequences apart with a dense block-diagonal
+mask, whose cost grows with the square of the pack; measured on the 25M-parameter model (docs/benchmarks.md,
+"How passes are cut"), that was slower than padded passes at every budget, while packing with per-row attention
+is faster than both ("Packed passes").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from learner.algo.packing import packable, packed_logits
 
 
 class Rows(list):
@@ -51,28 +54,39 @@ def _unpack_rows(lengths: np.ndarray, flat: np.ndarray) -> Rows:
 @dataclass(frozen=True)
 class MicroBatching:
     """How rows are cut into forward/backward passes: sorted longest first, a pass closes when one more row would
-    take it over `max_rows` rows or `max_tokens` padded tokens (rows x its longest sequence; a longer sequence
-    than that is a pass alone). None: no limit of that kind (both None: one pass)."""
+    take it over `max_rows` rows or `max_tokens` tokens (padded tokens, rows x its longest sequence; packed, the
+    rows' own tokens; a longer sequence than that is a pass alone). None: no limit of that kind (both None: one
+    pass)."""
 
     max_rows: int | None = None
     max_tokens: int | None = None
     # Each distinct prompt computed once for the rows that share it (`SharedPrompts`); the budgets then count each
     # row's own tokens (its prompt's last token and its response: `tail_lengths`).
     share_prompts: bool = False
+    # Each pass's rows run as one packed sequence of their real tokens (`learner.algo.packing`), where the model
+    # allows it (`packable`; else padded passes); the budget then counts real tokens.
+    pack: bool = False
+
+    @property
+    def padded(self) -> MicroBatching:
+        """The same budgets over padded passes (what prompts' prefix passes are cut by)."""
+        return replace(self, pack=False) if self.pack else self
 
     def split(self, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Passes over rows whose token counts are `lengths` [N]: each a tensor of positions into `lengths` (on its
         device), every position exactly once, in a fixed order (a stable sort: ties keep their order)."""
         host = lengths.detach().to("cpu", torch.long)
         order = torch.sort(host, descending=True, stable=True).indices
-        cuts, rows, longest = [], 0, 0
+        cuts, rows, longest, tokens = [], 0, 0, 0
         for position, length in enumerate(host[order].tolist()):
             longest = max(longest, length)
             if rows and ((self.max_rows is not None and rows + 1 > self.max_rows)
-                         or (self.max_tokens is not None and (rows + 1) * longest > self.max_tokens)):
+                         or (self.max_tokens is not None
+                             and (tokens + length if self.pack else (rows + 1) * longest) > self.max_tokens)):
                 cuts.append(position)
-                rows, longest = 0, length
+                rows, longest, tokens = 0, length, 0
             rows += 1
+            tokens += length
         return [part.to(lengths.device) for part in order.tensor_split(cuts)] if len(host) else []
 
 
@@ -219,29 +233,28 @@ def unpad_per_token(values: torch.Tensor, batch: SequenceBatch) -> list[list[flo
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                      prompts: SharedPrompts | None = None) -> torch.Tensor:
+                      prompts: SharedPrompts | None = None, pack: bool = False) -> torch.Tensor:
     """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller. With
     `prompts` (covering the batch's rows), only each row's own tokens are run, on its prompt's cached states: the
-    response positions hold the same values, the prompt positions 0."""
+    response positions hold the same values, the prompt positions 0. `pack`: whole rows run as one packed pass
+    where the model allows it (`learner.algo.packing`; with `prompts`, they decide)."""
     if prompts is not None:
         logits, labels, place = prompts.forward(model, batch)
         return place(logprobs_from_logits(logits, labels, temperature))
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    return logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:], temperature)
+    return logprobs_from_logits(_row_logits(model, batch, pack)[:, :-1], batch.input_ids[:, 1:], temperature)
 
 
 def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
-                                  entropy_grad: bool = True, prompts: SharedPrompts | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                                  entropy_grad: bool = True, prompts: SharedPrompts | None = None,
+                                  pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` plus the entropy of each position's next-token distribution at `temperature`:
     two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
     with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward). `prompts`: as `sequence_logprobs`
-    (the entropy, too, 0 at prompt positions)."""
+    (the entropy, too, 0 at prompt positions) and `pack`."""
     if prompts is not None:
         logits, labels, place = prompts.forward(model, batch)
     else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
-        labels, place = batch.input_ids[:, 1:], _as_is
+        logits, labels, place = _row_logits(model, batch, pack)[:, :-1], batch.input_ids[:, 1:], _as_is
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = place(entropy_from_logits(logits, temperature))
     return place(logprobs_from_logits(logits, labels, temperature)), entropy
@@ -249,6 +262,15 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
 
 def _as_is(values: torch.Tensor) -> torch.Tensor:
     return values
+
+
+def _row_logits(model: torch.nn.Module, batch: SequenceBatch, pack: bool) -> torch.Tensor:
+    """The logits of whole rows [B, L, V]: one packed pass over their real tokens with `pack` where the model allows
+    it (zeros past each row), else one padded pass."""
+    if pack and packable(model):
+        positions = torch.arange(batch.input_ids.shape[1], device=batch.device).expand_as(batch.input_ids)
+        return packed_logits(model, batch.input_ids, batch.attention_mask.bool(), positions)
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
 
 
 def prompt_lengths(batch: SequenceBatch) -> torch.Tensor:
@@ -316,12 +338,13 @@ class SharedPrompts:
                 self.mask[u, : sizes[u]] = 1
         ids, self.mask = ids.to(batch.device), self.mask.to(batch.device)
         self.grad = grad
+        self.pack = batching.pack  # the rows' passes (`forward`) packed where the model allows it
         # Per pass: its prefixes' positions among the distinct ones and, per layer, their (keys, values)
         # [u, heads, p, head_dim]. Prefixes of no token (one-token prompts) run in no pass: their rows attend to no
         # cached state (zeros, masked), not to a forward of an all-padding row (which has nothing to attend to).
         self.computed: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         live = torch.nonzero(sizes > 0).flatten()
-        for part in batching.split(sizes[live]) if len(live) else []:
+        for part in batching.padded.split(sizes[live]) if len(live) else []:
             rows = live[part].to(batch.device)
             width = int(sizes[live[part]].max())
             with torch.set_grad_enabled(grad):
@@ -378,14 +401,18 @@ class SharedPrompts:
         positions = ((prompt - 1)[:, None] + offsets[None, :]).clamp(max=last)  # [b, R] each token's own position
         ids = part.input_ids.gather(1, positions)
         cached = int(prompt.max()) - 1  # the longest prefix among these rows
-        if cached > 0:
-            past = DynamicCache(ddp_cache_data=[(keys[group, :, :cached], values[group, :, :cached])
-                                                for keys, values in self.states])
-            mask = torch.cat([self.mask[group, :cached], valid.long()], dim=1)
+        states = [(keys[group, :, :cached], values[group, :, :cached]) for keys, values in self.states]
+        if self.pack and packable(model):
+            logits = packed_logits(model, ids, valid, positions, states if cached > 0 else None,
+                                   self.mask[group, :cached] if cached > 0 else None)[:, :-1]
         else:
-            past, mask = None, valid.long()
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
-                       use_cache=past is not None).logits[:, :-1]
+            if cached > 0:
+                past = DynamicCache(ddp_cache_data=states)
+                mask = torch.cat([self.mask[group, :cached], valid.long()], dim=1)
+            else:
+                past, mask = None, valid.long()
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                           use_cache=past is not None).logits[:, :-1]
         scored = valid[:, 1:]  # tail position j predicts tail token j+1
         columns = last  # the [b, L-1] layout's width
         # Row i's tail position j is layout position prompt_i - 1 + j: distinct within a row for the positions that
@@ -422,7 +449,7 @@ def prompt_rounds(batch: SequenceBatch, rows: torch.Tensor, batching: MicroBatch
     keys = _prefixes(batch.select(rows))
     index, sizes = _distinct(keys, batch.input_ids.element_size())
     round_of = torch.empty(len(index), dtype=torch.long, device="cpu")
-    for number, part in enumerate(batching.split(sizes)):
+    for number, part in enumerate(batching.padded.split(sizes)):
         round_of[part] = number
     of_row = round_of[torch.tensor([index[key] for key in keys], device="cpu")].to(rows.device)
     return [rows[of_row == number] for number in range(int(round_of.max()) + 1)] if len(index) else []
@@ -440,7 +467,7 @@ def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, batching: Mic
     """`sequence_logprobs` without gradients, pass by pass (`batching`, prompts shared if it says so): [B, L-1] on
     the batch's device (the model's; zeros past each sequence, and at prompt positions when prompts are shared)."""
     prompts = shared_prompts(model, batch, batching)
-    return per_pass(batch, batching, lambda part: sequence_logprobs(model, part, temperature, prompts),
+    return per_pass(batch, batching, lambda part: sequence_logprobs(model, part, temperature, prompts, batching.pack),
                     tail_lengths(batch) if prompts is not None else None)
 
 

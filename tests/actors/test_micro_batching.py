@@ -1,8 +1,8 @@
-"""Passes cut by a token budget over length-sorted rows, prompts shared by a group's rows computed once
-(`SharedPrompts`), and the single-update path that takes old logprobs from the training forward: the Learner's
-update (every gradient and metric) equals the one-pass computation over whole rows, in every aggregation mode, on
-ragged lengths, in float32 and under bfloat16 compute; the reference's logprobs do not depend on how their passes
-are cut or whether prompts are shared."""
+"""Passes cut by a token budget over length-sorted rows, packed passes (`learner.algo.packing`), prompts shared by a
+group's rows computed once (`SharedPrompts`), and the single-update path that takes old logprobs from the training
+forward: the Learner's update (every gradient and metric) equals the one-pass computation over whole padded rows, in
+every aggregation mode, on ragged lengths, in float32 and under bfloat16 compute; the reference's logprobs do not
+depend on how their passes are cut, whether they are packed or whether prompts are shared."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
+from learner.algo.packing import IMPLEMENTATION, packable
 from learner.algo.sequences import (
     MicroBatching,
     SharedPrompts,
     pad_sequences,
     prompt_lengths,
     prompts_shared,
+    sequence_logprobs,
     sequence_logprobs_and_entropy,
     tail_lengths,
 )
@@ -48,7 +50,8 @@ METRIC_ABS_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-4}
 
 def make(model_dir, dtype: str, **overrides) -> Learner:
     config = LearnerConfig(**{"lr": 1.0, "warmup_steps": 0, "kl_coef": 0.1, "entropy_coef": 0.01, "num_threads": 2,
-                              "max_grad_norm": 1e9, "share_prompts": False, **overrides})
+                              "max_grad_norm": 1e9, "share_prompts": False, "pack_sequences": False,
+                              **overrides})
     learner = Learner(str(model_dir), config, dtype=dtype, seed=0, norm_length=8)
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # the step is -gradient
     learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
@@ -102,9 +105,13 @@ def test_token_budget_passes_make_the_one_pass_update_in_every_mode(tiny_model_d
     for policy_loss in (["ppo", "gspo"] if mode == "seq-mean-token-mean" else ["ppo"]):
         settings = dict(loss_agg=mode, policy_loss=policy_loss, num_minibatches=2)  # two updates: pi_old its own pass
         whole = update(make(tiny_model_dir, dtype, max_tokens_per_micro_batch=None, **settings), behavior, ref)
-        split = update(make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, **settings), behavior, ref)
-        assert whole[2] == 1 + 2 and split[2] > whole[2] + 4  # pi_old + one pass per minibatch; 5 + 4 or 5 passes
-        assert_same_update(split, whole, dtype)
+        assert whole[2] == 1 + 2  # pi_old + one pass per minibatch
+        for pack in (False, True):  # padded passes: 5 + 4 or 5; packed (real tokens count): 4 + 2 or 3 at least
+            split = make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, pack_sequences=pack, **settings)
+            assert split.batching.pack == pack
+            ours = update(split, behavior, ref)
+            assert ours[2] > whole[2] + (2 if pack else 4)
+            assert_same_update(ours, whole, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -157,10 +164,13 @@ def test_one_update_per_batch_takes_the_rollout_correction_from_the_training_for
 def test_reference_logprobs_do_not_depend_on_the_passes(tiny_model_dir, dtype):
     one = ReferenceWorker(str(tiny_model_dir), dtype, batching=MicroBatching()).compute_logprobs(PROMPTS, RESPONSES)
     for batching in (MicroBatching(max_tokens=BUDGET), MicroBatching(max_rows=1), MicroBatching(3, 20),
-                     MicroBatching(max_tokens=BUDGET, share_prompts=True), MicroBatching(3, 20, True)):
+                     MicroBatching(max_tokens=BUDGET, share_prompts=True), MicroBatching(3, 20, True),
+                     MicroBatching(pack=True), MicroBatching(max_tokens=BUDGET, pack=True),
+                     MicroBatching(max_tokens=BUDGET, share_prompts=True, pack=True), MicroBatching(3, 20, True, True)):
         cut = ReferenceWorker(str(tiny_model_dir), dtype, batching=batching).compute_logprobs(PROMPTS, RESPONSES)
         for ours, theirs in zip(cut, one):
-            # float32: the same values up to summation order; bfloat16: padding changes the matmul shapes' rounding
+            # float32: the same values up to summation order; bfloat16: padding and packing change the matmul shapes'
+            # rounding
             torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0,
                                        atol=1e-5 if dtype == "float32" else 0.05)
 
@@ -174,10 +184,11 @@ SHARED_RESPONSES = [[12, 2, 1], [4, 4, 7, 8, 2, 9, 1], [5], [9, 3, 1], [13, 1], 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_model_dir, dtype):
+@pytest.mark.parametrize("pack", [False, True])
+def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_model_dir, dtype, pack):
     """Each distinct prefix (a prompt without its last token) runs once; the passes run each row's own tokens on its
-    states; logprobs and entropies at the response positions, and the gradients of a loss over them, are the ones of
-    whole rows (0 at prompt positions)."""
+    states (padded, or packed into one sequence); logprobs and entropies at the response positions, and the
+    gradients of a loss over them, are the ones of whole rows (0 at prompt positions)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype))
@@ -196,10 +207,10 @@ def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_mo
     rows_run = []
     hook = model.register_forward_hook(lambda m, args, kwargs, out: rows_run.append(kwargs["input_ids"].shape),
                                        with_kwargs=True)
-    prompts = SharedPrompts(model, batch, grad=True)
+    prompts = SharedPrompts(model, batch, grad=True, batching=MicroBatching(pack=pack))
     assert rows_run == [(4, 5)]  # 4 distinct non-empty prefixes, padded to the longest (5 tokens)
     got_logprobs, got_entropy = torch.zeros_like(logprobs), torch.zeros_like(entropy)
-    passes = MicroBatching(max_tokens=BUDGET).split(tail_lengths(batch))
+    passes = MicroBatching(max_tokens=BUDGET, pack=pack).split(tail_lengths(batch))
     assert len(passes) > 2
     for rows in passes:
         part = batch.select(rows)
@@ -209,6 +220,9 @@ def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_mo
     prompts.backward()
     hook.remove()
     assert sum(r * t for r, t in rows_run[1:]) < int(batch.lengths.sum())  # the passes ran fewer tokens than rows
+    if pack:  # one sequence per pass, of the rows' own tokens only
+        assert all(r == 1 for r, _ in rows_run[1:])
+        assert sum(t for _, t in rows_run[1:]) == int(tail_lengths(batch).sum())
     response = batch.response_mask.bool()
     tolerance = dict(rtol=0, atol=1e-5) if dtype == "float32" else dict(rtol=0, atol=0.1)
     torch.testing.assert_close(got_logprobs[response], logprobs.detach()[response], **tolerance)
@@ -228,15 +242,17 @@ def test_shared_prompts_give_every_rows_logprobs_entropies_and_gradients(tiny_mo
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", MODES)
-def test_shared_prompts_make_the_one_pass_update_in_every_mode(tiny_model_dir, dtype, mode):
+@pytest.mark.parametrize("pack", [False, True])
+def test_shared_prompts_make_the_one_pass_update_in_every_mode(tiny_model_dir, dtype, mode, pack):
     """The Learner with shared prompts (budgeted passes over each row's own tokens, pi_old from the training forward
     or from a no-grad pass of its own) makes the update of one pass over whole rows; each minibatch runs each of
     its prompts' prefixes once."""
     behavior, ref = inputs(tiny_model_dir, dtype)
     for settings in (dict(loss_agg=mode), dict(loss_agg=mode, num_minibatches=2)):
         whole = update(make(tiny_model_dir, dtype, max_tokens_per_micro_batch=None, **settings), behavior, ref)
-        shared = make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, share_prompts=True, **settings)
-        assert shared.batching.share_prompts
+        shared = make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, share_prompts=True,
+                      pack_sequences=pack, **settings)
+        assert shared.batching.share_prompts and shared.batching.pack == pack
         ours = update(shared, behavior, ref)
         # One pass per minibatch whole; shared: a prefix pass and at least one pass per minibatch (+ the same for
         # pi_old's no-grad pass with two minibatches).
@@ -259,3 +275,36 @@ def test_prompts_are_shared_only_where_it_saves_and_is_safe(tiny_model_dir):
     assert not SharedPrompts.supports(Qwen2ForCausalLM(sliding))  # its cache keeps a window, not every state
     assert not make(tiny_model_dir, "float32", share_prompts=True, num_ranks=2, strategy="fsdp2").batching.share_prompts
     assert make(tiny_model_dir, "float32", share_prompts=True, num_ranks=2, strategy="ddp").batching.share_prompts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packing_switches_only_models_it_can_pack_and_leaves_their_other_calls_as_they_were(tiny_model_dir, dtype):
+    """A model whose attention is sdpa is switched to the packed implementation, which is sdpa bit for bit for a
+    call without a layout (padded passes, generation); eager attention and sliding windows are not packed, and a
+    pass asked to pack them runs padded, with the same logprobs."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype))
+    batch = pad_sequences(PROMPTS, RESPONSES)
+    with torch.no_grad():
+        before = sequence_logprobs(model, batch)
+        generated = model.generate(batch.input_ids[:1, :6], do_sample=False, max_new_tokens=5, pad_token_id=0)
+        assert model.config._attn_implementation == "sdpa" and packable(model)
+        assert model.config._attn_implementation == IMPLEMENTATION
+        assert torch.equal(sequence_logprobs(model, batch), before)
+        assert torch.equal(model.generate(batch.input_ids[:1, :6], do_sample=False, max_new_tokens=5,
+                                          pad_token_id=0), generated)
+        packed = sequence_logprobs(model, batch, pack=True)
+    response = batch.response_mask.bool()
+    torch.testing.assert_close(packed[response], before[response], rtol=0,
+                               atol=1e-5 if dtype == "float32" else 0.05)
+
+    eager = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype),
+                                                 attn_implementation="eager")
+    assert not packable(eager) and eager.config._attn_implementation == "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(eager, batch, pack=True), sequence_logprobs(eager, batch))
+    sliding = Qwen2Config(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                          layer_types=["sliding_attention"] * 2, attn_implementation="sdpa")
+    assert not packable(Qwen2ForCausalLM(sliding))

@@ -54,8 +54,8 @@ def test_a_flat_array_of_per_token_values_pads_like_its_rows_and_flattens_back()
         pad_per_token(flat[:3], batch)
 
 
-def split(lengths, max_rows=None, max_tokens=None) -> list[list[int]]:
-    return [part.tolist() for part in MicroBatching(max_rows, max_tokens).split(torch.tensor(lengths))]
+def split(lengths, max_rows=None, max_tokens=None, pack=False) -> list[list[int]]:
+    return [part.tolist() for part in MicroBatching(max_rows, max_tokens, pack=pack).split(torch.tensor(lengths))]
 
 
 def test_passes_are_cut_by_the_token_budget_over_rows_sorted_longest_first():
@@ -69,15 +69,26 @@ def test_passes_are_cut_by_the_token_budget_over_rows_sorted_longest_first():
     assert split([]) == [] and split([4, 4, 4], max_tokens=8) == [[0, 1], [2]]  # ties keep their order
 
 
+def test_packed_passes_count_their_rows_own_tokens():
+    lengths = [3, 9, 2, 9, 5, 1, 4]
+    # sorted: 9 (1), 9 (3), 5 (4), 4 (6), 3 (0), 2 (2), 1 (5); packed tokens = the rows' lengths summed
+    assert split(lengths, max_tokens=18, pack=True) == [[1, 3], [4, 6, 0, 2, 5]]  # padded: 3 passes
+    assert split(lengths, max_tokens=8, pack=True) == [[1], [3], [4], [6, 0], [2, 5]]
+    assert split(lengths, max_rows=2, max_tokens=100, pack=True) == [[1, 3], [4, 6], [0, 2], [5]]
+    assert MicroBatching(max_tokens=8, pack=True).padded == MicroBatching(max_tokens=8)
+
+
 @pytest.mark.parametrize("max_rows", [None, 1, 3])
 @pytest.mark.parametrize("max_tokens", [None, 1, 7, 40])
-def test_every_row_is_in_exactly_one_pass_within_both_limits(max_rows, max_tokens):
+@pytest.mark.parametrize("pack", [False, True])
+def test_every_row_is_in_exactly_one_pass_within_both_limits(max_rows, max_tokens, pack):
     lengths = torch.randint(1, 20, (37,), generator=torch.Generator().manual_seed(7))
-    passes = MicroBatching(max_rows, max_tokens).split(lengths)
+    passes = MicroBatching(max_rows, max_tokens, pack=pack).split(lengths)
     assert sorted(i for part in passes for i in part.tolist()) == list(range(37))
     for part in passes:
+        tokens = int(lengths[part].sum()) if pack else len(part) * int(lengths[part].max())
         assert max_rows is None or len(part) <= max_rows
-        assert max_tokens is None or len(part) == 1 or len(part) * int(lengths[part].max()) <= max_tokens
+        assert max_tokens is None or len(part) == 1 or tokens <= max_tokens
 
 
 def test_each_pass_computes_on_its_rows_only_and_lands_in_the_batch_layout():
