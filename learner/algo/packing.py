@@ -60,12 +60,14 @@ def packable(model: torch.nn.Module) -> bool:
 
 def packed_logits(model: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
                   prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                  prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits [b, R, V] of right-padded rows `ids` [b, R] (real tokens where `valid` [b, R] bool; each at its
-    position `positions` [b, R]) from one packed pass over their real tokens: zeros at padding. With `prefix`
-    (per layer, the rows' cached keys and values [b, kv_heads, P, head_dim]) and `prefix_mask` [b, P] (1 on real
-    cached tokens), each row attends to its cached states before its own tokens, as to a prompt. The model must be
-    `packable`. Gradients flow into the model and into `prefix` if enabled by the caller."""
+                  prefix_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed pass over the real tokens of right-padded rows `ids` [b, R] (real where `valid` [b, R] bool; each
+    at its position `positions` [b, R]): the logits of those tokens [T, V], in the rows' order, and their places in
+    the flattened [b * R] layout [T]. No [b, R, V] tensor is made: a pass of short rows beside a long one would pad
+    its logits to the long one. With `prefix` (per layer, the rows' cached keys and values [b, kv_heads, P,
+    head_dim]) and `prefix_mask` [b, P] (1 on real cached tokens), each row attends to its cached states before its
+    own tokens, as to a prompt. The model must be `packable`. Gradients flow into the model and into `prefix` if
+    enabled by the caller."""
     rows, width = ids.shape
     device = ids.device
     flat = torch.nonzero(valid.flatten()).flatten()  # [T]
@@ -85,7 +87,7 @@ def packed_logits(model: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor
         raise RuntimeError(f"a packed pass reached the attention of {layout.calls} of the model's {layers} layers "
                            f"(its layers do not call transformers' attention interface): packed rows would see each "
                            "other; set learner.pack_sequences=false and reference.pack_sequences=false")
-    return logits.new_zeros(rows * width, logits.shape[-1]).index_copy(0, flat, logits).view(rows, width, -1)
+    return logits, flat
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

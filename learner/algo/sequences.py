@@ -241,7 +241,8 @@ def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature:
     if prompts is not None:
         logits, labels, place = prompts.forward(model, batch)
         return place(logprobs_from_logits(logits, labels, temperature))
-    return logprobs_from_logits(_row_logits(model, batch, pack)[:, :-1], batch.input_ids[:, 1:], temperature)
+    logits, labels, place = _row_logits(model, batch, pack)
+    return place(logprobs_from_logits(logits, labels, temperature))
 
 
 def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0,
@@ -254,7 +255,7 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
     if prompts is not None:
         logits, labels, place = prompts.forward(model, batch)
     else:
-        logits, labels, place = _row_logits(model, batch, pack)[:, :-1], batch.input_ids[:, 1:], _as_is
+        logits, labels, place = _row_logits(model, batch, pack)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = place(entropy_from_logits(logits, temperature))
     return place(logprobs_from_logits(logits, labels, temperature)), entropy
@@ -264,13 +265,33 @@ def _as_is(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _row_logits(model: torch.nn.Module, batch: SequenceBatch, pack: bool) -> torch.Tensor:
-    """The logits of whole rows [B, L, V]: one packed pass over their real tokens with `pack` where the model allows
-    it (zeros past each row), else one padded pass."""
+def _row_logits(model: torch.nn.Module, batch: SequenceBatch, pack: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Whole rows' logits, the tokens they predict and `place` (per-position values -> [B, L-1]): one packed pass
+    over their real tokens with `pack` where the model allows it (`_packed`), else one padded pass."""
     if pack and packable(model):
         positions = torch.arange(batch.input_ids.shape[1], device=batch.device).expand_as(batch.input_ids)
-        return packed_logits(model, batch.input_ids, batch.attention_mask.bool(), positions)
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        return _packed(model, batch.input_ids, batch.attention_mask.bool(), positions)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    return logits[:, :-1], batch.input_ids[:, 1:], _as_is
+
+
+def _packed(model: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+            prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, prefix_mask: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """A packed pass over rows `ids` [b, R] (`packed_logits`): the real tokens' logits as [T, 1, V] (a row per token,
+    so the float32 log-softmax is chunked by tokens), the tokens they predict [T, 1] (the next one in the row; past
+    the row's end, token 0, scored but never used, as a padded pass scores padding) and `place`, which puts [T, 1]
+    values at their positions of the [b, R-1] layout (position j predicts token j+1; 0 where no real token is)."""
+    logits, flat = packed_logits(model, ids, valid, positions, prefix, prefix_mask)
+    rows, width = ids.shape
+    following = torch.cat([ids[:, 1:], ids.new_zeros(rows, 1)], dim=1).flatten()[flat]
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(rows * width).index_copy(0, flat, values[:, 0])
+        return out.view(rows, width)[:, :-1]
+
+    return logits[:, None], following[:, None], place
 
 
 def prompt_lengths(batch: SequenceBatch) -> torch.Tensor:
@@ -383,8 +404,9 @@ class SharedPrompts:
     def forward(self, model: torch.nn.Module, part: SequenceBatch
                 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
         """One pass over `part` (rows among the ones this was built for): the logits of each row's own tokens
-        [b, R-1, V] (R: the longest tail), the tokens they predict [b, R-1], and `place`, which puts per-position
-        values [b, R-1] where `sequence_logprobs` has them, [b, L-1] (0 at prompt positions and past each row)."""
+        [b, R-1, V] (R: the longest tail; packed, [T, 1, V] for its T real tokens, `_packed`), the tokens they
+        predict (the logits' shape without V), and `place`, which puts per-position values of that shape where
+        `sequence_logprobs` has them, [b, L-1] (0 at prompt positions and past each row)."""
         from transformers import DynamicCache
 
         try:
@@ -403,8 +425,8 @@ class SharedPrompts:
         cached = int(prompt.max()) - 1  # the longest prefix among these rows
         states = [(keys[group, :, :cached], values[group, :, :cached]) for keys, values in self.states]
         if self.pack and packable(model):
-            logits = packed_logits(model, ids, valid, positions, states if cached > 0 else None,
-                                   self.mask[group, :cached] if cached > 0 else None)[:, :-1]
+            logits, labels, unpack = _packed(model, ids, valid, positions, states if cached > 0 else None,
+                                             self.mask[group, :cached] if cached > 0 else None)
         else:
             if cached > 0:
                 past = DynamicCache(ddp_cache_data=states)
@@ -413,6 +435,7 @@ class SharedPrompts:
                 past, mask = None, valid.long()
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                            use_cache=past is not None).logits[:, :-1]
+            labels, unpack = ids[:, 1:], _as_is
         scored = valid[:, 1:]  # tail position j predicts tail token j+1
         columns = last  # the [b, L-1] layout's width
         # Row i's tail position j is layout position prompt_i - 1 + j: distinct within a row for the positions that
@@ -420,10 +443,11 @@ class SharedPrompts:
         index = positions[:, :-1]
 
         def place(values: torch.Tensor) -> torch.Tensor:
+            values = unpack(values)  # [b, R-1]
             kept = torch.where(scored, values, torch.zeros((), dtype=values.dtype, device=values.device))
             return values.new_zeros((len(part), columns + 1)).scatter_add(1, index, kept)[:, :columns]
 
-        return logits, ids[:, 1:], place
+        return logits, labels, place
 
     def backward(self) -> None:
         """Carry the gradients the passes left on the prefixes' states through the prefixes' forward (once, after
