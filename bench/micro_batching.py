@@ -1,11 +1,12 @@
 """How a step's sequences are cut into forward/backward passes, timed on one model: rows in batch order (the old
 fixed row count), rows sorted by length under a token budget (relay's `MicroBatching`), packed rows (several
-sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask), and shared
-prompts (relay's `SharedPrompts`: each group's prompt run once, each row's pass its own tokens on the prompt's cached
-states, the sorted passes cut by those tokens).
+sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask), relay's
+packed passes (`learner.pack_sequences`: a pass's rows as one sequence of their real tokens, attention gathered per
+row, `learner.algo.packing`), and shared prompts (relay's `SharedPrompts`: each group's prompt run once, each row's
+pass its own tokens on the prompt's cached states, the passes cut by those tokens), padded or packed.
 
 Usage: python bench/micro_batching.py [--size 25M|demo] [--repeats 3] [--budgets 1024 2048 4096] [--prompt-extra N]
-                                      [--ways order sorted packed shared]
+                                      [--ways order sorted packed relay-packed shared shared-packed]
 The sequences mimic the 25M benchmark of bench/vs_trl.py: 256 = 32 prompts x 8, prompts of 4 to 6 tokens (plus
 `--prompt-extra`), responses of ~16 tokens on average (geometric, at most 64). Each way is timed without gradients
 (the reference's and the old-logprobs passes) and with the backward pass (the training forward); the table gives the
@@ -114,23 +115,23 @@ def time_way(model: torch.nn.Module, rows: list[torch.Tensor], passes: list[list
     return time.perf_counter() - start, computed
 
 
-def time_shared(model: torch.nn.Module, batch, budget: int, grad: bool) -> tuple[float, int, int]:
-    """Seconds for the shared-prompts way (the prompts' passes, then the rows' passes; with `grad`, each pass's
-    backward and the prompts' own), the tokens computed and the passes (prompt passes included)."""
-    batching = MicroBatching(max_tokens=budget, share_prompts=True)
+def time_relay(model: torch.nn.Module, batch, batching: MicroBatching, grad: bool) -> tuple[float, int, int]:
+    """Seconds for relay's passes under `batching` (shared prompts: the prompts' passes, then the rows' passes; with
+    `grad`, each pass's backward and the prompts' own), the tokens computed and the passes (prompt passes
+    included)."""
     ran = []
     hook = model.register_forward_hook(lambda m, args, kwargs, out: ran.append(kwargs["input_ids"].numel()),
                                        with_kwargs=True)
     start = time.perf_counter()
     try:
         with torch.set_grad_enabled(grad):
-            prompts = SharedPrompts(model, batch, grad, batching)
-            for rows in batching.split(tail_lengths(batch)):
+            prompts = SharedPrompts(model, batch, grad, batching) if batching.share_prompts else None
+            for rows in batching.split(tail_lengths(batch) if prompts is not None else batch.lengths):
                 part = batch.select(rows)
-                logprobs = sequence_logprobs(model, part, prompts=prompts)
+                logprobs = sequence_logprobs(model, part, prompts=prompts, pack=batching.pack)
                 if grad:
                     (logprobs * part.response_mask).sum().backward()
-            if grad:
+            if grad and prompts is not None:
                 prompts.backward()
     finally:
         hook.remove()
@@ -138,15 +139,18 @@ def time_shared(model: torch.nn.Module, batch, budget: int, grad: bool) -> tuple
 
 
 def check_shared(model: torch.nn.Module, batch) -> None:
-    """Shared prompts must give every response token the logprob of its whole row."""
+    """Shared prompts and packed passes (each, and both) must give every response token the logprob of its whole
+    padded row."""
+    response = batch.response_mask.bool()
     with torch.no_grad():
         whole = sequence_logprobs(model, batch)
-        prompts = SharedPrompts(model, batch)
-        shared = sequence_logprobs(model, batch, prompts=prompts)
-    response = batch.response_mask.bool()
-    gap = float((whole[response] - shared[response]).abs().max())
-    if gap > 1e-4:
-        raise SystemExit(f"shared prompts change the logprobs (gap {gap:.3g}): the shared timing would be wrong")
+        for share, pack in ((True, False), (False, True), (True, True)):
+            prompts = SharedPrompts(model, batch, batching=MicroBatching(pack=pack)) if share else None
+            ours = sequence_logprobs(model, batch, prompts=prompts, pack=pack)
+            gap = float((whole[response] - ours[response]).abs().max())
+            if gap > 1e-4:
+                raise SystemExit(f"shared prompts {share}, packed {pack} change the logprobs (gap {gap:.3g}): the "
+                                 "timing would be wrong")
 
 
 def main() -> None:
@@ -156,8 +160,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-extra", type=int, default=0, help="tokens added to every prompt")
-    parser.add_argument("--ways", nargs="+", choices=["order", "sorted", "packed", "shared"],
-                        default=["order", "sorted", "packed", "shared"], help="which ways to time")
+    choices = ["order", "sorted", "packed", "relay-packed", "shared", "shared-packed"]
+    parser.add_argument("--ways", nargs="+", choices=choices, default=choices, help="which ways to time")
     args = parser.parse_args()
 
     from transformers import Qwen2ForCausalLM
@@ -196,14 +200,19 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         print(f"| {name} | {len(passes)} | {forward[0][1]} | {statistics.median(t for t, _ in forward):.2f} | "
               f"{statistics.median(t for t, _ in backward):.2f} |", flush=True)
-    for budget in args.budgets if "shared" in args.ways else []:
-        time_shared(model, batch, budget, grad=True)  # warm-up
-        forward = [time_shared(model, batch, budget, grad=False) for _ in range(args.repeats)]
-        backward = [time_shared(model, batch, budget, grad=True) for _ in range(args.repeats)]
-        model.zero_grad(set_to_none=True)
-        print(f"| shared prompts, sorted, {budget} padded tokens per pass | {forward[0][2]} | {forward[0][1]} | "
-              f"{statistics.median(t for t, *_ in forward):.2f} | {statistics.median(t for t, *_ in backward):.2f} |",
-              flush=True)
+    relay_ways = {"relay-packed": ("packed passes (relay), {} real tokens per pass", False, True),
+                  "shared": ("shared prompts, sorted, {} padded tokens per pass", True, False),
+                  "shared-packed": ("shared prompts, packed passes, {} real tokens per pass", True, True)}
+    for way, (label, share, pack) in relay_ways.items():
+        for budget in args.budgets if way in args.ways else []:
+            batching = MicroBatching(max_tokens=budget, share_prompts=share, pack=pack)
+            time_relay(model, batch, batching, grad=True)  # warm-up
+            forward = [time_relay(model, batch, batching, grad=False) for _ in range(args.repeats)]
+            backward = [time_relay(model, batch, batching, grad=True) for _ in range(args.repeats)]
+            model.zero_grad(set_to_none=True)
+            print(f"| {label.format(budget)} | {forward[0][2]} | {forward[0][1]} | "
+                  f"{statistics.median(t for t, *_ in forward):.2f} | "
+                  f"{statistics.median(t for t, *_ in backward):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

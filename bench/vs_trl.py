@@ -47,8 +47,10 @@ Not the same, by design or because one side cannot express it:
 - sampling: relay's vLLM engines (2 rollout workers x 1 thread, paged KV cache) draw with per-prompt seeds; TRL runs
   transformers `generate` (its default path, no vLLM) on all 256 sequences at once with torch's RNG: the same prompts,
   different samples, so the reward curves agree in distribution only;
-- micro-batch shapes: relay sorts a batch's rows by length and pads each pass to its own longest sequence; TRL pads
-  the whole batch to its longest and cuts it in equal passes (see `trl_micro_batch`);
+- micro-batch shapes: relay sorts a batch's rows by length, cuts them into passes by its token budget and runs each
+  pass's rows packed (their real tokens only, attention per row; `learner.pack_sequences`), each group's prompt once
+  (`learner.share_prompts`); TRL pads the whole batch to its longest and cuts it in equal passes (see
+  `trl_micro_batch`);
 - relay's `sync` phase (weights to the engines, probe check) has no TRL counterpart (TRL samples from the trained
   model itself); relay's reference is a separate actor, TRL's a second model in the same process;
 - the advantage's eps: relay 1e-6, TRL 1e-4 (hard-coded); with 0/1 rewards a non-constant group of 8 has std >= 0.35;

@@ -88,9 +88,10 @@ class LearnerConfig(_Section):
     """Run each pass's rows as one packed sequence of their real tokens: every layer but attention computes no
     padding; attention gathers each row's tokens into a padded row of its own (the CPU equivalent of a GPU's
     variable-length attention; `learner.algo.packing`). The same logprobs, losses and gradients (up to float
-    summation order); on the 25M benchmark a pass's forward and backward took 0.8-0.9x the padded one's
-    (docs/benchmarks.md, "Packed passes"). Only for models whose attention is sdpa and keeps no sliding window
-    (others run padded passes), and not with a value model (`critic.enabled`: its passes stay padded)."""
+    summation order); on the 25M benchmark's sequences (shared prompts, 1024 tokens per pass) the passes'
+    forward and backward took 0.87-0.93x the padded passes' time (docs/benchmarks.md, "Packed passes"). Only for
+    models whose attention is sdpa and keeps no sliding window (others run padded passes), and not with a value
+    model (`critic.enabled`: its passes stay padded)."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)
