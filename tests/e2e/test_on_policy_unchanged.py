@@ -1,8 +1,9 @@
 """`rollout.max_staleness=0` is the loop from before asynchronous training, bit for bit: the demo trained by the last
 commit before it (taken from this repository's history with `git archive`, run as `relay train`) and by this
 code (in the test's process, on the session's shared fleets) gives the same metrics and bitwise the same weights, in
-float32 and bfloat16. This code runs with whole rows (`learner.share_prompts=false`, `reference.share_prompts=false`):
-shared prompts, added later, change the float summation order (their own tests compare them with whole rows)."""
+float32 and bfloat16. This code runs with whole padded rows (`learner.share_prompts=false`,
+`reference.share_prompts=false`, `learner.pack_sequences=false`, `reference.pack_sequences=false`): shared prompts
+and packed passes, added later, change the float summation order (their own tests compare them with whole rows)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ STEPS = 3
 # Keys the asynchronous work added (to every record, on-policy too), and what differs between any two runs.
 NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rollout_idle")
 VOLATILE = ("time/", "throughput/", "memory/")
-WHOLE_ROWS = ["learner.share_prompts=false", "reference.share_prompts=false"]  # settings the old code did not have
+WHOLE_ROWS = ["learner.share_prompts=false", "reference.share_prompts=false",  # settings the old code did not have
+              "learner.pack_sequences=false", "reference.pack_sequences=false"]
 
 
 def overrides(run_dir: Path, model_dir: Path, dtype: str) -> list[str]:
