@@ -238,10 +238,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature:
     `prompts` (covering the batch's rows), only each row's own tokens are run, on its prompt's cached states: the
     response positions hold the same values, the prompt positions 0. `pack`: whole rows run as one packed pass
     where the model allows it (`learner.algo.packing`; with `prompts`, they decide)."""
-    if prompts is not None:
-        logits, labels, place = prompts.forward(model, batch)
-        return place(logprobs_from_logits(logits, labels, temperature))
-    logits, labels, place = _row_logits(model, batch, pack)
+    logits, labels, place = _logits(model, batch, prompts, pack)
     return place(logprobs_from_logits(logits, labels, temperature))
 
 
@@ -252,10 +249,7 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
     two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
     with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward). `prompts`: as `sequence_logprobs`
     (the entropy, too, 0 at prompt positions) and `pack`."""
-    if prompts is not None:
-        logits, labels, place = prompts.forward(model, batch)
-    else:
-        logits, labels, place = _row_logits(model, batch, pack)
+    logits, labels, place = _logits(model, batch, prompts, pack)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = place(entropy_from_logits(logits, temperature))
     return place(logprobs_from_logits(logits, labels, temperature)), entropy
@@ -265,10 +259,13 @@ def _as_is(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _row_logits(model: torch.nn.Module, batch: SequenceBatch, pack: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Whole rows' logits, the tokens they predict and `place` (per-position values -> [B, L-1]): one packed pass
-    over their real tokens with `pack` where the model allows it (`_packed`), else one padded pass."""
+def _logits(model: torch.nn.Module, batch: SequenceBatch, prompts: SharedPrompts | None, pack: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """One pass's logits, the tokens they predict and `place` (per-position values -> [B, L-1]): each row's own
+    tokens on its prompt's cached states with `prompts` (`SharedPrompts.forward`); else whole rows, in one packed pass
+    over their real tokens with `pack` where the model allows it (`_packed`), or one padded pass."""
+    if prompts is not None:
+        return prompts.forward(model, batch)
     if pack and packable(model):
         positions = torch.arange(batch.input_ids.shape[1], device=batch.device).expand_as(batch.input_ids)
         return _packed(model, batch.input_ids, batch.attention_mask.bool(), positions)
@@ -423,14 +420,16 @@ class SharedPrompts:
         positions = ((prompt - 1)[:, None] + offsets[None, :]).clamp(max=last)  # [b, R] each token's own position
         ids = part.input_ids.gather(1, positions)
         cached = int(prompt.max()) - 1  # the longest prefix among these rows
-        states = [(keys[group, :, :cached], values[group, :, :cached]) for keys, values in self.states]
+        # The rows' cached states, per layer, and where they are real; none when no row has a prefix.
+        states = [(keys[group, :, :cached], values[group, :, :cached]) for keys, values in self.states] \
+            if cached > 0 else None
+        prefix_mask = self.mask[group, :cached] if cached > 0 else None
         if self.pack and packable(model):
-            logits, labels, unpack = _packed(model, ids, valid, positions, states if cached > 0 else None,
-                                             self.mask[group, :cached] if cached > 0 else None)
+            logits, labels, unpack = _packed(model, ids, valid, positions, states, prefix_mask)
         else:
-            if cached > 0:
+            if states is not None:
                 past = DynamicCache(ddp_cache_data=states)
-                mask = torch.cat([self.mask[group, :cached], valid.long()], dim=1)
+                mask = torch.cat([prefix_mask, valid.long()], dim=1)
             else:
                 past, mask = None, valid.long()
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
