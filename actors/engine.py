@@ -2,7 +2,8 @@
 
 Owns: starting an engine with settings that work on both device kinds, sampling G completions per prompt with the
 sampled tokens' logprobs (in one call, or one engine step at a time with a hook between steps), loading new weights
-into the running engine (through `RelayWorkerExtension`, vLLM's reload path and a prefix-cache reset) whether they
+into the running engine (through `RelayWorkerExtension`: vLLM's reload path, or a copy in place where the CPU's
+linear layers run torch's linear, `rollout.cpu_linear`; then a prefix-cache reset) whether they
 are handed over or broadcast to the engine's workers by a weight group, and shutting it down without leaving files
 behind.
 Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
@@ -38,6 +39,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     tensor_parallel_size: int = 1  # > 1: vLLM starts one Ray worker per shard in the actor's placement group
+    cpu_linear: str = "auto"  # CPU only: "onednn", "torch" or "auto" (`RolloutConfig.cpu_linear`)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,42 @@ def _no_full_collections() -> Iterator[None]:
         gc.collect = collect
 
 
+def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
+    """Whether a CPU engine's linear layers run torch's linear on their weights as loaded (`rollout.cpu_linear`)
+    instead of vLLM's oneDNN kernels, which pre-pack a copy of each weight. A load then copies the new weights in
+    place (the demo's 0.3M-parameter model: 3 ms against 22 ms through vLLM's reload, which re-packs every layer),
+    while oneDNN's matmuls sample a 25M model in 0.7x the time (docs/benchmarks.md); `auto` picks torch's below 1M
+    parameters. The switch is the engine's process's, so only for an engine in it (`in_process`) with one shard."""
+    from learner.device import SMALL_MODEL_PARAMETERS, count_parameters
+
+    here = in_process and settings.tensor_parallel_size == 1
+    if settings.cpu_linear == "torch" and not here:
+        raise ValueError("rollout.cpu_linear=torch needs a one-shard engine in the rollout worker's process "
+                         "(rollout.tensor_parallel_size=1); set rollout.cpu_linear=onednn or auto")
+    if settings.cpu_linear == "auto":
+        size = count_parameters(settings.model_path)
+        return here and size is not None and size < SMALL_MODEL_PARAMETERS
+    return settings.cpu_linear == "torch"
+
+
+@contextlib.contextmanager
+def _torch_linear_kernels() -> Iterator[None]:
+    """While an engine starts: vLLM's CPU layers with 2-D weights take `torch_linear` as their kernel, on their
+    weights as loaded, instead of the oneDNN (or AMX) kernel vLLM would build from a packed copy. vLLM looks its
+    dispatcher up when it processes the loaded weights; it is restored after, so engines started later in this
+    process pick for themselves."""
+    from vllm.model_executor.layers import utils
+
+    from actors.vllm_extension import torch_linear_dispatch
+
+    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
+    utils.dispatch_cpu_unquantized_gemm = torch_linear_dispatch(vllm_dispatch)
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
+
+
 class VllmEngine:
     """A running vLLM `LLM` plus the few operations relay needs from it."""
 
@@ -133,18 +171,25 @@ class VllmEngine:
             # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        self.llm = LLM(
-            model=settings.model_path,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            worker_extension_cls=EXTENSION,
-            # Logprobs after temperature, so that they are the behaviour policy's; the learner applies the same.
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            **device_args,
-        )
+        torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
+        with _torch_linear_kernels() if torch_linear else contextlib.nullcontext():
+            self.llm = LLM(
+                model=settings.model_path,
+                dtype=settings.dtype,
+                max_model_len=settings.max_model_len,
+                enforce_eager=settings.enforce_eager,
+                seed=settings.seed,
+                worker_extension_cls=EXTENSION,
+                # Logprobs after temperature, so that they are the behaviour policy's; the learner applies the same.
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                **device_args,
+            )
+        # Loads copy the new weights into the model's own tensors where no kernel holds a copy of them.
+        self.direct_loads = torch_linear and all(self.llm.collective_rpc("relay_use_direct_loads"))
+        if torch_linear and not self.direct_loads:
+            raise RuntimeError("vLLM's CPU layers did not take torch's linear kernel (rollout.cpu_linear=torch); "
+                               "set rollout.cpu_linear=onednn")
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
         # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend (the
@@ -301,7 +346,7 @@ class VllmEngine:
         self.llm.collective_rpc("relay_join_weight_group", args=(spec.to_dict(), first_rank))
 
     def receive_weights(self, fingerprint: bool = True) -> tuple[dict[str, float], tuple[dict[str, str], ...]]:
-        """Receive the learner's broadcast into every worker, loaded in place through vLLM's reload path; then the
+        """Receive the learner's broadcast into every worker, loaded in place (as `load_weights`); then the
         prefix cache is reset, as for `load_weights`. Returns the first worker's timings and, with `fingerprint`,
         every worker's fingerprints of the tensors it received (sync/fingerprint.py)."""
         reports = self.llm.collective_rpc("relay_receive_weights", args=(fingerprint,))

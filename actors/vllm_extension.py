@@ -11,7 +11,7 @@ Must stay importable in the engine's processes: it imports only torch and relay 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,19 +19,50 @@ from sync.fingerprint import fingerprint as relay_fingerprint
 from sync.group import GroupSpec, WeightGroup
 
 
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The CPU kernel of a linear layer in an engine started with `rollout.cpu_linear` torch: torch's linear on the
+    layer's weight as it is at the call, so a weight copied in place is the one used."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def torch_linear_dispatch(vllm_dispatch: Callable) -> Callable:
+    """A stand-in for vLLM's `dispatch_cpu_unquantized_gemm(layer, remove_weight)`, which picks a CPU linear layer's
+    kernel after its weights are loaded: `torch_linear` for 2-D weights, kept where they were loaded; vLLM's own
+    choice for the rest (meta or non-2-D weights)."""
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return vllm_dispatch(layer, remove_weight)
+        layer.cpu_linear = torch_linear
+
+    return dispatch
+
+
 class RelayWorkerExtension:
     """Methods added to vLLM's GPU/CPU worker class."""
 
+    def relay_use_direct_loads(self) -> bool:
+        """From now on load weights with the model's own `load_weights`, copying into its tensors in place, if every
+        CPU linear kernel of the model is `torch_linear` (no kernel holds a copy of a weight); returns whether so."""
+        kernels = [m.cpu_linear for m in self.model_runner.get_model().modules() if hasattr(m, "cpu_linear")]
+        self._relay_direct = bool(kernels) and all(kernel is torch_linear for kernel in kernels)
+        return self._relay_direct
+
     def relay_reload_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
                              path: str | None = None) -> int:
-        """Load new weights in place through vLLM's reload path (restore, load, re-pack); return tensors loaded.
+        """Load new weights in place; return tensors loaded. After `relay_use_direct_loads`, with the model's own
+        `load_weights` (each tensor copied into the model's, fused ones into their share; a tied head is the
+        embedding itself); else through vLLM's reload path (restore, load, re-pack).
 
-        A direct `model.load_weights` fails on the CPU backend, which pre-packs linear weights after loading. The
-        reload re-packs every layer that shares a loaded tensor, so a tied head follows the new embedding
-        (docs/vllm-cpu.md; tests/actors/test_rollout_worker.py checks the engine's head after every load).
+        A direct `model.load_weights` fails on the CPU backend's default kernels, which pre-pack linear weights after
+        loading. The reload re-packs every layer that shares a loaded tensor, so a tied head follows the new
+        embedding (docs/vllm-cpu.md; tests/actors/test_rollout_worker.py checks the engine's head after every load).
         """
         tensors = list(named_tensors) if named_tensors is not None else None
-        if tensors is not None:
+        if tensors is not None and getattr(self, "_relay_direct", False):
+            with torch.no_grad():
+                self.model_runner.get_model().load_weights(iter(tensors))
+        elif tensors is not None:
             self.model_runner.reload_weights(weights_iterator=iter(tensors))
         else:
             self.model_runner.reload_weights(weights_path=path)

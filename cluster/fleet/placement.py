@@ -146,7 +146,8 @@ class RolloutLauncher:
         self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
                                        max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
                                        enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
-                                       seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size)
+                                       seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size,
+                                       cpu_linear=ro.cpu_linear)
         self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
         self.episodes = None  # multi-turn episodes (`env`): what each worker needs to run them
         if config.env.enabled:

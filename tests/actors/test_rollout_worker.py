@@ -9,6 +9,7 @@ import torch
 
 from actors.engine import EngineSettings
 from actors.rollout import RolloutWorker, SamplingSettings
+from actors.vllm_extension import torch_linear
 from sync.fingerprint import fingerprint
 
 pytestmark = pytest.mark.slow
@@ -99,6 +100,7 @@ def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):
 
 
 def test_load_weights_updates_the_running_engine(worker, tiny_model_dir):
+    assert worker.engine.direct_loads  # `rollout.cpu_linear` auto: torch's linear for a model under 1M parameters
     new = perturbed_state(tiny_model_dir, seed=3)
     loaded = worker.load_weights(5, *buckets_of(new))
     # the fingerprints of exactly what the engine was handed
@@ -210,13 +212,15 @@ def test_stepwise_generation_without_loads_is_generate_bit_for_bit(worker):
             assert d.versions == [7] * len(d.response_ids)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker, dtype):
+@pytest.mark.parametrize("dtype,cpu_linear", [("float32", "torch"), ("bfloat16", "onednn")])
+def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker, dtype, cpu_linear):
     """An offer taken in the middle of a request: the tokens before it are the old weights' samples, the tokens
     after it the new weights' (running requests are preempted and their KV recomputed), each tagged with its version;
-    the load is reported with the fingerprints of what the engine got, and probed after the request."""
+    the load is reported with the fingerprints of what the engine got, and probed after the request. Loaded in place
+    (torch's linear) or through vLLM's reload (oneDNN's kernels)."""
     worker.shutdown()  # one engine at a time in this process
-    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype))
+    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype, cpu_linear=cpu_linear))
+    assert w.engine.direct_loads == (cpu_linear == "torch")
     try:
         old, new = perturbed_state(tiny_model_dir, seed=8), perturbed_state(tiny_model_dir, seed=9)
         if dtype == "bfloat16":  # what the engine serves: the bfloat16 weights, compared in float32
@@ -263,15 +267,16 @@ def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker,
         w.shutdown()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone(tiny_model_dir, worker, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,cpu_linear", [("float32", "onednn"), ("bfloat16", "torch")])
+def test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone(tiny_model_dir, worker, dtype, cpu_linear,
+                                                                        monkeypatch):
     """vLLM's CPU backend is batch-invariant, so the sync probe runs as the first prompt of the request that loads
     the weights (one engine batch, not two): its tokens and logprobs are bit for bit those of the probe alone, which
     `stale_probe` compares across a worker's loads whatever else its requests held; its cache hits count only what
     survived the load, though the request's own prompts include the probe's. An engine that is not batch-invariant
-    runs the probe alone first, with the same result."""
+    runs the probe alone first, with the same result. With either kernel of the CPU's linear layers."""
     worker.shutdown()  # one engine at a time in this process
-    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype))
+    w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype, cpu_linear=cpu_linear))
     try:
         assert w.engine.batch_invariant
         args = (PROBE, 8, 1.0, 1)
@@ -309,22 +314,29 @@ def _head_kernel(vllm_worker):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worker, dtype):
-    """Tied input/output embeddings: the checkpoint has no lm_head, so the CPU backend's packed head kernel must be
-    rebuilt from the new embedding on every load. On CPUs whose packing copies the weight, a kernel left from the old
-    load serves the old head; this machine's oneDNN kernel reads the weight in place, so besides the logprobs the test
-    checks the kernel itself: replaced at every load, and computing with the new embedding (docs/vllm-cpu.md)."""
+@pytest.mark.parametrize("cpu_linear", ["onednn", "torch"])
+def test_tied_embeddings_model_serves_the_new_weights(tiny_tied_model_dir, worker, dtype, cpu_linear):
+    """Tied input/output embeddings: the checkpoint has no lm_head, so with oneDNN's kernels the CPU backend's packed
+    head kernel must be rebuilt from the new embedding on every load. On CPUs whose packing copies the weight, a
+    kernel left from the old load serves the old head, so besides the logprobs the test checks the kernel itself:
+    replaced at every load, and computing with the new embedding (docs/vllm-cpu.md). With torch's linear the head's
+    kernel is `torch_linear` on the embedding loaded in place."""
     worker.shutdown()  # one engine at a time in this process
-    tied = RolloutWorker(EngineSettings(model_path=str(tiny_tied_model_dir), dtype=dtype))
+    tied = RolloutWorker(EngineSettings(model_path=str(tiny_tied_model_dir), dtype=dtype, cpu_linear=cpu_linear))
     try:
         llm = tied.engine.llm
+        assert tied.engine.direct_loads == (cpu_linear == "torch")
         sampling = SamplingSettings(group_size=1, max_new_tokens=6)
         for version, seed in ((1, 6), (2, 7)):
-            llm.collective_rpc(_mark_head_kernel)
+            if cpu_linear == "onednn":
+                llm.collective_rpc(_mark_head_kernel)
             new = perturbed_state(tiny_tied_model_dir, seed=seed, scale=0.5)
             tied.load_weights(version, *buckets_of(new))
             [(kernel, still_marked, head)] = llm.collective_rpc(_head_kernel)
-            assert not still_marked, "the load left the head's kernel built from the previous weights"
+            if cpu_linear == "torch":
+                assert kernel is torch_linear  # on the head's weight at each call: the embedding, loaded in place
+            else:
+                assert not still_marked, "the load left the head's kernel built from the previous weights"
             embedding = new.get_input_embeddings().weight.detach()
             x = torch.randn(5, embedding.shape[1], generator=torch.Generator().manual_seed(seed))
             served = kernel(x.to(head.dtype), head, None)[:, :embedding.shape[0]].float()

@@ -2,8 +2,9 @@
 commit before it (taken from this repository's history with `git archive`, run as `relay train`) and by this
 code (in the test's process, on the session's shared fleets) gives the same metrics and bitwise the same weights, in
 float32 and bfloat16. This code runs with whole padded rows (`learner.share_prompts=false`,
-`reference.share_prompts=false`, `learner.pack_sequences=false`, `reference.pack_sequences=false`): shared prompts
-and packed passes, added later, change the float summation order (their own tests compare them with whole rows)."""
+`reference.share_prompts=false`, `learner.pack_sequences=false`, `reference.pack_sequences=false`) and vLLM's oneDNN
+kernels (`rollout.cpu_linear=onednn`): shared prompts, packed passes and torch's linear in the engines, added later,
+change the float summation order (their own tests compare them with whole rows, or with the model's logprobs)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ STEPS = 3
 # Keys the asynchronous work added (to every record, on-policy too), and what differs between any two runs.
 NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rollout_idle")
 VOLATILE = ("time/", "throughput/", "memory/")
-WHOLE_ROWS = ["learner.share_prompts=false", "reference.share_prompts=false",  # settings the old code did not have
-              "learner.pack_sequences=false", "reference.pack_sequences=false"]
+OLD_WAYS = ["learner.share_prompts=false", "reference.share_prompts=false",  # settings the old code did not have
+            "learner.pack_sequences=false", "reference.pack_sequences=false", "rollout.cpu_linear=onednn"]
 
 
 def overrides(run_dir: Path, model_dir: Path, dtype: str) -> list[str]:
@@ -75,7 +76,7 @@ def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_p
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(before, filter="data")
     old, old_weights = train_before(before, tmp_path / "old", demo_model_dir, dtype)
     # This code in this process (on the session's shared fleets): what `relay train` runs with the same arguments.
-    config = load_config(None, overrides(tmp_path / "new", demo_model_dir, dtype) + WHOLE_ROWS)
+    config = load_config(None, overrides(tmp_path / "new", demo_model_dir, dtype) + OLD_WAYS)
     run_training(config, tmp_path / "new", display=False, pool=fleets)
     new, new_weights = results(tmp_path / "new")
     assert not any(key in old[0] for key in NEW_KEYS)  # the old code ran
