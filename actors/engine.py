@@ -185,11 +185,12 @@ class VllmEngine:
                 enable_prefix_caching=True,
                 **device_args,
             )
-        # Loads copy the new weights into the model's own tensors where no kernel holds a copy of them.
+        # Loads copy the new weights into the model's own tensors where no kernel holds a copy of them; else (a
+        # layer that kept vLLM's kernel) through vLLM's reload, which builds every layer's kernel again as vLLM picks.
         self.direct_loads = torch_linear and all(self.llm.collective_rpc("relay_use_direct_loads"))
-        if torch_linear and not self.direct_loads:
-            raise RuntimeError("vLLM's CPU layers did not take torch's linear kernel (rollout.cpu_linear=torch); "
-                               "set rollout.cpu_linear=onednn")
+        if settings.cpu_linear == "torch" and not self.direct_loads:
+            raise RuntimeError("vLLM's CPU layers did not all take torch's linear kernel (rollout.cpu_linear=torch); "
+                               "set rollout.cpu_linear=onednn or auto")
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
         # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend (the
