@@ -65,8 +65,8 @@ class RolloutConfig(_Section):
     cpu_linear: Literal["auto", "torch", "onednn"] = "auto"
     """CPU engines only: the linear layers' kernel. `onednn` (vLLM's): matmuls on a pre-packed copy of each weight,
     so every load re-packs every layer through vLLM's reload; `torch`: torch's linear on the weights as loaded, so a
-    load copies them in place (the demo's model: 3 ms against 22 ms), with slower matmuls on larger models (a 25M one
-    samples in 1.4x the time); `auto`: torch for a policy under 1M parameters (one-shard engines), else onednn."""
+    load copies them in place (the demo's model: 2.5 ms against 24 ms), with slower matmuls on larger models (a 25M one
+    samples in 1.3x the time); `auto`: torch for a policy under 1M parameters (one-shard engines), else onednn."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory the engine may take (GPU only)."""
     dynamic_sampling: bool = False

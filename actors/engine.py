@@ -105,8 +105,8 @@ def _no_full_collections() -> Iterator[None]:
 def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
     """Whether a CPU engine's linear layers run torch's linear on their weights as loaded (`rollout.cpu_linear`)
     instead of vLLM's oneDNN kernels, which pre-pack a copy of each weight. A load then copies the new weights in
-    place (the demo's 0.3M-parameter model: 3 ms against 22 ms through vLLM's reload, which re-packs every layer),
-    while oneDNN's matmuls sample a 25M model in 0.7x the time (docs/benchmarks.md); `auto` picks torch's below 1M
+    place (the demo's 0.3M-parameter model: 2.5 ms against 24 ms through vLLM's reload, which re-packs every layer),
+    while oneDNN's matmuls sample a 25M model in 0.8x the time (docs/benchmarks.md); `auto` picks torch's below 1M
     parameters. The switch is the engine's process's, so only for an engine in it (`in_process`) with one shard."""
     from learner.device import SMALL_MODEL_PARAMETERS, count_parameters
 
