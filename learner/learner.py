@@ -26,7 +26,7 @@ cluster/fleet/learner_group.py.
 from __future__ import annotations
 
 import resource
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,10 +96,16 @@ class StepTensors:
     old_logprobs: torch.Tensor | None  # [B, L-1] learner, before this step's update; None: the training forward's
     advantages: torch.Tensor  # [B, L-1]
     behavior: torch.Tensor  # [B, L-1] the engines' logprobs of the sampled tokens
-    ref_logprobs: torch.Tensor | None  # [B, L-1] when the KL goes in the loss
+    ref_logprobs: torch.Tensor | Callable[[], torch.Tensor] | None  # [B, L-1] when the KL is in the loss: `reference`
     old_values: torch.Tensor | None = None  # [B, L-1] critic, before this step's update (gae)
     returns: torch.Tensor | None = None  # [B, L-1] value targets (gae)
     correction: torch.Tensor | None = None  # [B, L-1] rollout-correction weights (learner.rollout_correction)
+
+    def reference(self) -> torch.Tensor:
+        """`ref_logprobs`, waited for at the first call when they were still on their way (a callable)."""
+        if callable(self.ref_logprobs):
+            self.ref_logprobs = self.ref_logprobs()
+        return self.ref_logprobs
 
 
 def _peak_rss_mb() -> float:
@@ -245,17 +251,35 @@ class Learner(WeightPublisher):
         policy = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"policy": policy, "critic": self.critic.num_parameters() if self.critic else 0}
 
-    def train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | None = None) -> dict[str, float]:
+    def train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None = None
+                   ) -> dict[str, float]:
         """One update on a step's completions; returns the step's learner metrics, `weights/version` among them:
         the version this update produced (the learner owns it; the driver and the engines read it from here).
         `ref_logprobs`, when given, replaces `data.ref_logprobs`: every response token's reference logprob in one flat
-        array (`ReferenceWorker.compute_flat_logprobs`; Ray resolves a ref passed here in the learner's process)."""
+        array (`ReferenceWorker.compute_flat_logprobs`; Ray resolves a ref passed here in the learner's process), or a
+        callable returning it (`sync.calls.Later`: the reference still computing them), called where they are first
+        needed: after the first training forward with the KL in the loss (before anything is updated), so that the
+        forward runs meanwhile; at once with the KL in the reward. A step that raises before its update (they never
+        came) leaves the learner as it was: its shuffling generator is put back too."""
+        shuffle = self.shuffle.get_state()
+        try:
+            return self._train_step(data, ref_logprobs)
+        except Exception:
+            self.shuffle.set_state(shuffle)
+            raise
+
+    def _train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None
+                    ) -> dict[str, float]:
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device, data.model_masks)
         mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
         old_logprobs = None if self.single_update else self._policy_rows(batch)
         ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
-        ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
+        if callable(ref_logprobs):  # still on their way: waited for where first needed, after the training forward
+            ref = lambda: pad_per_token(ref_logprobs(), batch)  # noqa: E731
+            ref = ref() if cfg.kl_reward_coef > 0 else ref  # the KL in the reward needs them now
+        else:
+            ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
         metrics: dict[str, float] = {}
         token_rewards, step_ends = self._token_rewards(data, batch, old_logprobs, ref, metrics)
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
@@ -386,7 +410,7 @@ class Learner(WeightPublisher):
                     cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
                 loss = policy_loss
                 if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
-                    token_kl = kl(logprobs, step.ref_logprobs[mb_idx, :width], cfg.kl_estimator, mb_mask)
+                    token_kl = kl(logprobs, step.reference()[mb_idx, :width], cfg.kl_estimator, mb_mask)
                     loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
                     add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
                 if cfg.entropy_coef > 0:

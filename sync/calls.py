@@ -2,8 +2,8 @@
 
 Owns: `call_all` (a method on several actors, waited for up to a deadline), `wait_all` (the same for calls already
 made), `settle` (the outcomes of calls that have finished), `get` and `values` (values, or a `RunError` naming the
-actor that failed), `RunError`, the `Outcome` of one call, the deadline message (`late`) and the one-line description
-of an error (`describe`).
+actor that failed), `Later` (a call's value handed on to another actor unwaited, with its deadline), `RunError`, the
+`Outcome` of one call, the deadline message (`late`) and the one-line description of an error (`describe`).
 Does not own: what a caller does with a failure (replace a worker, re-form a group, stop the run). Lives in `sync/`,
 the lowest layer that makes Ray calls, because the weight transports need it and `sync/` imports nothing of
 `cluster/`; `cluster/` uses it for the run's calls to its actors.
@@ -112,6 +112,20 @@ def get(refs: Sequence[Any], deadline: float, names: Sequence[str], what: str) -
     """The values of calls already made, within `deadline`; a missed deadline, a raise or a dead actor becomes a
     RunError naming the actor (at the first failure: the others are not waited for)."""
     return values(wait_all(refs, deadline, what, stop_on_failure=True), names, what)
+
+
+class Later:
+    """The value of a call already made, handed to another actor before it is ready. Ray resolves a ref passed as an
+    argument before the receiving call starts, which then waits idle; wrapped in this it travels unresolved, and the
+    receiver calls it where it needs the value (the learner, after its training forward, for the reference's
+    logprobs), waiting up to `deadline` seconds from then: a failure or a missed deadline raises `get`'s RunError
+    naming `name`."""
+
+    def __init__(self, ref: Any, deadline: float, name: str, what: str):
+        self.ref, self.deadline, self.name, self.what = ref, deadline, name, what
+
+    def __call__(self) -> Any:
+        return get([self.ref], self.deadline, [self.name], self.what)[0]
 
 
 def describe(err: BaseException) -> str:

@@ -50,7 +50,7 @@ from cluster.run.scoring import Scorer
 from rewards.config import ModelSource
 from rewards.shaping import overlong_penalty
 from rewards.steps import token_step_rewards
-from sync.calls import RunError, get
+from sync.calls import Later, RunError, get
 
 REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
@@ -139,9 +139,12 @@ class Trainer:
             self.refresh_reference(step, sampling)
             asked = self.submit_reference(rollouts)
             self.rollouts.check_pending()  # the probes of this step's loads, scored by the learner meanwhile
-            ref_logprobs = self.reference_result(asked)
+            # The update goes out now, the reference's logprobs still on their way (`later`): the learner runs its
+            # training forward while the reference computes, and waits for them only before its first loss.
+            update = self.submit_train(rollouts, rewards, self.later(asked))
+            self.reference_result(asked)  # its failure or missed deadline is the reference's, as named here
         with self.timed("train"):
-            learner_metrics = self.train(rollouts, rewards, ref_logprobs)
+            learner_metrics = self.finish_train(update)
         self.fit_reward_models(step, sampling)
         with self.timed("sync"):
             self.sync_weights(now=step == self.config.max_steps)
@@ -404,9 +407,14 @@ class Trainer:
         get([count], max(0.0, self.config.timeouts.reference - (time.monotonic() - since)), ["reference"], "reference")
         return logprobs
 
-    def train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> dict:
-        """One update; the learner's metrics, and `weights_version` becomes the version it reports it produced."""
-        return self.finish_train(self.submit_train(rollouts, rewards, ref_logprobs))
+    def later(self, asked: tuple[Any, Any, float] | None) -> Later | None:
+        """The reference's logprobs for the learner to wait for itself (`sync.calls.Later`), within what is left of
+        `timeouts.reference` from when they were asked for; None without a reference."""
+        if asked is None:
+            return None
+        _, logprobs, since = asked
+        return Later(logprobs, max(0.0, self.config.timeouts.reference - (time.monotonic() - since)), "reference",
+                     "reference")
 
     def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> Update:
         """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner

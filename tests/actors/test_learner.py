@@ -347,6 +347,47 @@ def test_the_references_flat_logprobs_train_exactly_like_its_rows_and_the_learne
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kl", [{"kl_coef": 0.1}, {"kl_coef": 0.1, "num_minibatches": 2},
+                                {"kl_coef": 0.0, "kl_reward_coef": 0.1}], ids=["loss", "loss-2-updates", "reward"])
+def test_reference_logprobs_still_on_their_way_are_waited_for_after_the_training_forward(tiny_model_dir, dtype, kl):
+    """The on-policy step hands the learner the reference's logprobs before they exist (`sync.calls.Later`): with
+    the KL in the loss it waits for them only after its first training forward, with the KL in the reward before
+    anything; either way the update is bitwise the one from the array, for one update or two. A wait that fails
+    leaves the learner as it was: the next update is the one a fresh learner makes."""
+    reference = ReferenceWorker(str(tiny_model_dir), dtype=dtype)
+    flat = reference.compute_flat_logprobs(PROMPTS, RESPONSES)[1] - 0.1  # a KL from the first forward on
+    config = LearnerConfig(lr=1e-2, num_threads=2, **kl)
+    learners = [Learner(str(tiny_model_dir), config, dtype=dtype, seed=0) for _ in range(3)]
+    forwards = []  # training (grad-enabled) forwards of learners[1]'s policy
+    learners[1].model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+    waited = []  # the training forwards (the prompts' pass and the first pass's) done when it asked for the logprobs
+
+    def later() -> np.ndarray:
+        waited.append(sum(forwards))
+        return flat
+
+    rewards = [1.0, 0.0, 0.5, 1.0]
+    by_array = learners[0].train_step(batch_for(learners[0], rewards), ref_logprobs=flat)
+    by_later = learners[1].train_step(batch_for(learners[1], rewards), ref_logprobs=later)
+    assert len(waited) == 1 and (waited[0] == 0 if "kl_reward_coef" in kl else waited[0] > 0)  # once: the first loss
+    computed = [key for key in by_array if not key.startswith("memory/")]
+    assert by_array["kl/mean"] > 0 and {k: by_array[k] for k in computed} == {k: by_later[k] for k in computed}
+    for a, b in zip(learners[0].model.state_dict().values(), learners[1].model.state_dict().values()):
+        assert torch.equal(a, b)
+
+    def never() -> np.ndarray:
+        raise TimeoutError("reference missed the 600 s deadline of 'reference'")
+
+    with pytest.raises(TimeoutError):
+        learners[2].train_step(batch_for(learners[2], [0.0, 1.0, 1.0, 0.5]), ref_logprobs=never)
+    assert learners[2].weights_version == 0
+    again = learners[2].train_step(batch_for(learners[2], rewards), ref_logprobs=flat)
+    assert {k: by_array[k] for k in computed} == {k: again[k] for k in computed}
+    for a, b in zip(learners[0].model.state_dict().values(), learners[2].model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_probe_sample_is_seeded_scored_at_temperature_one_and_leaves_the_random_state(tiny_model_dir, dtype):
     learner = Learner(str(tiny_model_dir), LearnerConfig(num_threads=2), dtype=dtype, temperature=0.7)
     state = torch.get_rng_state()
