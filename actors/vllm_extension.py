@@ -59,7 +59,10 @@ class RelayWorkerExtension:
         embedding (docs/vllm-cpu.md; tests/actors/test_rollout_worker.py checks the engine's head after every load).
         """
         tensors = list(named_tensors) if named_tensors is not None else None
-        if tensors is not None and getattr(self, "_relay_direct", False):
+        direct = getattr(self, "_relay_direct", False)
+        if tensors is None and direct:  # vLLM's reload would give the layers its kernels back, on copies
+            raise RuntimeError("an engine loading weights directly (rollout.cpu_linear) takes tensors, not a path")
+        if tensors is not None and direct:
             with torch.no_grad():
                 self.model_runner.get_model().load_weights(iter(tensors))
         elif tensors is not None:

@@ -92,6 +92,13 @@ class LearnerConfig(_Section):
     forward and backward took 0.87-0.93x the padded passes' time (docs/benchmarks.md, "Packed passes"). Only for
     models whose attention is sdpa and keeps no sliding window (others run padded passes), and not with a value
     model (`critic.enabled`: its passes stay padded)."""
+    overlap_reference: Literal["auto"] | bool = "auto"
+    """On-policy steps: send the update before the reference's logprobs have arrived, so that the learner's first
+    training forward (a round's prompts and its first pass) runs while the reference computes; it waits for them
+    before its first loss, and the update is the same bit for bit. `auto`: true unless the learner and the reference
+    both compute on the CPU and either runs more than one torch thread, where they would compete for the same cores
+    (on 2 cores the demo's step took 0.86x the time, both on one thread; the 25M benchmark's 1.07x, both on two:
+    docs/benchmarks.md, "The learner's forward beside the reference")."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
     clip_high: float = Field(0.2, ge=0, le=10)

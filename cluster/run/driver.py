@@ -39,6 +39,7 @@ from cluster.fleet.placement import (
     node_of,
     start_fleet,
     stop_fleet,
+    with_default_threads,
 )
 from cluster.fleet.reference_refresh import ReferenceRefresh
 from cluster.fleet.rollout_pool import Batch, RolloutPool
@@ -91,6 +92,15 @@ class Update:
     done: list[float] = field(default_factory=list)  # gets the time.monotonic() when it was done
 
 
+def overlaps_reference(config: RunConfig) -> bool:
+    """Whether on-policy steps send the update before the reference's logprobs arrive (`learner.overlap_reference`),
+    for a config whose thread counts are resolved (`with_default_threads`)."""
+    lc, rc = config.learner, config.reference
+    if lc.overlap_reference != "auto":
+        return lc.overlap_reference
+    return not (lc.num_gpus == 0 and rc.num_gpus == 0 and max(lc.num_threads, rc.num_threads) > 1)
+
+
 class Trainer:
     """Runs steps over a started fleet; each `step` returns that step's metrics record."""
 
@@ -116,6 +126,7 @@ class Trainer:
         # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
         self.learner_node = node_of(fleet.placement) if control is not None else None
         self.updated: float | None = None  # time.monotonic() when the learner's last update was done
+        self.overlap_reference = overlaps_reference(with_default_threads(config, fleet.launcher.settings.model_path))
         # Asynchronous training (`rollout.max_staleness` = k >= 1): batches in flight and batches ready, by step.
         self.staleness = ro.max_staleness
         self.in_flight: dict[int, tuple[Batch, list[Problem]]] = {}
@@ -139,10 +150,12 @@ class Trainer:
             self.refresh_reference(step, sampling)
             asked = self.submit_reference(rollouts)
             self.rollouts.check_pending()  # the probes of this step's loads, scored by the learner meanwhile
-            # The update goes out now, the reference's logprobs still on their way (`later`): the learner runs its
-            # training forward while the reference computes, and waits for them only before its first loss.
-            update = self.submit_train(rollouts, rewards, self.later(asked))
-            self.reference_result(asked)  # its failure or missed deadline is the reference's, as named here
+            # Overlapping, the update goes out now with the reference's logprobs on their way (`later`): the learner
+            # runs its training forward while the reference computes, and waits for them before its first loss.
+            ref_logprobs = self.later(asked) if self.overlap_reference else self.reference_result(asked)
+            update = self.submit_train(rollouts, rewards, ref_logprobs)
+            if self.overlap_reference:
+                self.reference_result(asked)  # its failure or missed deadline is the reference's, as named here
         with self.timed("train"):
             learner_metrics = self.finish_train(update)
         self.fit_reward_models(step, sampling)

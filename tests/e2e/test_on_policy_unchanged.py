@@ -4,7 +4,9 @@ code (in the test's process, on the session's shared fleets) gives the same metr
 float32 and bfloat16. This code runs with whole padded rows (`learner.share_prompts=false`,
 `reference.share_prompts=false`, `learner.pack_sequences=false`, `reference.pack_sequences=false`) and vLLM's oneDNN
 kernels (`rollout.cpu_linear=onednn`): shared prompts, packed passes and torch's linear in the engines, added later,
-change the float summation order (their own tests compare them with whole rows, or with the model's logprobs)."""
+change the float summation order (their own tests compare them with whole rows, or with the model's logprobs). The
+update sent before the reference's logprobs arrive (`learner.overlap_reference`, on for the demo) runs in float32,
+the update sent after them in bfloat16: both are the old loop's, bit for bit."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import pytest
 from safetensors.torch import load_file
 
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.fleet.placement import with_default_threads
+from cluster.run.driver import overlaps_reference, run_training
 from learner.device import CPU_BFLOAT16_MATMULS
 
 pytestmark = pytest.mark.slow
@@ -76,7 +79,9 @@ def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_p
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(before, filter="data")
     old, old_weights = train_before(before, tmp_path / "old", demo_model_dir, dtype)
     # This code in this process (on the session's shared fleets): what `relay train` runs with the same arguments.
-    config = load_config(None, overrides(tmp_path / "new", demo_model_dir, dtype) + OLD_WAYS)
+    overlap = f"learner.overlap_reference={dtype == 'float32'}"
+    config = load_config(None, overrides(tmp_path / "new", demo_model_dir, dtype) + OLD_WAYS + [overlap])
+    assert overlaps_reference(with_default_threads(config, str(demo_model_dir))) is (dtype == "float32")
     run_training(config, tmp_path / "new", display=False, pool=fleets)
     new, new_weights = results(tmp_path / "new")
     assert not any(key in old[0] for key in NEW_KEYS)  # the old code ran

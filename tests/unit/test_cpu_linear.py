@@ -1,4 +1,6 @@
-"""Which kernel a CPU engine's linear layers take (`rollout.cpu_linear`): decided before the engine starts."""
+"""Choices made from the policy's size and the threads before the actors start: which kernel a CPU engine's linear
+layers take (`rollout.cpu_linear`), and whether on-policy steps send the update before the reference's logprobs
+arrive (`learner.overlap_reference`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from actors.engine import EngineSettings, wants_torch_linear
+from cluster.config import ConfigError, load_config
+from cluster.fleet.placement import with_default_threads
+from cluster.run.driver import overlaps_reference
 from learner.device import SMALL_MODEL_PARAMETERS
 
 
@@ -36,3 +41,19 @@ def test_an_explicit_kernel_is_taken_whatever_the_size_and_torch_needs_a_one_sha
                            (EngineSettings(model_path=path, cpu_linear="torch", tensor_parallel_size=2), True)):
         with pytest.raises(ValueError, match="rollout.cpu_linear=torch needs a one-shard engine"):
             wants_torch_linear(settings, in_process=here)
+
+
+def test_auto_overlaps_the_learner_and_reference_where_they_do_not_compete_for_the_cpus_cores(tmp_path):
+    (tmp_path / "small").mkdir()
+    small, large = _model(tmp_path / "small", SMALL_MODEL_PARAMETERS - 1), _model(tmp_path, SMALL_MODEL_PARAMETERS)
+    assert overlaps_reference(with_default_threads(load_config(None, []), small))  # one thread each
+    assert not overlaps_reference(with_default_threads(load_config(None, []), large))  # two each
+    assert not overlaps_reference(load_config(None, ["learner.num_threads=1", "reference.num_threads=2"]))
+    assert overlaps_reference(load_config(None, ["learner.num_threads=4", "reference.num_threads=4",
+                                                 "learner.num_gpus=1", "reference.num_gpus=1"]))
+    assert overlaps_reference(load_config(None, ["learner.num_threads=2", "reference.num_threads=2",
+                                                 "learner.overlap_reference=true"]))
+    assert not overlaps_reference(load_config(None, ["learner.num_threads=1", "reference.num_threads=1",
+                                                     "learner.overlap_reference=false"]))
+    with pytest.raises(ConfigError, match="learner.overlap_reference"):
+        load_config(None, ["learner.overlap_reference=sometimes"])
