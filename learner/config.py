@@ -97,7 +97,7 @@ class LearnerConfig(_Section):
     training forward (a round's prompts and its first pass) runs while the reference computes; it waits for them
     before its first loss, and the update is the same bit for bit. `auto`: true unless the learner and the reference
     both compute on the CPU and either runs more than one torch thread, where they would compete for the same cores
-    (on 2 cores the demo's step took 0.86x the time, both on one thread; the 25M benchmark's 1.07x, both on two:
+    (on 2 cores the demo's step took 0.83-0.86x the time, both on one thread; the 25M benchmark's 1.07x, both on two:
     docs/benchmarks.md, "The learner's forward beside the reference")."""
     clip_low: float = Field(0.2, ge=0, le=1)
     """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
