@@ -6,7 +6,9 @@ Ray started here (never `ray stop`, which would kill every Ray process on the ma
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -16,7 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="relay-vllm-cache-"))
+if "VLLM_CACHE_ROOT" not in os.environ:  # `make test` sets it (the checkout's .cache/vllm); else a disposable one
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="relay-vllm-cache-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_CACHE_ROOT"], True)
 os.environ.setdefault("RELAY_CACHE_DIR", str(ROOT / ".cache" / "relay"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
