@@ -3,15 +3,18 @@ fixed row count), rows sorted by length under a token budget (relay's `MicroBatc
 sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask), relay's
 packed passes (`learner.pack_sequences`: a pass's rows as one sequence of their real tokens, attention gathered per
 row, `learner.algo.packing`), and shared prompts (relay's `SharedPrompts`: each group's prompt run once, each row's
-pass its own tokens on the prompt's cached states, the passes cut by those tokens), padded or packed.
+pass its own tokens on the prompt's cached states, the passes cut by those tokens), padded or packed; and a PPO value
+model's passes (`--ways critic`: the same backbone with a one-label token-classification head, `learner.critic`'s
+`value_pass`), sorted under a padded-token budget against packed under a real-token one.
 
 Usage: python bench/micro_batching.py [--size 25M|demo] [--repeats 3] [--budgets 1024 2048 4096] [--prompt-extra N]
-                                      [--ways order sorted packed relay-packed shared shared-packed]
+                                      [--ways order sorted packed relay-packed shared shared-packed critic]
 The sequences mimic the 25M benchmark of bench/vs_trl.py: 256 = 32 prompts x 8, prompts of 4 to 6 tokens (plus
 `--prompt-extra`), responses of ~16 tokens on average (geometric, at most 64). Each way is timed without gradients
 (the reference's and the old-logprobs passes) and with the backward pass (the training forward); the table gives the
 median of `--repeats` runs and the padded tokens each way computes. Packed rows are checked against one sequence
-alone first, and shared prompts' logprobs against whole rows: a way that computes something else stops the script.
+alone first, shared prompts' logprobs against whole rows, and the value model's packed values against its padded
+pass: a way that computes something else stops the script.
 """
 
 from __future__ import annotations
@@ -153,6 +156,40 @@ def check_shared(model: torch.nn.Module, batch) -> None:
                                  "timing would be wrong")
 
 
+def time_critic(model: torch.nn.Module, batch, batching: MicroBatching, grad: bool) -> tuple[float, int, int]:
+    """Seconds for a value model's passes under `batching` (with `grad`, each pass's backward of its values' sum
+    over the response tokens), the tokens computed and the passes."""
+    from learner.critic import value_pass
+
+    ran = []
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: ran.append(kwargs["input_ids"].numel()),
+                                       with_kwargs=True)
+    start = time.perf_counter()
+    try:
+        with torch.set_grad_enabled(grad):
+            for rows in batching.split(batch.lengths):
+                part = batch.select(rows)
+                values = value_pass(model, part, batching.pack)
+                if grad:
+                    (values * part.response_mask).sum().backward()
+    finally:
+        hook.remove()
+    return time.perf_counter() - start, sum(ran), len(ran)
+
+
+def check_critic(model: torch.nn.Module, batch) -> None:
+    """The value model's packed pass must give every real token's state the value of its whole padded row."""
+    from learner.critic import value_pass
+
+    real = batch.attention_mask[:, :-1].bool()
+    with torch.no_grad():
+        whole, packed = value_pass(model, batch), value_pass(model, batch, pack=True)
+    gap = float((whole[real] - packed[real]).abs().max()) / max(float(whole[real].abs().max()), 1e-6)
+    if gap > 1e-4 or not torch.all(packed[~real] == 0):
+        raise SystemExit(f"the value model's packed pass changes its values (relative gap {gap:.3g}): the timing would "
+                         "be wrong")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SHAPES), default="25M")
@@ -160,7 +197,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-extra", type=int, default=0, help="tokens added to every prompt")
-    choices = ["order", "sorted", "packed", "relay-packed", "shared", "shared-packed"]
+    choices = ["order", "sorted", "packed", "relay-packed", "shared", "shared-packed", "critic"]
     parser.add_argument("--ways", nargs="+", choices=choices, default=choices, help="which ways to time")
     args = parser.parse_args()
 
@@ -213,6 +250,30 @@ def main() -> None:
             print(f"| {label.format(budget)} | {forward[0][2]} | {forward[0][1]} | "
                   f"{statistics.median(t for t, *_ in forward):.2f} | "
                   f"{statistics.median(t for t, *_ in backward):.2f} |", flush=True)
+    if "critic" in args.ways:
+        from transformers import Qwen2ForTokenClassification
+
+        from learner.algo.packing import packable
+
+        torch.manual_seed(0)
+        critic_config = tiny_qwen2_config(VOCAB, max_position_embeddings=128, **SHAPES[args.size])
+        critic_config.num_labels = 1
+        critic = Qwen2ForTokenClassification(critic_config).eval()
+        critic.set_attn_implementation("sdpa")
+        assert packable(critic)
+        check_critic(critic, batch)
+        for budget in args.budgets:
+            for pack in (False, True):
+                batching = MicroBatching(max_tokens=budget, pack=pack)
+                time_critic(critic, batch, batching, grad=True)  # warm-up
+                forward = [time_critic(critic, batch, batching, grad=False) for _ in range(args.repeats)]
+                backward = [time_critic(critic, batch, batching, grad=True) for _ in range(args.repeats)]
+                critic.zero_grad(set_to_none=True)
+                label = (f"value model, packed passes, {budget} real tokens per pass" if pack
+                         else f"value model, sorted, {budget} padded tokens per pass")
+                print(f"| {label} | {forward[0][2]} | {forward[0][1]} | "
+                      f"{statistics.median(t for t, *_ in forward):.2f} | "
+                      f"{statistics.median(t for t, *_ in backward):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Owns: the value model (a transformers `AutoModelForTokenClassification` with one label, so it saves and loads as a
 plain Hugging Face checkpoint), its own AdamW and warm-up schedule, computing values in the token layout of
-`learner.algo.sequences`, accumulating the clipped value loss micro-batch by micro-batch, and saving/restoring
-itself for checkpoints, data-parallel over the learner's ranks like the policy (`distribute`). Also the Hugging
+`learner.algo.sequences` (in packed passes, `learner.algo.packing`, as the policy's), accumulating the clipped value
+loss micro-batch by micro-batch, and saving/restoring itself for checkpoints, data-parallel over the learner's ranks
+like the policy (`distribute`). Also the Hugging
 Face directory helpers the policy and the value model share (`save_model_dir`, `read_model_weights`,
 `load_model_weights`). Does not own: GAE (`learner.algo.advantages`), the loss math
 (`learner.algo.losses`), when to step or checkpoint (the `Learner`, the driver), or checkpoint atomicity
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.algo.losses import value_loss
+from learner.algo.packing import packable, packed_logits
 from learner.algo.sequences import SequenceBatch
 from learner.device import compute_in, matmuls_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
@@ -102,10 +104,25 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
         optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0)
 
 
+def value_pass(model: torch.nn.Module, batch: SequenceBatch, pack: bool = False) -> torch.Tensor:
+    """One pass of a value model (a token classifier with one label) over `batch`'s whole rows: [B, L-1] float32,
+    position j the value of tokens 0..j. With `pack`, where the model allows it (`learner.algo.packing.packable`),
+    the rows run as one packed sequence of their real tokens, 0 where no real token is; else one padded pass."""
+    if pack and packable(model):
+        ids, valid = batch.input_ids, batch.attention_mask.bool()
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out, flat = packed_logits(model, ids, valid, positions)  # [T, 1]: the real tokens' values
+        out = out.new_zeros(ids.numel()).index_copy(0, flat, out[:, 0]).view(ids.shape)
+    else:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[..., 0]
+    return out[:, :-1].float()
+
+
 class Critic:
     """V(s_t) for every position of a batch; `accumulate` adds the value loss's gradient, `step` applies it."""
 
-    def __init__(self, model_path: str, config: CriticConfig, dtype: str = "float32", master_dtype: str = "float32"):
+    def __init__(self, model_path: str, config: CriticConfig, dtype: str = "float32", master_dtype: str = "float32",
+                 pack: bool = False):
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
 
@@ -130,6 +147,7 @@ class Critic:
                     parameters[name].zero_()
         self.model.to(self.device)  # backbone and head, before the optimizer: its state is made beside them
         self.model.eval()  # no dropout: the value clip compares V with V_old from the same function
+        self.pack = pack  # a pass's rows run as one packed sequence of their real tokens where the model allows it
         self.dp = DataParallel()
         self._make_optimizer()
 
@@ -147,10 +165,10 @@ class Critic:
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """V of the state before each next token: [B, L-1], position j is V(tokens 0..j) (scores token j+1's state),
-        the layout of `sequence_logprobs`. Gradients flow if enabled by the caller."""
+        the layout of `sequence_logprobs` (packed, `pack`: 0 where no real token is; padded, the padding's own values:
+        everything reading them masks them). Gradients flow if enabled by the caller."""
         with compute_in(self.device, self.compute_dtype, self.master_dtype):
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        return out[:, :-1, 0].float()
+            return value_pass(self.model, batch, self.pack)
 
     @torch.no_grad()
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:

@@ -159,18 +159,16 @@ class Learner(WeightPublisher):
         self.dp = DataParallel(rank, config.num_ranks, config.strategy)
         self._gathered: dict[str, torch.Tensor] | None = None  # fsdp2: rank 0's copy of the whole policy weights
         self._make_optimizer()
-        self.critic = (Critic(model_path, critic, dtype, config.master_dtype) if critic is not None and critic.enabled
-                       else None)
+        self.critic = (Critic(model_path, critic, dtype, config.master_dtype, config.pack_sequences)
+                       if critic is not None and critic.enabled else None)
         if (self.critic is None) == config.uses_value_model:
             raise ValueError(f"advantage={config.advantage!r} (baseline {config.baseline!r}) and a critic go together: "
                              "gae needs one, as does reinforce with baseline 'value'; the others don't")
         # Prompts shared by a group's rows are computed once (`SharedPrompts`). Not under fsdp2 with several ranks:
         # its per-backward gradient reduction would run once more, for the prompts' own backward (not measured).
-        # Passes are packed (`learner.algo.packing`) unless a value model runs its whole rows in the same passes,
-        # padded: the budget must hold for those.
+        # Passes are packed (`learner.algo.packing`), the value model's too (it runs whole rows in the same passes).
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch,
-                                      config.share_prompts and not self.dp.sharded,
-                                      config.pack_sequences and self.critic is None)
+                                      config.share_prompts and not self.dp.sharded, config.pack_sequences)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row

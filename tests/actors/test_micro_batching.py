@@ -1,8 +1,9 @@
 """Passes cut by a token budget over length-sorted rows, packed passes (`learner.algo.packing`), prompts shared by a
 group's rows computed once (`SharedPrompts`), and the single-update path that takes old logprobs from the training
-forward: the Learner's update (every gradient and metric) equals the one-pass computation over whole padded rows, in
-every aggregation mode, on ragged lengths, in float32 and under bfloat16 compute; the reference's logprobs do not
-depend on how their passes are cut, whether they are packed or whether prompts are shared."""
+forward: the Learner's update (every gradient and metric, and with PPO the value model's) equals the one-pass
+computation over whole padded rows, in every aggregation mode, on ragged lengths, in float32 and under bfloat16
+compute; the reference's logprobs do not depend on how their passes are cut, whether they are packed or whether
+prompts are shared."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from learner.algo.sequences import (
     sequence_logprobs_and_entropy,
     tail_lengths,
 )
-from learner.config import LearnerConfig
+from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, TrainBatch
 
 # Four groups of two; prompts of 2 to 6 tokens, responses of 1 to 7: sequences of 3 to 12 tokens.
@@ -48,11 +49,11 @@ METRIC_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 METRIC_ABS_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-4}
 
 
-def make(model_dir, dtype: str, **overrides) -> Learner:
+def make(model_dir, dtype: str, critic: CriticConfig | None = None, **overrides) -> Learner:
     config = LearnerConfig(**{"lr": 1.0, "warmup_steps": 0, "kl_coef": 0.1, "entropy_coef": 0.01, "num_threads": 2,
                               "max_grad_norm": 1e9, "share_prompts": False, "pack_sequences": False,
                               **overrides})
-    learner = Learner(str(model_dir), config, dtype=dtype, seed=0, norm_length=8)
+    learner = Learner(str(model_dir), config, dtype=dtype, seed=0, norm_length=8, critic=critic)
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # the step is -gradient
     learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda n: 1.0)
     return learner
@@ -112,6 +113,49 @@ def test_token_budget_passes_make_the_one_pass_update_in_every_mode(tiny_model_d
             ours = update(split, behavior, ref)
             assert ours[2] > whole[2] + (2 if pack else 4)
             assert_same_update(ours, whole, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_value_models_passes_cut_and_packed_make_the_one_pass_update(tiny_model_dir, dtype):
+    """PPO: the value model runs the policy's passes, packed too (`learner.pack_sequences`): its values, its update
+    and the policy's equal the one-pass computation over whole padded rows."""
+    behavior, ref = inputs(tiny_model_dir, dtype)
+    critic = CriticConfig(enabled=True, lr=1.0, max_grad_norm=1e9)
+
+    def make_ppo(**overrides) -> Learner:
+        learner = make(tiny_model_dir, dtype, advantage="gae", critic=critic, **overrides)
+        learner.critic.optimizer = torch.optim.SGD(learner.critic.model.parameters(), lr=1.0)
+        learner.critic.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.critic.optimizer, lambda n: 1.0)
+        noise = torch.Generator().manual_seed(1)  # the same values in every learner, and not 0: a new head is 0,
+        with torch.no_grad():  # which would leave the backbone without a gradient
+            for parameter in learner.critic.model.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=noise).to(parameter.dtype))
+        return learner
+
+    whole = make_ppo(max_tokens_per_micro_batch=None)
+    batch = pad_sequences(PROMPTS, RESPONSES)
+    values = whole.critic.compute_values(batch)
+    trained = batch.attention_mask[:, :-1].bool()  # every real token's state
+    whole_critic = {n: t.detach().clone() for n, t in whole.critic.model.state_dict().items()}
+    expected = update(whole, behavior, ref)
+    expected_critic = {n: whole.critic.model.state_dict()[n] - t for n, t in whole_critic.items()}
+    largest = max(float(d.abs().max()) for d in expected_critic.values())
+    assert largest > 1e-3
+    for pack in (False, True):
+        split = make_ppo(max_tokens_per_micro_batch=BUDGET, pack_sequences=pack)
+        assert split.batching.pack == split.critic.pack == pack
+        ours = split.critic.compute_values(batch)
+        tolerance = 1e-5 if dtype == "float32" else 3e-2
+        torch.testing.assert_close(ours[trained], values[trained], rtol=0,
+                                   atol=tolerance * float(values[trained].abs().max()))
+        if pack:
+            assert torch.all(ours[~trained] == 0)  # no real token, no value
+        before = {n: t.detach().clone() for n, t in split.critic.model.state_dict().items()}
+        assert_same_update(update(split, behavior, ref), expected, dtype)
+        element, _ = TOLERANCE[dtype]
+        for name, change in expected_critic.items():
+            torch.testing.assert_close(split.critic.model.state_dict()[name] - before[name], change, msg=name, rtol=0,
+                                       atol=element * largest)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
