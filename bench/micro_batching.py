@@ -118,10 +118,13 @@ def time_way(model: torch.nn.Module, rows: list[torch.Tensor], passes: list[list
     return time.perf_counter() - start, computed
 
 
-def time_relay(model: torch.nn.Module, batch, batching: MicroBatching, grad: bool) -> tuple[float, int, int]:
+def time_relay(model: torch.nn.Module, batch, batching: MicroBatching, grad: bool,
+               value_model: bool = False) -> tuple[float, int, int]:
     """Seconds for relay's passes under `batching` (shared prompts: the prompts' passes, then the rows' passes; with
     `grad`, each pass's backward and the prompts' own), the tokens computed and the passes (prompt passes
-    included)."""
+    included). `value_model`: `model` is one, its passes `learner.critic.value_pass`'s."""
+    from learner.critic import value_pass
+
     ran = []
     hook = model.register_forward_hook(lambda m, args, kwargs, out: ran.append(kwargs["input_ids"].numel()),
                                        with_kwargs=True)
@@ -131,9 +134,10 @@ def time_relay(model: torch.nn.Module, batch, batching: MicroBatching, grad: boo
             prompts = SharedPrompts(model, batch, grad, batching) if batching.share_prompts else None
             for rows in batching.split(tail_lengths(batch) if prompts is not None else batch.lengths):
                 part = batch.select(rows)
-                logprobs = sequence_logprobs(model, part, prompts=prompts, pack=batching.pack)
+                scores = (value_pass(model, part, batching.pack) if value_model
+                          else sequence_logprobs(model, part, prompts=prompts, pack=batching.pack))
                 if grad:
-                    (logprobs * part.response_mask).sum().backward()
+                    (scores * part.response_mask).sum().backward()
             if grad and prompts is not None:
                 prompts.backward()
     finally:
@@ -154,27 +158,6 @@ def check_shared(model: torch.nn.Module, batch) -> None:
             if gap > 1e-4:
                 raise SystemExit(f"shared prompts {share}, packed {pack} change the logprobs (gap {gap:.3g}): the "
                                  "timing would be wrong")
-
-
-def time_critic(model: torch.nn.Module, batch, batching: MicroBatching, grad: bool) -> tuple[float, int, int]:
-    """Seconds for a value model's passes under `batching` (with `grad`, each pass's backward of its values' sum
-    over the response tokens), the tokens computed and the passes."""
-    from learner.critic import value_pass
-
-    ran = []
-    hook = model.register_forward_hook(lambda m, args, kwargs, out: ran.append(kwargs["input_ids"].numel()),
-                                       with_kwargs=True)
-    start = time.perf_counter()
-    try:
-        with torch.set_grad_enabled(grad):
-            for rows in batching.split(batch.lengths):
-                part = batch.select(rows)
-                values = value_pass(model, part, batching.pack)
-                if grad:
-                    (values * part.response_mask).sum().backward()
-    finally:
-        hook.remove()
-    return time.perf_counter() - start, sum(ran), len(ran)
 
 
 def check_critic(model: torch.nn.Module, batch) -> None:
@@ -265,9 +248,9 @@ def main() -> None:
         for budget in args.budgets:
             for pack in (False, True):
                 batching = MicroBatching(max_tokens=budget, pack=pack)
-                time_critic(critic, batch, batching, grad=True)  # warm-up
-                forward = [time_critic(critic, batch, batching, grad=False) for _ in range(args.repeats)]
-                backward = [time_critic(critic, batch, batching, grad=True) for _ in range(args.repeats)]
+                time_relay(critic, batch, batching, grad=True, value_model=True)  # warm-up
+                forward = [time_relay(critic, batch, batching, False, True) for _ in range(args.repeats)]
+                backward = [time_relay(critic, batch, batching, True, True) for _ in range(args.repeats)]
                 critic.zero_grad(set_to_none=True)
                 label = (f"value model, packed passes, {budget} real tokens per pass" if pack
                          else f"value model, sorted, {budget} padded tokens per pass")
