@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.algo.losses import value_loss
-from learner.algo.packing import packable, packed_logits
-from learner.algo.sequences import SequenceBatch
+from learner.algo.sequences import SequenceBatch, pass_logits
 from learner.device import compute_in, matmuls_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
 
@@ -106,16 +105,10 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
 
 def value_pass(model: torch.nn.Module, batch: SequenceBatch, pack: bool = False) -> torch.Tensor:
     """One pass of a value model (a token classifier with one label) over `batch`'s whole rows: [B, L-1] float32,
-    position j the value of tokens 0..j. With `pack`, where the model allows it (`learner.algo.packing.packable`),
+    position j the value of tokens 0..j. The policy's pass (`pass_logits`): with `pack`, where the model allows it,
     the rows run as one packed sequence of their real tokens, 0 where no real token is; else one padded pass."""
-    if pack and packable(model):
-        ids, valid = batch.input_ids, batch.attention_mask.bool()
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        out, flat = packed_logits(model, ids, valid, positions)  # [T, 1]: the real tokens' values
-        out = out.new_zeros(ids.numel()).index_copy(0, flat, out[:, 0]).view(ids.shape)
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[..., 0]
-    return out[:, :-1].float()
+    outputs, _, place = pass_logits(model, batch, None, pack)  # [B, L-1, 1], or packed [T, 1, 1]
+    return place(outputs[..., 0]).float()
 
 
 class Critic:

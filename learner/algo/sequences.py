@@ -238,7 +238,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature:
     `prompts` (covering the batch's rows), only each row's own tokens are run, on its prompt's cached states: the
     response positions hold the same values, the prompt positions 0. `pack`: whole rows run as one packed pass
     where the model allows it (`learner.algo.packing`; with `prompts`, they decide)."""
-    logits, labels, place = _logits(model, batch, prompts, pack)
+    logits, labels, place = pass_logits(model, batch, prompts, pack)
     return place(logprobs_from_logits(logits, labels, temperature))
 
 
@@ -249,7 +249,7 @@ def sequence_logprobs_and_entropy(model: torch.nn.Module, batch: SequenceBatch, 
     two [B, L-1] tensors from one forward pass. Gradients flow if enabled by the caller, and into the entropy only
     with `entropy_grad` (else its [B, L-1, V] softmax is not kept for backward). `prompts`: as `sequence_logprobs`
     (the entropy, too, 0 at prompt positions) and `pack`."""
-    logits, labels, place = _logits(model, batch, prompts, pack)
+    logits, labels, place = pass_logits(model, batch, prompts, pack)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = place(entropy_from_logits(logits, temperature))
     return place(logprobs_from_logits(logits, labels, temperature)), entropy
@@ -259,11 +259,12 @@ def _as_is(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _logits(model: torch.nn.Module, batch: SequenceBatch, prompts: SharedPrompts | None, pack: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """One pass's logits, the tokens they predict and `place` (per-position values -> [B, L-1]): each row's own
-    tokens on its prompt's cached states with `prompts` (`SharedPrompts.forward`); else whole rows, in one packed pass
-    over their real tokens with `pack` where the model allows it (`_packed`), or one padded pass."""
+def pass_logits(model: torch.nn.Module, batch: SequenceBatch, prompts: SharedPrompts | None, pack: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """One pass's logits (any head's outputs: a value model's too), the tokens they predict and `place` (per-position
+    values -> [B, L-1]): each row's own tokens on its prompt's cached states with `prompts` (`SharedPrompts.forward`);
+    else whole rows, in one packed pass over their real tokens with `pack` where the model allows it (`_packed`), or
+    one padded pass."""
     if prompts is not None:
         return prompts.forward(model, batch)
     if pack and packable(model):
