@@ -417,8 +417,12 @@ class Trainer:
         if asked is None:
             return None
         count, logprobs, since = asked
-        get([count], max(0.0, self.config.timeouts.reference - (time.monotonic() - since)), ["reference"], "reference")
+        get([count], self.reference_time_left(since), ["reference"], "reference")
         return logprobs
+
+    def reference_time_left(self, since: float) -> float:
+        """What is left of `timeouts.reference` from `since`, when the reference was asked."""
+        return max(0.0, self.config.timeouts.reference - (time.monotonic() - since))
 
     def later(self, asked: tuple[Any, Any, float] | None) -> Later | None:
         """The reference's logprobs for the learner to wait for itself (`sync.calls.Later`), within what is left of
@@ -426,8 +430,7 @@ class Trainer:
         if asked is None:
             return None
         _, logprobs, since = asked
-        return Later(logprobs, max(0.0, self.config.timeouts.reference - (time.monotonic() - since)), "reference",
-                     "reference")
+        return Later(logprobs, self.reference_time_left(since), "reference", "reference")
 
     def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> Update:
         """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner
