@@ -35,6 +35,9 @@ $(STAMP): pyproject.toml
 	# CUDA build of vLLM needs triton).
 	case ',$(EXTRAS),' in *,cpu,*) $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton \
 	  2>/dev/null || true;; esac
+	# OpenRLHF's reward client, for the interop tests (dev installs only): without its dependencies, which pin
+	# deepspeed, flash-attn and Ray 2.55; the client module needs only what dev brings.
+	case ',$(EXTRAS),' in *,dev,*) $(BIN)/pip install --quiet --no-deps openrlhf==0.11.2;; esac
 	$(BIN)/python -c "import transformers, vllm, ray; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 
