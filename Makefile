@@ -37,7 +37,9 @@ $(STAMP): pyproject.toml
 	  2>/dev/null || true;; esac
 	# OpenRLHF's reward client, for the interop tests (dev installs only): without its dependencies, which pin
 	# deepspeed, flash-attn and Ray 2.55; the client module needs only what dev brings.
-	case ',$(EXTRAS),' in *,dev,*) $(BIN)/pip install --quiet --no-deps openrlhf==0.11.2;; esac
+	# Its wheel also installs a top-level `tests` package, which would shadow ours: removed.
+	case ',$(EXTRAS),' in *,dev,*) $(BIN)/pip install --quiet --no-deps openrlhf==0.11.2 \
+	  && rm -rf "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests";; esac
 	$(BIN)/python -c "import transformers, vllm, ray; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 
