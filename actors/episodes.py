@@ -1,9 +1,9 @@
 """Multi-turn episodes: the rollout worker's loop of model turns and environment answers (docs/environments.md).
 
 Owns: `EpisodeSettings` (what a worker needs to run episodes), `open_environments` (the run's `env` section ->
-in-process or remote `Environments`), `turn_seed`, and `EpisodeRunner`, which runs one request's G x prompts
-episodes on the worker's engine: each episode is `reset`, then up to `max_turns` model turns, each answered by the
-environment's `step`, whose observation is appended as token ids before the next turn.
+in-process, relay-protocol or OpenEnv `Environments`), `turn_seed`, and `EpisodeRunner`, which runs one request's
+G x prompts episodes on the worker's engine: each episode is `reset`, then up to `max_turns` model turns, each
+answered by the environment's `step`, whose observation is appended as token ids before the next turn.
 Does not own: the engine (actors/engine.py: `add_turn` / `step_turns`), the environments and their protocol
 (rewards/environments/), tool-call parsing and chat rendering (rewards/environments/tools.py), or what the run does
 with an episode's rewards and failures (cluster/run/scoring.py).
@@ -54,18 +54,24 @@ class EpisodeSettings:
 
 
 def open_environments(env: EnvironmentConfig) -> Any:
-    """The `Environments` the `env` section names: its in-process class (`spec`) on a thread pool, or its service
-    (`urls`). Raises ValueError (one line) on a bad spec, params or token variable."""
+    """The `Environments` the `env` section names: its in-process class (`spec`) on a thread pool, or its servers
+    (`urls`) spoken to in `env.protocol` (relay's or OpenEnv's). Raises ValueError (one line) on a bad spec, params or
+    token variable."""
     if env.spec is not None:
         from rewards.environments.interface import InProcessEnvironments, load_environment
 
         return InProcessEnvironments(load_environment(env.spec, env.params), max_concurrency=env.max_concurrency,
                                      timeout=env.timeout, name=env.spec)
+    remote = dict(timeout=env.timeout, max_retries=env.max_retries, backoff=env.backoff, backoff_max=env.backoff_max,
+                  max_concurrency=env.max_concurrency, token_env=env.token_env, verify_tls=env.verify_tls, name="env")
+    if env.protocol == "openenv":
+        from rewards.environments.openenv_client import OpenEnvEnvironments
+
+        return OpenEnvEnvironments(env.urls, action_field=env.action_field, observation_field=env.observation_field,
+                                   **remote)
     from rewards.environments.remote import RemoteEnvironments
 
-    return RemoteEnvironments(env.urls, timeout=env.timeout, max_retries=env.max_retries, backoff=env.backoff,
-                              backoff_max=env.backoff_max, max_concurrency=env.max_concurrency,
-                              token_env=env.token_env, verify_tls=env.verify_tls, name="env")
+    return RemoteEnvironments(env.urls, **remote)
 
 
 def turn_seed(seed: int, index: int, turn: int) -> int:

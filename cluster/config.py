@@ -11,6 +11,7 @@ and config validation are instant and need neither torch nor vLLM.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,13 +40,47 @@ class ModelConfig(_Section):
     parameters are float32: `learner.master_dtype`), and the saved policy's."""
 
 
+class ReasoningGymDataset(_Section):
+    weight: float = Field(1.0, gt=0, le=1_000_000)
+    """Relative weight: each entry comes from this dataset with probability weight / (sum of the weights)."""
+    config: dict[str, Any] = {}
+    """The dataset's own settings, the fields of its config class in reasoning-gym (e.g. `{min_terms: 2, max_terms:
+    3}` for `basic_arithmetic`); empty: its defaults. Unset `seed` and `size` follow `data.reasoning_gym`'s, as
+    reasoning-gym's composite dataset sets them."""
+
+
+class ReasoningGymConfig(_Section):
+    datasets: dict[str, ReasoningGymDataset] = {}
+    """reasoning-gym datasets by their registered names (`basic_arithmetic`, `leg_counting`, ...), mixed by weight
+    in reasoning-gym's composite dataset; needed with `data.task=reasoning_gym`. A name reasoning-gym does not know
+    stops the run before anything starts, with the closest names."""
+    size: int = Field(1000, ge=1, le=10_000_000)
+    """Entries generated when the run starts (all at once, before any actor): the prompts of one epoch, cycled and
+    shuffled like a dataset file's."""
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    """Seed reasoning-gym generates the entries from (the same seed, datasets and reasoning-gym version give the same
+    entries); empty: the run's `seed`."""
+
+    @model_validator(mode="after")
+    def _names(self) -> ReasoningGymConfig:
+        for name in self.datasets:
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "composite":
+                raise ValueError(f"datasets: {name!r} is not a reasoning-gym dataset name (lower-case, like "
+                                 "basic_arithmetic; list several names instead of 'composite')")
+        return self
+
+
 class DataConfig(_Section):
-    task: Literal["arithmetic", "chain_sum", "calc", "dataset"] = "arithmetic"
+    task: Literal["arithmetic", "chain_sum", "calc", "dataset", "reasoning_gym"] = "arithmetic"
     """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `chain_sum` draws `12+34+56=` prompts
     whose label is the partial sums, one step each, separated by single spaces (`46 102`); `dataset` reads
     `data.path`; `calc` draws `37*48=` prompts whose label is the product, for multi-turn episodes with the
-    calculator tool (`env.spec: rewards.environments.examples:Calculator`). With an empty `model.path`, `chain_sum`
-    and `calc` run on their own demo models, the others on the arithmetic one."""
+    calculator tool (`env.spec: rewards.environments.examples:Calculator`); `reasoning_gym` generates
+    `data.reasoning_gym`'s tasks (needs `pip install 'relay-rl[reasoning-gym]'`), each labelled with its whole entry,
+    and, unless `reward.sources` is given, scores them with the `reasoning_gym` verifier. With an empty `model.path`,
+    `chain_sum` and `calc` run on their own demo models, the others on the arithmetic one."""
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    """The reasoning-gym tasks of `task=reasoning_gym` (docs/verifiers.md, reasoning-gym)."""
     path: str | None = None
     """Prompt file for `task=dataset`: JSONL (`.jsonl`), Parquet (`.parquet`) or a Hugging Face `datasets`
     directory (written by `save_to_disk`)."""
@@ -55,11 +90,18 @@ class DataConfig(_Section):
     """Row field holding the prompt: a string, or chat messages (a list of {role, content})."""
     label_field: str | None = "label"
     """Row field holding the label the verifiers compare with (any JSON value); empty: no label."""
+    label_format: Literal["value", "json"] = "value"
+    """`value`: a label is used as the file holds it; `json`: a label that is a string is JSON text and is decoded
+    when the file loads (other values are kept), the lossless way to store labels of different shapes in Parquet or
+    `datasets` columns, as the reasoning-gym export writes them."""
     chat_template: bool = False
     """Wrap string prompts as one user message and apply the tokenizer's chat template (message prompts always
     get it)."""
     system_prompt: str | None = None
-    """System message put before every prompt when the chat template is applied."""
+    """System message put before every prompt when the chat template is applied. With `task=reasoning_gym` it
+    replaces reasoning-gym's instruction (a system message, or a prefix without the chat template): unset, that
+    instruction is reasoning-gym's default system prompt, which asks for the answer in `<answer>` tags; `''`, none
+    (with the chat template, an empty system message)."""
     tools: list[str] = []
     """Functions offered to a chat model as tools (`package.module:function`, typed, with a Google-style docstring):
     their JSON schemas go into the chat template (`tools=`) of every prompt it renders; run them with
@@ -67,6 +109,10 @@ class DataConfig(_Section):
     max_prompt_tokens: int | None = Field(None, ge=1, le=1_048_576)
     """Longer prompts are skipped and counted (`data/filtered_prompts`); empty: `rollout.max_model_len -
     rollout.max_new_tokens`."""
+    untokenizable: Literal["refuse", "filter"] = "refuse"
+    """A dataset or reasoning-gym prompt the model's tokenizer cannot hold (its token ids decode to other text, spaces
+    aside, or hold the unknown token): `refuse` stops before anything starts, naming the row and the character;
+    `filter` skips it, counted in `data/filtered_prompts`."""
     shuffle: bool = True
     """Shuffle the dataset with `seed`, a new order each epoch."""
     min_operand: int = Field(0, ge=0, le=10**6)
@@ -223,6 +269,16 @@ class RunConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _reasoning_gym_verifier_by_default(cls, data: Any) -> Any:
+        """reasoning-gym tasks are scored by their own datasets: with `data.task=reasoning_gym` and no
+        `reward.sources` given, the reward is `{correct: {type: rule, verifier: reasoning_gym}}` (exact_match, the
+        other tasks' default, would compare a completion with a whole entry and score 0)."""
+        if not isinstance(data, dict) or _given(data.get("data"), "task", None) != "reasoning_gym":
+            return data
+        return _unset_to(data, "reward", "sources", {"correct": {"type": "rule", "verifier": "reasoning_gym"}})
+
+    @model_validator(mode="before")
+    @classmethod
     def _threads_for_overlap(cls, data: Any) -> Any:
         """In an asynchronous run (`rollout.max_staleness` >= 1) the engines generate while the learner and the
         reference compute, so an unset `learner.num_threads` or `reference.num_threads` is 1, whatever the model's
@@ -277,6 +333,14 @@ def _inconsistencies(config: RunConfig):
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
     if config.data.task == "dataset" and not config.data.path:
         yield "data.task=dataset needs data.path (a .jsonl or .parquet file, or a datasets directory)"
+    if config.data.task == "reasoning_gym" and not config.data.reasoning_gym.datasets:
+        yield ("data.task=reasoning_gym needs data.reasoning_gym.datasets: name at least one, e.g. "
+               "data.reasoning_gym.datasets.basic_arithmetic.weight=1")
+    if config.data.task != "reasoning_gym" and config.data.reasoning_gym.datasets:
+        yield (f"data.reasoning_gym is read only with data.task=reasoning_gym (not {config.data.task}); set the task "
+               "or remove data.reasoning_gym")
+    if config.data.task != "dataset" and config.data.label_format != "value":
+        yield "data.label_format applies to data.task=dataset (labels read from data.path); remove it"
     if config.reference.refresh_every and not config.uses_reference:
         yield ("reference.refresh_every needs a reference policy in use: set learner.kl_coef or "
                "learner.kl_reward_coef > 0 (and reference.enabled=true), or refresh_every=0")
@@ -335,6 +399,8 @@ def _format_error(err: ValidationError) -> str:
 def _allowed_keys(loc: tuple) -> list[str]:
     if loc[:2] == ("reward", "sources") and len(loc) == 4 and loc[3] in SOURCE_TYPES:
         return list(SOURCE_TYPES[loc[3]].model_fields)  # (reward, sources, <name>, <tag>)
+    if loc[:3] == ("data", "reasoning_gym", "datasets") and len(loc) == 4:
+        return list(ReasoningGymDataset.model_fields)  # (data, reasoning_gym, datasets, <name>)
     model: type[BaseModel] = RunConfig
     for part in loc:
         annotation = model.model_fields[str(part)].annotation
@@ -431,6 +497,7 @@ def config_reference() -> str:
             lines.extend([f"## {title}", "", "| key | default | meaning |", "|---|---|---|", *rows, ""])
 
     walk(RunConfig, "")
+    walk(ReasoningGymDataset, "data.reasoning_gym.datasets.<name>.")
     for tag, source in SOURCE_TYPES.items():
         walk(source, "reward.sources.<name>.", f"reward.sources.<name> with `type: {tag}`")
     return "\n".join(lines)

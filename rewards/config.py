@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -19,8 +19,8 @@ class RuleSource(_Section):
     type: Literal["rule"] = "rule"
     """A rule verifier run in the driver: a pure function (completion, label) -> reward."""
     verifier: str = Field("exact_match", min_length=1)
-    """A name from `rewards/registry.py` (`exact_match`, `numeric_match`, `math_verify`, `format`) or your own
-    function as `package.module:function`."""
+    """A name from `rewards/registry.py` (`exact_match`, `numeric_match`, `math_verify`, `format`, `reasoning_gym`)
+    or your own function as `package.module:function`."""
     params: dict[str, Any] = {}
     """Keyword arguments passed to the verifier (e.g. `pattern` for `format`)."""
     weight: float = Field(1.0, ge=-1000, le=1000)
@@ -33,9 +33,14 @@ class RuleSource(_Section):
 
 class RemoteSource(_Section):
     type: Literal["remote"]
-    """A verifier service over HTTP (`POST /verify`, docs/verifiers.md)."""
+    """A verifier service over HTTP (`POST /verify`, or OpenRLHF's `/get_reward`: `protocol`; docs/verifiers.md)."""
+    protocol: Literal["relay", "openrlhf"] = "relay"
+    """What the service speaks: `relay`, relay's protocol (`POST <url>/verify`, `relay verifier serve`); `openrlhf`,
+    OpenRLHF's remote reward protocol (`POST <url>` with `{query, prompts, labels}`, reply `{rewards, ...}`)."""
     urls: list[str] = Field(min_length=1)
-    """Base URLs of the service's replicas (`http(s)://host:port`); batches are spread over them."""
+    """The service's replicas, batches spread over them: base URLs (`http(s)://host:port`) with protocol `relay`; the
+    full endpoint URLs, as OpenRLHF's `--reward.remote_url` takes them (`http://host:port/get_reward`), with
+    `openrlhf`."""
     weight: float = Field(1.0, ge=-1000, le=1000)
     """Weight of this source in the combined reward."""
     batch_size: int = Field(64, ge=1, le=100_000)
@@ -66,8 +71,16 @@ class RemoteSource(_Section):
     @model_validator(mode="after")
     def _valid(self) -> RemoteSource:
         for url in self.urls:
-            if not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
-                raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
+            if self.protocol == "relay" and not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
+                raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]"
+                                 + (" (an endpoint URL like .../get_reward needs protocol=openrlhf)"
+                                    if re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/\S+", url) else ""))
+            if self.protocol == "openrlhf" and not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/\S+", url):
+                raise ValueError(f"url {url!r} is not an endpoint URL: with protocol openrlhf give the whole URL "
+                                 "the service answers on, e.g. http://127.0.0.1:5000/get_reward")
+        if self.protocol == "openrlhf" and self.level == "steps":
+            raise ValueError("protocol openrlhf scores whole completions (one reward per query): level steps needs "
+                             "protocol relay")
         if self.on_failure == "default" and self.default_reward is None:
             raise ValueError("on_failure=default needs default_reward (e.g. 0.0); or choose fail or drop")
         if self.backoff > self.backoff_max:
@@ -158,9 +171,19 @@ class EnvironmentConfig(_Section):
     """An in-process environment class, `package.module:Class` (e.g.
     `rewards.environments.examples:Calculator`), one instance per episode, run in each rollout worker's process."""
     params: dict[str, Any] = {}
-    """Keyword arguments of the environment class's constructor (in-process), e.g. `{max_calls: 2}`."""
+    """Keyword arguments of the environment class's constructor (in-process), e.g. `{max_calls: 2}`; `null` clears
+    those of a YAML file (with `spec=null`, to use `urls` instead)."""
     urls: list[str] = []
-    """Base URLs of an environment service's replicas (`http(s)://host:port`, `relay env serve`); instead of `spec`."""
+    """Base URLs of an environment service's replicas (`http(s)://host:port`, `relay env serve`, or OpenEnv servers
+    with `protocol: openenv`); instead of `spec`."""
+    protocol: Literal["relay", "openenv"] = "relay"
+    """What the `urls` speak: `relay`, relay's environment protocol (`relay env serve`); `openenv`, OpenEnv servers
+    (openenv-core's `create_app`): one WebSocket session (`/ws`) per episode, its steps never retried
+    (docs/environments.md, "Training against an OpenEnv server")."""
+    action_field: str = Field("message", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)
+    """OpenEnv: the field of the server's action that carries the model's text (an action is `{action_field: text}`)."""
+    observation_field: str = Field("text", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)
+    """OpenEnv: the field of the server's observation whose string is appended to the episode."""
     weight: float = Field(1.0, ge=-1000, le=1000)
     """Weight of the environment's rewards in the combined reward (`reward/env` in the metrics)."""
     turn_rewards: Literal["outcome", "steps"] = "outcome"
@@ -174,11 +197,15 @@ class EnvironmentConfig(_Section):
     """An observation longer than this many tokens keeps its first ones (a tool's long output, as verl's
     `max_tool_response_length`; counted in `env/truncated_observations`); empty: kept whole."""
     max_concurrency: int = Field(32, ge=1, le=4096)
-    """Environment calls (in-process: threads) or requests (remote) in flight at once, per rollout worker."""
+    """Environment calls (in-process: threads) or requests (remote) in flight at once, per rollout worker; with
+    `protocol: openenv`, sessions open at once (keep it times the rollout workers within the servers' total
+    `max_concurrent_envs`)."""
     timeout: float = Field(30.0, gt=0, le=86_400)
-    """Deadline of one environment call (in-process) or request (remote), in seconds."""
+    """Deadline of one environment call (in-process) or request (remote; openenv: opening a session with its reset,
+    a step, a close), in seconds."""
     max_retries: int = Field(3, ge=0, le=100)
-    """Remote: retries of a request that was refused, timed out or got a 5xx reply (never on 4xx)."""
+    """Remote: retries of a request that was refused, timed out or got a 5xx reply (never on 4xx); openenv retries
+    opening a session only, never a step."""
     backoff: float = Field(0.25, gt=0, le=600)
     """Remote: first retry delay in seconds; doubles each retry, with full jitter, up to `backoff_max`."""
     backoff_max: float = Field(8.0, gt=0, le=3600)
@@ -196,17 +223,30 @@ class EnvironmentConfig(_Section):
     def enabled(self) -> bool:
         return self.spec is not None or bool(self.urls)
 
+    @field_validator("params", mode="before")
+    @classmethod
+    def _cleared(cls, params: Any) -> Any:
+        return {} if params is None else params  # an override cannot empty a dict (overrides merge into it)
+
     @model_validator(mode="after")
     def _valid(self) -> EnvironmentConfig:
         if self.spec is not None and self.urls:
             raise ValueError("spec (an in-process environment) and urls (a service) are both set; keep one")
         if self.params and self.spec is None:
-            raise ValueError("params are the constructor arguments of an in-process environment: set spec too")
+            raise ValueError("params are the constructor arguments of an in-process environment: set spec too, or "
+                             "clear them (env.params=null)")
         for url in self.urls:
             if not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?/?", url):
                 raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
         if self.backoff > self.backoff_max:
             raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        if self.protocol == "openenv" and not self.urls:
+            raise ValueError("protocol 'openenv' talks to OpenEnv servers: set urls (e.g. "
+                             "env.urls=[http://127.0.0.1:8000]) instead of spec")
+        for name in ("action_field", "observation_field"):  # a dumped config holds the defaults: those pass
+            if getattr(self, name) != type(self).model_fields[name].default and self.protocol != "openenv":
+                raise ValueError(f"{name} maps text to and from an OpenEnv server's dicts: set protocol=openenv "
+                                 f"(and urls), or remove {name}")
         return self
 
 
@@ -221,7 +261,7 @@ class RewardConfig(_Section):
     sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()})
     """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
     Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
-    exact_match}}`. Each source's mean goes in the metrics as `reward/<name>`. May be empty (`{}`) when an
+    exact_match}}` (`verifier: reasoning_gym` with `data.task=reasoning_gym`). Each source's mean goes in the metrics as `reward/<name>`. May be empty (`{}`) when an
     environment (`env`) gives the rewards."""
     steps: StepsConfig = StepsConfig()
     """How completions are split into steps for the sources with `level: steps`."""

@@ -13,7 +13,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rewards.specs import check_params, import_spec
-from rewards.verifiers import exact_match, format_match, math_verify_match, numeric_match, step_match
+from rewards.verifiers import (
+    check_reasoning_gym_params,
+    exact_match,
+    format_match,
+    math_verify_match,
+    numeric_match,
+    reasoning_gym_match,
+    step_match,
+)
 
 Verifier = Callable[[str, Any], float]
 
@@ -22,6 +30,13 @@ RULE_VERIFIERS: dict[str, Callable[..., float]] = {
     "numeric_match": numeric_match,
     "math_verify": math_verify_match,
     "format": format_match,
+    "reasoning_gym": reasoning_gym_match,
+}
+
+# Checks run when a verifier loads, before any scoring, for those that need more than their signature checked: an
+# optional package installed, params in range. Each takes the verifier's params and raises a one-line ValueError.
+LOAD_CHECKS: dict[str, Callable[..., None]] = {
+    "reasoning_gym": check_reasoning_gym_params,
 }
 
 STEP_VERIFIERS: dict[str, Callable[..., list[float]]] = {
@@ -34,12 +49,14 @@ def load_verifier(spec: str, params: Mapping[str, Any] | None = None, steps: boo
 
     ``spec`` is a name in ``RULE_VERIFIERS`` (``STEP_VERIFIERS`` with ``steps``: functions (steps, label) ->
     list[float]) or the user's own ``package.module:function``. Every problem (unknown name, module not importable,
-    missing attribute, not callable, params the signature does not accept) is a one-line ``ValueError`` raised
-    here, before any scoring.
+    missing attribute, not callable, params the signature does not accept, a `LOAD_CHECKS` failure such as an optional
+    package not installed) is a one-line ``ValueError`` raised here, before any scoring.
     """
     params = dict(params or {})
     fn = _resolve(spec, steps)
     check_params(spec, "verifier", fn, params, ("completion", "label"), "fn(completion, label, **params)")
+    if not steps and spec in LOAD_CHECKS:
+        LOAD_CHECKS[spec](**params)
     return functools.partial(fn, **params) if params else fn
 
 

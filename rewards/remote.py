@@ -4,11 +4,13 @@ Owns: `RemoteVerifier`, which splits samples into batches, sends them to the ser
 most `max_concurrency` requests in flight), enforces a deadline per request, retries transient faults with
 full-jitter exponential backoff, validates every reply, and applies the source's failure policy (`fail`, `drop`,
 `default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`. With the
-source's `level: steps`, each sample carries its step texts and gets one reward per step (`step_rewards`).
+source's `level: steps`, each sample carries its step texts and gets one reward per step (`step_rewards`). With
+`protocol: openrlhf` it speaks OpenRLHF's remote reward protocol instead (`POST <url> {"query", "prompts",
+"labels"}` -> `{"rewards": [...]}`), through the same batching, deadlines, retries and failure policy.
 Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
-`None`s here), nor the service side (rewards/service.py). Shared with the environment client
-(rewards/environments/remote.py): `retrying` (the retry loop), `Redacting` (token scrubbing, reading a reply's
-status and JSON), `describe_transport_error`.
+`None`s here), nor the service side (rewards/service.py), nor OpenRLHF's request shape (rewards/openrlhf.py).
+Shared with the environment client (rewards/environments/remote.py): `retrying` (the retry loop), `Redacting`
+(token scrubbing, reading a reply's status and JSON), `describe_transport_error`.
 
 Decisions:
 - Requests run on a private asyncio event loop in a daemon thread with one `httpx.AsyncClient`, so connections
@@ -21,6 +23,9 @@ Decisions:
   reward that is not a finite number; with `level: steps`, `step_rewards` missing, of the wrong length or not all
   finite numbers), which a deterministic verifier would repeat. A service too old to know `steps` ignores them
   and answers `reward` only: every sample of it fails with an error saying so, and nothing is retried.
+- OpenRLHF's protocol has no per-sample errors: a reply that is not a `rewards` list of one finite number per query
+  is malformed (retried, then the failure policy). Its `scores` and `extra_logs` are ignored: `extra_logs` have no
+  fixed meaning, and relay's metrics are its own per-step counters.
 - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
   so a dead service fails fast; the exception carries the metrics gathered so far.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message.
@@ -44,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
+
+from rewards.openrlhf import request_body
 
 if TYPE_CHECKING:  # the config type is only named in annotations
     from rewards.config import RemoteSource
@@ -74,6 +81,9 @@ class VerifierSample:
     label: Any = None  # any JSON value
     metadata: dict = field(default_factory=dict)  # JSON object passed through to the service
     steps: list[str] | None = None  # the completion's step texts, in order, delimiter removed; sent only if not None
+    # `protocol: openrlhf`: the prompt and completion as one text, as OpenRLHF sends it (decoded with the special
+    # tokens, EOS included); None: prompt + completion.
+    query: str | None = None
 
 
 @dataclass
@@ -222,7 +232,8 @@ class RemoteVerifier(Redacting):
     def __init__(self, name: str, config: RemoteSource):
         self.name = name
         self.config = config
-        self._urls = [url.rstrip("/") for url in config.urls]
+        # relay's urls are base URLs (`/verify` is appended); OpenRLHF's are the endpoints themselves.
+        self._urls = [url.rstrip("/") if config.protocol == "relay" else url for url in config.urls]
         headers = {"Accept": "application/json"}
         self._secret: str | None = None
         if config.token_env:
@@ -355,6 +366,8 @@ class RemoteVerifier(Redacting):
 
     async def _post(self, batch: _Batch) -> list:
         """POST the batch; return the reply's `results` list if the reply is well formed, else raise."""
+        if self.config.protocol == "openrlhf":
+            return await self._post_openrlhf(batch)
         body = {"samples": [_sample_body(s) for s in batch.samples]}
         reply = self._json_reply(await self._client.post(f"{batch.url}/verify", json=body), self.config.token_env)
         results = reply.get("results") if isinstance(reply, dict) else None
@@ -362,6 +375,24 @@ class RemoteVerifier(Redacting):
             raise Retryable('malformed reply: expected {"results": [{"id": ..., "reward": ...}, ...]}')
         self._check_ids(batch, results)
         return results
+
+    async def _post_openrlhf(self, batch: _Batch) -> list[dict]:
+        """POST the batch in OpenRLHF's shape; return its rewards as relay's results (`{"id", "reward"}`, in order)
+        if the reply holds one finite number per query, else raise `Retryable` (malformed)."""
+        samples = batch.samples
+        body = request_body([s.query if s.query is not None else s.prompt + s.completion for s in samples],
+                            [s.prompt for s in samples], [s.label for s in samples])
+        reply = self._json_reply(await self._client.post(batch.url, json=body), self.config.token_env)
+        rewards = reply.get("rewards") if isinstance(reply, dict) else None
+        if not isinstance(rewards, list):
+            raise Retryable('malformed reply: expected {"rewards": [one number per query, ...]}')
+        if len(rewards) != len(samples):
+            raise Retryable(f"malformed reply: {len(rewards)} rewards for {len(samples)} queries")
+        bad = next((i for i, r in enumerate(rewards) if not _is_finite_number(r)), None)
+        if bad is not None:
+            raise Retryable(f"malformed reply: reward {bad} is {self._excerpt(json.dumps(rewards[bad]), 50)}, not a "
+                            "finite number")
+        return [{"id": s.id, "reward": r} for s, r in zip(samples, rewards)]
 
     def _read_results(self, batch: _Batch, results: list[dict]) -> None:
         steps = {s.id: s.steps for s in batch.samples}

@@ -2,10 +2,11 @@
 any `(steps, label) -> step rewards` function for process supervision.
 
 Owns: `create_app` (a FastAPI app speaking the remote verifier protocol: `GET /health`, `POST /verify`, optional
-bearer token, request limits, per-sample errors and deadlines), `app_from_spec` (load the verifiers by name or
-`package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what `relay verifier
-serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks); both warn when
-an app without a token is served beyond loopback.
+bearer token, request limits, per-sample errors and deadlines; and OpenRLHF's `POST /get_reward`, whose shapes are
+rewards/openrlhf.py's, behind the same token, limits, worker pool and deadlines), `app_from_spec` (load the
+verifiers by name or `package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what
+`relay verifier serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks);
+both warn when an app without a token is served beyond loopback.
 Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py).
 
 This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
@@ -18,8 +19,10 @@ in any language. Decisions:
   log, with the sample's id.
 - Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
   503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
-- `/health` needs no token (load balancers probe it); `/verify` does when a token is set. Unknown sample fields are
-  ignored, so newer clients can add fields without breaking older services.
+- `/health` needs no token (load balancers probe it); `/verify` and `/get_reward` do when a token is set. Unknown
+  sample fields are ignored, so newer clients can add fields without breaking older services.
+- `/get_reward` (OpenRLHF) has no per-sample errors: a query that cannot be scored fails its request with a 500
+  naming it and `"retryable": false` (OpenRLHF sends one query per request, so this is per query there).
 - Steps are optional both ways: a sample with `steps` goes to the step verifier if there is one (reply
   `step_rewards`), else to the outcome verifier on its `completion` (reply `reward`, as an old service would); a
   sample without `steps` needs the outcome verifier.
@@ -35,15 +38,17 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS, RewardRequest, completion_of, longest_first, reward_reply
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +216,16 @@ def _step_result(sample_id: str, value: Any, num_steps: int) -> Result:
 
 def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier | None = None, max_batch: int = 1024,
                max_body_bytes: int = 8 * 2**20, workers: int = 4, sample_timeout: float = 30.0,
-               token: str | None = None) -> FastAPI:
-    """A FastAPI app serving `verifier` and/or `step_verifier` (at least one) with the remote verifier protocol.
+               token: str | None = None, special_tokens: Sequence[str] | None = None) -> FastAPI:
+    """A FastAPI app serving `verifier` and/or `step_verifier` (at least one) with the remote verifier protocol, and
+    `verifier` with OpenRLHF's (`POST /get_reward`).
 
     A sample with `steps` is scored by `step_verifier` (result `step_rewards`), or by `verifier` on its completion
     when there is no step verifier (result `reward`); a sample without `steps` needs `verifier`.
-    max_batch: most samples per request (more: 413). max_body_bytes: largest request body (more: 413).
+    max_batch: most samples (or queries) per request (more: 413). max_body_bytes: largest request body (more: 413).
     workers: threads scoring samples in parallel. sample_timeout: seconds one call may run before its sample gets
-    an error. token: bearer token required by `/verify` (None: no authentication).
+    an error. token: bearer token required by `/verify` and `/get_reward` (None: no authentication).
+    special_tokens: stripped from a `/get_reward` query's completion (None: `rewards.openrlhf.DEFAULT_SPECIAL_TOKENS`).
     """
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
         raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
@@ -232,8 +239,13 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="relay verifier service", lifespan=lifespan,
-                  description="The remote verifier protocol of relay (docs/verifiers.md).")
+                  description="The remote verifier protocol of relay (`/verify`), and OpenRLHF's "
+                              "(`/get_reward`): docs/verifiers.md.")
     app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
+
+    async def score(samples: list[Sample]) -> list[Result]:
+        """Every sample's result, from the worker pool under the per-sample deadline (both routes)."""
+        return await _score(verifiers, samples, pool, sample_timeout, stuck)
 
     @app.get("/health")
     async def health():
@@ -247,30 +259,76 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
                          413: {"description": "body larger than max_body_bytes or more samples than max_batch"},
                          422: {"description": "body is not a valid request"}})
     async def verify(request: Request):
-        if token is not None and not _authorized(request, token):
-            return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        body = await _read_body(request, max_body_bytes)
-        if body is None:
-            return _error(413, f"request body exceeds max_body_bytes={max_body_bytes}; send smaller batches")
-        try:
-            samples = VerifyRequest.model_validate_json(body).samples
-        except ValidationError as err:
-            detail = err.errors(include_url=False, include_input=False, include_context=False)
-            return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
+        body = await _admit(request, VerifyRequest, token, max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        samples = body.samples
         if len(samples) > max_batch:
             return _error(413, f"{len(samples)} samples exceed max_batch={max_batch}; send smaller batches "
                                "(client: batch_size)")
         if len({s.id for s in samples}) != len(samples):
             return _error(422, "sample ids must be unique within a request")
-        results = await _score(verifiers, samples, pool, sample_timeout, stuck)
+        results = await score(samples)
         failed = [r for r in results if r.error is not None]
         if failed:
             log.warning("%d of %d samples unscored; first: %s: %s", len(failed), len(results), failed[0].id,
                         failed[0].error)
         return VerifyResponse(results=results)
 
+    strip = longest_first(DEFAULT_SPECIAL_TOKENS if special_tokens is None else special_tokens)
+    mismatch_logged = threading.Event()
+
+    @app.post("/get_reward", responses=GET_REWARD_RESPONSES)
+    async def get_reward(request: Request):
+        """OpenRLHF's remote reward protocol (rewards/openrlhf.py, docs/verifiers.md)."""
+        body = await _admit(request, RewardRequest, token, max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        if len(body.query) > max_batch:
+            return _error(413, f"{len(body.query)} queries exceed max_batch={max_batch}; send smaller batches")
+        if verifiers.verifier is None:
+            return JSONResponse({"detail": "this service has only a step verifier; /get_reward scores whole "
+                                           "completions: serve it with --verifier", "retryable": False},
+                                status_code=501)
+        return await _openrlhf_rewards(body, score, strip, mismatch_logged)
+
     return app
+
+
+GET_REWARD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"description": "missing or wrong bearer token"},
+    413: {"description": "body larger than max_body_bytes or more queries than max_batch"},
+    422: {"description": "body is not a valid request, or prompts / labels do not hold one entry per query"},
+    500: {"description": "a query could not be scored; `retryable: false`"},
+    501: {"description": "this service has only a step verifier"}}
+
+
+async def _openrlhf_rewards(body: RewardRequest, score: Callable[[list[Sample]], Awaitable[list[Result]]],
+                            strip: Sequence[str], mismatch_logged: threading.Event) -> Any:
+    """The reply to a `/get_reward` request that passed the shared checks: a 200 with one reward per query, a 422
+    when `prompts` / `labels` do not line up, or a 500 (not retryable) naming the first query that failed."""
+    if (problem := body.problem()) is not None:
+        return _error(422, problem)
+    queries = body.query
+    prompts, labels = body.prompts or [None] * len(queries), body.labels or [None] * len(queries)
+    texts = [completion_of(query, prompt, strip) for query, prompt in zip(queries, prompts)]
+    samples = [Sample(id=str(i), prompt=prompt or "", completion=completion, label=label)
+               for i, ((completion, _), prompt, label) in enumerate(zip(texts, prompts, labels))]
+    results = await score(samples)
+    failed = [i for i, r in enumerate(results) if r.error is not None]
+    if failed:
+        first = failed[0]
+        log.warning("/get_reward: %d of %d queries unscored; first: %d: %s", len(failed), len(results), first,
+                    results[first].error)
+        return JSONResponse({"detail": f"query {first} could not be scored: {results[first].error} ({len(failed)} "
+                                       f"of {len(results)} failed; OpenRLHF's protocol has no per-query errors)",
+                             "retryable": False}, status_code=500)
+    mismatched = [not matched for _, matched in texts]
+    if any(mismatched) and not mismatch_logged.is_set():  # once: OpenRLHF sends one query per request
+        mismatch_logged.set()
+        log.warning("/get_reward: query %d does not start with its prompt: scored whole (special tokens removed); "
+                    "such queries are flagged in extra_logs.prompt_mismatch", mismatched.index(True))
+    return reward_reply([r.reward for r in results], mismatched)
 
 
 async def _score(verifiers: _Verifiers, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,
@@ -284,6 +342,25 @@ async def _score(verifiers: _Verifiers, samples: list[Sample], pool: ThreadPoolE
     finally:
         for future in futures:  # a no-op once started; frees the queue if the request was abandoned
             future.cancel()
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def _admit(request: Request, model: type[Body], token: str | None, max_body_bytes: int) -> Body | JSONResponse:
+    """The request's body read as `model`, or the reply refusing it: 401 (token), 413 (body size) or 422 (shape,
+    with the field's location). What every scoring route checks first."""
+    if token is not None and not _authorized(request, token):
+        return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    body = await _read_body(request, max_body_bytes)
+    if body is None:
+        return _error(413, f"request body exceeds max_body_bytes={max_body_bytes}; send smaller batches")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as err:
+        detail = err.errors(include_url=False, include_input=False, include_context=False)
+        return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
 
 
 def _authorized(request: Request, token: str) -> bool:
@@ -323,18 +400,22 @@ def token_from_env(token_env: str | None) -> str | None:
 
 def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, step_spec: str | None = None,
                   step_params: Mapping[str, Any] | None = None, token_env: str | None = None,
-                  **options: Any) -> FastAPI:
+                  tokenizer: str | None = None, **options: Any) -> FastAPI:
     """`create_app` for the verifier named `spec` and/or the step verifier named `step_spec` (registry names or
     `package.module:function`; at least one), with `params` / `step_params` bound.
 
-    The token, if any, is read from the environment variable `token_env`. Raises ValueError (one line) for no or an
-    unknown verifier, an unset token variable or a bad option.
+    The token, if any, is read from the environment variable `token_env`; `/get_reward` strips the special tokens of
+    the tokenizer at `tokenizer` (a directory or Hugging Face name; None: the default list). Raises ValueError (one
+    line) for no or an unknown verifier, an unset token variable, a tokenizer that does not load or a bad option.
     """
+    from rewards.openrlhf import special_tokens_from
     from rewards.registry import load_verifier
 
     verifier = load_verifier(spec, params) if spec is not None else None
     step_verifier = load_verifier(step_spec, step_params, steps=True) if step_spec is not None else None
-    return create_app(verifier, step_verifier=step_verifier, token=token_from_env(token_env), **options)
+    special_tokens = special_tokens_from(tokenizer) if tokenizer is not None else None
+    return create_app(verifier, step_verifier=step_verifier, token=token_from_env(token_env),
+                      special_tokens=special_tokens, **options)
 
 
 def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -1,8 +1,9 @@
 """Rule verifiers: pure functions (completion, label) -> reward, and step verifiers (steps, label) -> one reward per
 step.
 
-Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, and
-matching each step against the label's (`step_match`).
+Owns: exact, numeric, mathematical (math-verify) and format matching of one completion against one label, scoring
+it with a reasoning-gym entry's own dataset (`reasoning_gym_match`; the optional package is imported on first use,
+`rewards/reasoning_gym.py`), and matching each step against the label's (`step_match`).
 Does not own: the name -> function table and resolving a config's spec (`rewards/registry.py`: `load_verifier`),
 batching, weighting of several reward sources,
 time limits (callers that need a deadline enforce it around the call), remote verifiers or reward models.
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from math_verify import LatexExtractionConfig, parse, verify
+
+from rewards.reasoning_gym import check_entry, import_reasoning_gym, score_answer_fn
 
 # A number as written in prose: optional sign, thousands separators (1,234), decimals (.5, 3.25), an exponent
 # (1.5e3) and a trailing percent sign that is read as a unit (50% -> 50). A minus right after a word character or
@@ -99,6 +102,50 @@ def format_match(
         if compiled.fullmatch(completion) is None:
             return 0.0
     return 1.0 if _has_tags_in_order(completion, tag_names) else 0.0
+
+
+def reasoning_gym_match(completion: str, label: Any, tag: str = "answer", extract: str = "tag") -> float:
+    """reasoning-gym's own score of the completion's answer, in [0, 1]: the label is a reasoning-gym entry
+    (question, answer, metadata naming its `source_dataset`), scored by that dataset's `score_answer` (some give
+    partial credit, e.g. 0.05 for a well-formed wrong board).
+
+    The answer, by reasoning-gym's convention (its system prompts ask for it): with ``extract="tag"`` the text of the
+    last ``<tag>...</tag>`` (``tag`` "answer" by default), stripped, as `reasoning_gym.utils.extract_answer` reads it;
+    no such pair is no answer (every dataset scores it 0.0). With ``extract="none"`` the whole completion, stripped.
+    An answer the dataset's scorer cannot read (some raise on text they cannot parse) scores 0.0, unless the scorer
+    also fails on the entry's own answer: then the label is at fault and this raises ``ValueError``, as it does for a
+    label that is not an entry.
+    """
+    check_reasoning_gym_params(tag, extract, import_package=False)
+    entry = check_entry(label)
+    score = score_answer_fn(entry["metadata"]["source_dataset"])
+    if extract == "tag":
+        from reasoning_gym.utils import extract_answer
+
+        answer = extract_answer(completion, tag_name=tag)
+    else:
+        answer = completion.strip()
+    try:
+        return float(score(answer, entry))
+    except Exception:  # the model's text, unreadable to the scorer: a wrong answer, unless the entry is the problem
+        try:
+            score(entry["answer"], entry)
+        except Exception as err:
+            raise ValueError(f"reasoning_gym: the {entry['metadata']['source_dataset']} scorer fails on the label's "
+                             f"own answer ({err!r}); the label is not an entry as reasoning-gym wrote it") from err
+        return 0.0
+
+
+def check_reasoning_gym_params(tag: str = "answer", extract: str = "tag", import_package: bool = True) -> None:
+    """Raises ValueError (one line) if `reasoning_gym_match` cannot run with these params: `extract` not `tag` or
+    `none`, `tag` not a tag name, or (``import_package``) reasoning-gym not installed. Run when the verifier loads."""
+    if extract not in ("tag", "none"):
+        raise ValueError(f"reasoning_gym: extract must be 'tag' (the answer in <tag>...</tag>) or 'none' (the whole "
+                         f"completion), got {extract!r}")
+    if not isinstance(tag, str) or not _TAG_NAME.fullmatch(tag):
+        raise ValueError(f"reasoning_gym: tag {tag!r} is not a tag name; write 'answer', not '<answer>'")
+    if import_package:
+        import_reasoning_gym()
 
 
 def step_match(steps: Sequence[str], label: Any, separator: str | None = None) -> list[float]:

@@ -237,13 +237,18 @@ def _build_demo_model(force: bool, task: str = "arithmetic") -> int:
 
 
 VERIFIER_SERVE_HELP = """\
-Serve a verifier over HTTP with the remote verifier protocol (POST /verify, GET /health; docs/verifiers.md), for
-`reward.sources.<name>: {type: remote, urls: [http://HOST:PORT]}`. Binds 127.0.0.1 unless --host says otherwise.
+Serve a verifier over HTTP (GET /health; docs/verifiers.md) with two protocols:
+  POST /verify       relay's, for `reward.sources.<name>: {type: remote, urls: [http://HOST:PORT]}`
+  POST /get_reward   OpenRLHF's, for its `--reward.remote_url http://HOST:PORT/get_reward`: each query's completion
+                     is the text after its prompt, with the special tokens of --tokenizer removed (default: a fixed
+                     list of common ones, docs/verifiers.md)
+Binds 127.0.0.1 unless --host says otherwise.
 
   relay verifier serve --verifier exact_match --port 8000
   relay verifier serve --verifier format --param "tags=[think, answer]"
   JUDGE_TOKEN=... relay verifier serve --verifier mypkg.judge:score --host 0.0.0.0 --token-env JUDGE_TOKEN
   relay verifier serve --step-verifier mypkg.judge:score_steps     # process supervision: `level: steps`
+  relay verifier serve --verifier math_verify --tokenizer Qwen/Qwen2.5-1.5B-Instruct --port 5000   # for OpenRLHF
 
 Give --verifier, --step-verifier or both: samples sent with steps go to the step verifier, the others to --verifier.
 """
@@ -272,6 +277,9 @@ def _add_verifier_commands(commands) -> None:
     serve.add_argument("--step-param", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument for the step verifier, as --param; repeatable")
     serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
+    serve.add_argument("--tokenizer", metavar="PATH",
+                       help="/get_reward (OpenRLHF) removes this tokenizer's special tokens from each completion: the "
+                            "policy's directory or Hugging Face name (default: common ones, docs/verifiers.md)")
 
 
 def _verifier_serve(args: argparse.Namespace) -> int:
@@ -295,7 +303,7 @@ def _verifier_serve(args: argparse.Namespace) -> int:
     try:
         app = app_from_spec(args.verifier, params=params, step_spec=args.step_verifier, step_params=step_params,
                             token_env=args.token_env, workers=args.workers, max_batch=args.max_batch,
-                            sample_timeout=args.sample_timeout)
+                            sample_timeout=args.sample_timeout, tokenizer=args.tokenizer)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run_app(app, args.host, args.port)
@@ -303,8 +311,13 @@ def _verifier_serve(args: argparse.Namespace) -> int:
 
 
 ENV_SERVE_HELP = """\
-Serve an environment class over HTTP with the remote environment protocol (POST /reset, /step, /close, GET /health;
-docs/environments.md): one instance of the class per episode session. Binds 127.0.0.1 unless --host says otherwise.
+Serve an environment class over HTTP (GET /health; docs/environments.md), one instance of the class per episode,
+with two protocols:
+  relay's    POST /reset, /step, /close: sticky sessions, idempotent steps by turn (a run config's `env.urls`)
+  OpenEnv's  WebSocket /ws (one session per connection), the stateless POST /reset, /step and GET /state, GET
+             /schema, /metadata, POST /mcp; actions {"message": text}, observations {"text": ..., "info": {...}};
+             for OpenEnv's clients (GenericEnvClient) and `openenv validate --url http://HOST:PORT`
+Both protocols share --max-sessions and the token. Binds 127.0.0.1 unless --host says otherwise.
 
   relay env serve --env rewards.environments.examples:GuessNumber --param max_turns=4
   ENV_TOKEN=... relay env serve --env mypkg.envs:Shell --host 0.0.0.0 --token-env ENV_TOKEN --workers 16
@@ -313,7 +326,7 @@ docs/environments.md): one instance of the class per episode session. Binds 127.
 
 def _add_env_commands(commands) -> None:
     env = commands.add_parser("env", help="environment services (`relay env serve`)",
-                              description="Environment services speaking the remote environment protocol.")
+                              description="Environment services speaking relay's and OpenEnv's protocols.")
     actions = env.add_subparsers(dest="action", metavar="ACTION", required=True)
     serve = actions.add_parser("serve", help="serve an environment over HTTP", description=ENV_SERVE_HELP,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -323,9 +336,11 @@ def _add_env_commands(commands) -> None:
                        help="keyword argument for the class's constructor, value read as YAML; repeatable")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
+    serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR "
+                       "(a WebSocket without it is refused: HTTP 403)")
     serve.add_argument("--max-sessions", type=int, default=1024, metavar="N",
-                       help="sessions open at once; a reset beyond that gets 503 (default: 1024)")
+                       help="sessions open at once, WebSockets included; a reset beyond that gets 503, a WebSocket "
+                            "OpenEnv's CAPACITY_REACHED (default: 1024)")
     serve.add_argument("--session-ttl", type=float, default=600.0, metavar="S",
                        help="seconds a session may stay idle before it expires (default: 600)")
     serve.add_argument("--step-timeout", type=float, default=30.0, metavar="S",

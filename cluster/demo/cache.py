@@ -24,9 +24,10 @@ SHIPPED_MODELS_DIR = Path(__file__).parent / "models"  # relay's own builds: `sh
 
 
 def demo_task(task: str) -> str:
-    """The built-in task whose model serves `task` (a `data.task`): itself, or arithmetic for a user's dataset."""
-    if task == "dataset":  # a dataset without model.path has always run on the arithmetic model (char tokenizer)
-        return "arithmetic"
+    """The built-in task whose model serves `task` (a `data.task`): itself, or arithmetic for a user's dataset or
+    reasoning-gym's tasks."""
+    if task in ("dataset", "reasoning_gym"):  # without model.path they have always run on the arithmetic model
+        return "arithmetic"  # (char tokenizer: cluster/run/data.py refuses the prompts it cannot hold)
     if task not in DEMO_TASKS:
         raise ValueError(f"no demo model for task {task!r}; use one of {', '.join(DEMO_TASKS)} or set model.path")
     return task

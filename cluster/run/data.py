@@ -1,12 +1,15 @@
 """Prompt sources for the driver: seeded, resumable iterators of (prompt, label) problems.
 
 Owns: which problems step k trains on, and reading a user's prompt dataset (JSONL, Parquet or a `datasets`
-directory) into problems: field checks, the chat template, the prompt-length filter, and the prompts' token ids
-(tokenised once, when the dataset loads; the engines get these ids). A batch depends only on (seed, cursor), so a
+directory) into problems: field checks, labels (JSON text decoded with `data.label_format=json`), the chat template,
+the prompt-length filter, the tokenizer round trip (a prompt whose token ids do not say its text is refused or
+filtered: `data.untokenizable`), and the prompts' token ids (tokenised once, when the dataset loads; the engines get
+these ids); and `write_prompts`, the writer of that label convention. A batch depends only on (seed, cursor), so a
 resumed run draws exactly the batches an uninterrupted one would.
 Does not own: the demo tasks, arithmetic, chain_sum and calc (cluster/demo/task.py; their prompts go to the engines
-as text, which they tokenise)
-or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use only.
+as text, which they tokenise), generating reasoning-gym's tasks (cluster/run/reasoning_gym.py; kept, tokenised and
+batched here like a file's rows) or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use
+only.
 """
 
 from __future__ import annotations
@@ -91,35 +94,41 @@ class CalcPrompts(ArithmeticPrompts):
 
 
 class PromptDataset:
-    """A user's prompts (`data.path`), cycled epoch after epoch in a seeded order, `batch_size` per batch.
+    """A user's prompts (`data.path`, or `candidates` made elsewhere: reasoning-gym's tasks), cycled epoch after epoch
+    in a seeded order, `batch_size` per batch.
 
-    Rows whose prompt (after the chat template) has more than `max_prompt_tokens` tokens are skipped and counted
-    in `filtered`. Epoch e visits every kept prompt once, in file order or (with `config.shuffle`) in a permutation
-    drawn from (seed, e); batches run on across epoch boundaries, so one batch may hold the end of an epoch and
-    the start of the next, and a dataset smaller than a batch repeats within it.
+    Rows whose prompt (after the chat template) the tokenizer cannot hold (`_holds`) are refused, or with
+    `config.untokenizable=filter` skipped; rows with more than `max_prompt_tokens` tokens are skipped; both are
+    counted in `filtered`. Epoch e visits every kept prompt once, in file order or (with `config.shuffle`) in a
+    permutation drawn from (seed, e); batches run on across epoch boundaries, so one batch may hold the end of an
+    epoch and the start of the next, and a dataset smaller than a batch repeats within it.
     """
 
-    def __init__(self, config: DataConfig, seed: int, batch_size: int, tokenizer: Any, max_prompt_tokens: int):
+    def __init__(self, config: DataConfig, seed: int, batch_size: int, tokenizer: Any, max_prompt_tokens: int,
+                 candidates: list[tuple[str, str, Any]] | None = None, name: str | None = None):
+        """`candidates`: (where, prompt text, label) rows already rendered, named `name` in messages; None reads
+        `config.path`."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.seed = seed
         self.batch_size = batch_size
         self.shuffle = config.shuffle
-        self.path = config.path
-        candidates = [(where, _render_prompt(config, tokenizer, where, row), _label(config, where, row))
-                      for where, row in read_rows(config)]
+        self.path = name or config.path
+        if candidates is None:
+            candidates = [(where, _render_prompt(config, tokenizer, where, row), _label(config, where, row))
+                          for where, row in read_rows(config)]
         if not candidates:
-            raise DataError(f"{config.path}: holds no rows; add prompts or point data.path at another file")
-        token_ids = _tokenize(tokenizer, [text for _, text, _ in candidates])
+            raise DataError(f"{self.path}: holds no rows; add prompts or point data.path at another file")
+        token_ids, held = _tokenize(tokenizer, [text for _, text, _ in candidates])
+        _refuse_untokenizable(config, tokenizer, candidates, token_ids, held)
         lengths = [len(ids) for ids in token_ids]
         self.problems = [Problem(prompt=text, label=label, prompt_ids=ids)
-                         for (_, text, label), ids in zip(candidates, token_ids) if len(ids) <= max_prompt_tokens]
+                         for (_, text, label), ids, ok in zip(candidates, token_ids, held)
+                         if ok and len(ids) <= max_prompt_tokens]
         self.filtered = len(candidates) - len(self.problems)
         self.num_prompts = len(self.problems)
         if not self.problems:
-            raise DataError(
-                f"{config.path}: all {len(candidates)} prompts are longer than max_prompt_tokens={max_prompt_tokens} "
-                f"tokens (the shortest has {min(lengths)}); raise data.max_prompt_tokens or rollout.max_model_len")
+            raise DataError(_nothing_kept(self.path, lengths, held, max_prompt_tokens))
         self.consumed = 0  # prompts drawn so far, over all epochs
         self._order_epoch = -1
         self._order: list[int] = []
@@ -152,18 +161,33 @@ class PromptDataset:
         if expected != self.num_prompts:
             raise DataError(
                 f"{self.path}: the saved data state was for {expected} prompts but the dataset now keeps "
-                f"{self.num_prompts}; resume with the same data.path, filter settings and model, or start a new run")
+                f"{self.num_prompts}; resume with the same data, filter settings and model, or start a new run")
         self.consumed = _count(state, "consumed")
 
     def metrics(self) -> dict[str, float]:
-        """`data/epoch`: epochs completed so far (fractional); `data/filtered_prompts`: rows too long to keep."""
+        """`data/epoch`: epochs completed so far (fractional); `data/filtered_prompts`: rows too long to keep, or
+        (with `data.untokenizable=filter`) that the tokenizer cannot hold."""
         return {"data/epoch": self.consumed / self.num_prompts, "data/filtered_prompts": float(self.filtered)}
+
+
+def _nothing_kept(name: str, lengths: list[int], held: list[bool], max_prompt_tokens: int) -> str:
+    """Why no prompt was kept, and the fix."""
+    unheld = held.count(False)
+    if unheld == len(held):
+        return (f"{name}: the tokenizer cannot hold any of the {unheld} prompts (data.untokenizable=filter skipped "
+                "them all); use a model whose tokenizer covers the text")
+    shortest = min(n for n, ok in zip(lengths, held) if ok)
+    skipped = f", and {unheld} untokenizable ones were skipped" if unheld else ""
+    return (f"{name}: all {len(held) - unheld} prompts are longer than max_prompt_tokens={max_prompt_tokens} tokens "
+            f"(the shortest has {shortest}){skipped}; raise data.max_prompt_tokens or rollout.max_model_len")
 
 
 def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
                        max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
-    """The prompt source `config.task` names; a dataset's templates and lengths use the model's tokenizer (`model_path`
-    None: the demo model's, made in memory, the same as the one its directory will hold)."""
+    """The prompt source `config.task` names; a dataset's or reasoning-gym's templates, lengths and round trip use the
+    model's tokenizer (`model_path` None: the demo model's, made in memory, the same as the one its directory will
+    hold). reasoning-gym's tasks are generated here, so an unknown dataset name or a missing package is a DataError
+    before anything starts."""
     if config.task == "arithmetic":
         return ArithmeticPrompts(config, seed, batch_size)
     if config.task == "chain_sum":
@@ -178,6 +202,11 @@ def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_pat
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if config.task == "reasoning_gym":
+        from cluster.run.reasoning_gym import reasoning_gym_prompts
+
+        candidates = reasoning_gym_prompts(config, seed, tokenizer)
+        return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, candidates, "data.reasoning_gym")
     return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens)
 
 
@@ -293,7 +322,7 @@ def _render_prompt(config: DataConfig, tokenizer: Any, where: str, row: dict[str
     else:
         raise DataError(f"{where}: field '{field}' is {_json_kind(value)}; a prompt must be a string or a list "
                         'of chat messages [{"role": ..., "content": ...}]')
-    return _apply_chat_template(config, tokenizer, where, messages)
+    return apply_chat_template(config, tokenizer, where, messages)
 
 
 def _checked_messages(value: list, where: str, field: str) -> list[dict[str, Any]]:
@@ -310,7 +339,7 @@ def _checked_messages(value: list, where: str, field: str) -> list[dict[str, Any
     return [dict(message) for message in value]
 
 
-def _apply_chat_template(config: DataConfig, tokenizer: Any, where: str, messages: list[dict[str, Any]]) -> str:
+def apply_chat_template(config: DataConfig, tokenizer: Any, where: str, messages: list[dict[str, Any]]) -> str:
     """Render with the tokenizer's template and a generation prompt, and `config.tools`' schemas; `config.system_prompt`
     goes first unless the row brings its own system message (two system messages break most templates)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -346,17 +375,109 @@ def _label(config: DataConfig, where: str, row: dict[str, Any]) -> Any:
                         "every row, set data.label_field, or set it to null for no labels")
     if row[field] is None:  # also how Parquet and datasets store a row that lacks the field
         raise DataError(f"{where}: field '{field}' is null; give every row a label or set data.label_field=null")
+    if config.label_format == "json" and isinstance(row[field], str):
+        try:
+            return json.loads(row[field])
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: field '{field}' is not JSON text ({err.msg} at column {err.colno}) but "
+                            "data.label_format=json; write labels with json.dumps, or set data.label_format=value"
+                            ) from None
     return row[field]
 
 
-def _tokenize(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
+def _tokenize(tokenizer: Any, texts: list[str]) -> tuple[list[np.ndarray], list[bool]]:
     """Each prompt's token ids (int32), without special tokens (chat templates write theirs into the text), as the
-    engines would encode it: they get these ids and do not tokenise the text again."""
+    engines would encode it: they get these ids and do not tokenise the text again; and whether the tokenizer holds
+    it (`_holds`), checked chunk by chunk on the lists the tokenizer returned."""
     ids: list[np.ndarray] = []
+    held: list[bool] = []
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
-        encoded = tokenizer(texts[start:start + _TOKENIZE_CHUNK], add_special_tokens=False)["input_ids"]
+        chunk = texts[start:start + _TOKENIZE_CHUNK]
+        # verbose=False: transformers' warning about prompts over the model's length is ours to give (the filter).
+        encoded = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+        held.extend(_holds(tokenizer, chunk, encoded))
         ids.extend(np.asarray(row, dtype=np.int32) for row in encoded)
-    return ids
+    return ids, held
+
+
+def _holds(tokenizer: Any, texts: list[str], token_ids: list[list[int]]) -> list[bool]:
+    """Per prompt: its token ids decode back to its text, spaces aside, and hold no more unknown tokens than the text
+    writes out literally. Decoded as the ids were encoded: special tokens kept (a chat template writes them as text),
+    no clean-up of spaces. Spaces (U+0020) are not compared: SentencePiece tokenizers (Llama 2, Mistral v0.1) add or
+    drop one at the start and after special tokens; every other character is, so a dropped letter, newline or tab, a
+    replaced or normalised character, or an unknown token is caught. One decode call for the batch."""
+    unk_id, unk = getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "unk_token", None)
+    held = []
+    for text, ids, decoded in zip(texts, token_ids, _decode(tokenizer, token_ids)):
+        same = decoded == text or decoded.replace(" ", "") == text.replace(" ", "")
+        unknown = unk_id is not None and ids.count(unk_id) > (text.count(unk) if unk else 0)
+        held.append(same and not unknown)
+    return held
+
+
+def _refuse_untokenizable(config: DataConfig, tokenizer: Any, candidates: list[tuple[str, str, Any]],
+                          token_ids: list[np.ndarray], held: list[bool]) -> None:
+    """With `config.untokenizable=refuse`, the first prompt the tokenizer does not hold is a DataError naming its row
+    and the first character its token ids do not reproduce (`filter` skips them: the caller's business)."""
+    if config.untokenizable != "refuse" or all(held):
+        return
+    index = held.index(False)
+    where, text, _ = candidates[index]
+    at = _first_difference(text, _decode(tokenizer, [token_ids[index].tolist()])[0])
+    shown = f"character {at} ({text[at]!r})" if at < len(text) else f"its end ({len(text)} characters)"
+    name = getattr(tokenizer, "name_or_path", "")
+    raise DataError(
+        f"{where}: {f'the tokenizer of {name!r}' if name else 'the model tokenizer'} cannot hold the prompt: its "
+        f"token ids decode to other text from {shown} on; use a model whose tokenizer covers the text, fix the row, "
+        "or set data.untokenizable=filter to skip such prompts")
+
+
+def _decode(tokenizer: Any, token_ids: list[list[int]]) -> list[str]:
+    """The texts `token_ids` stand for, special tokens kept, spaces not cleaned up: a fast tokenizer's backend decodes
+    the batch at once, a slow one each row."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(token_ids, skip_special_tokens=False)
+    return tokenizer.batch_decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _first_difference(text: str, decoded: str) -> int:
+    """Index in `text` of the first character (spaces skipped) that `decoded` does not reproduce; `len(text)` when
+    `decoded` only adds text after it, or when they differ only in unknown tokens written out literally."""
+    i = j = 0
+    while True:
+        while i < len(text) and text[i] == " ":
+            i += 1
+        while j < len(decoded) and decoded[j] == " ":
+            j += 1
+        if i == len(text) or j == len(decoded) or text[i] != decoded[j]:
+            return min(i, len(text))
+        i, j = i + 1, j + 1
+
+
+def write_prompts(path: str | Path, rows: list[dict[str, Any]], label_field: str = "label") -> None:
+    """Writes `rows` ({prompt field: ..., `label_field`: any JSON value, ...}) where `data.path` reads them: JSONL
+    (`.jsonl`, labels as JSON values), Parquet (`.parquet`) or a `datasets` directory (any other path), whose
+    label column holds each label as JSON text, since a columnar file would merge labels of different shapes into
+    one type and fill the gaps with nulls. Read back with `data.label_format=json`: every format gives the labels
+    `json.loads(json.dumps(label))`."""
+    if not rows:
+        raise ValueError(f"write_prompts: no rows to write to {path}")
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        return
+    encoded = [{**row, label_field: json.dumps(row[label_field], ensure_ascii=False)} for row in rows]
+    columns = {key: [row[key] for row in encoded] for key in encoded[0]}
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(columns), path)
+        return
+    import datasets
+
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
 
 
 def _json_kind(value: Any) -> str:

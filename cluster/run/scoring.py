@@ -9,9 +9,10 @@ tokenizer), scoring every step with every step source, and their weighted sum pe
 (`env`), the environment's turn rewards by `env.weight`: summed into the outcome, or as step rewards at each turn's
 last model token (`env.turn_rewards`), and its failures by `env.on_failure`. Samples a remote source could
 not score under `on_failure=drop`, and episodes whose environment failed under `env.on_failure=drop`, mark their
-whole group as dropped. Does not own: the verifiers (`rewards/`), the
-HTTP protocol (`rewards/remote.py`), the models (`actors/reward_model.py`, `actors/process_reward_model.py`), or what
-the driver does with dropped groups.
+whole group as dropped. Remote sources of `protocol: openrlhf` get each sample's query as OpenRLHF sends it: the
+prompt's and response's token ids decoded together with their special tokens, by the policy's tokenizer.
+Does not own: the verifiers (`rewards/`), the HTTP protocols (`rewards/remote.py`), the models
+(`actors/reward_model.py`, `actors/process_reward_model.py`), or what the driver does with dropped groups.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Scorer:
         self.reward_models: dict[str, Any] = {}  # name -> RewardModelWorker / ProcessRewardModelWorker actor handle
         self.reward_timeout = reward_timeout
         self.splitter: Any = None  # a rewards.steps.StepSplitter with process supervision, once attached
+        self.query_tokenizer: Any = None  # the policy's tokenizer with `protocol: openrlhf` sources, once attached
         self.rules: dict[str, Any] = {}
         self.remotes: dict[str, Any] = {}
         for name, source in config.sources.items():
@@ -78,15 +80,20 @@ class Scorer:
                 raise ValueError(f"reward.sources.{name}: {err}") from None
 
     def attach(self, reward_models: dict[str, Any], model_path: str) -> None:
-        """The fleet's reward-model actors, and (with process supervision) the policy's tokenizer from
-        `model_path`, whose token ids the steps are split on."""
+        """The fleet's reward-model actors, and (with process supervision, or `protocol: openrlhf` sources) the
+        policy's tokenizer from `model_path`, whose token ids the steps are split on, or the queries decoded from."""
         self.reward_models = reward_models
-        if self.config.scores_steps:
+        openrlhf = any(isinstance(source, RemoteSource) and source.protocol == "openrlhf"
+                       for source in self.config.sources.values())
+        if self.config.scores_steps or openrlhf:
             from transformers import AutoTokenizer
 
-            from rewards.steps import StepSplitter
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            if self.config.scores_steps:
+                from rewards.steps import StepSplitter
 
-            self.splitter = StepSplitter(AutoTokenizer.from_pretrained(model_path), self.config.steps.delimiter)
+                self.splitter = StepSplitter(tokenizer, self.config.steps.delimiter)
+            self.query_tokenizer = tokenizer if openrlhf else None
 
     def close(self) -> None:
         for client in self.remotes.values():
@@ -117,11 +124,13 @@ class Scorer:
         scores: dict[str, list[Any]] = {}  # name -> per sample: a float (outcome) or a list (steps); None: dropped
         metrics = {"verifier/failures": 0.0, "verifier/retries": 0.0}
         samples: dict[str, list[Any]] = {}  # one list per level, shared by the remote sources of that level
+        queries = self._queries(flat) if self.remotes and self.query_tokenizer is not None else None
         for name, client in self.remotes.items():
             level = self.level(name)
             if level not in samples:
                 samples[level] = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label,
-                                                 steps=texts[k] if level == "steps" else None)
+                                                 steps=texts[k] if level == "steps" else None,
+                                                 query=queries[k] if queries is not None else None)
                                   for k, (_, p, r) in enumerate(flat)]
             try:
                 result = client.score(samples[level])
@@ -194,6 +203,12 @@ class Scorer:
                 fit[name] = ([prompts[k] for k in kept], [completions[k] for k in kept], [targets[k] for k in kept])
         grouped = [combined[g * size:(g + 1) * size] for g in range(len(groups))]
         return RoundScores(grouped, dropped, per_source, metrics, scored_steps, fit)
+
+    def _queries(self, flat: list[tuple[int, Any, Any]]) -> list[str]:
+        """Each completion's prompt and response decoded together with their special tokens (EOS included), as
+        OpenRLHF's client sends a query (`decode(prompt_ids + response_ids, skip_special_tokens=False)`)."""
+        ids = [[*map(int, r.prompt_ids), *map(int, r.response_ids)] for _, _, r in flat]
+        return self.query_tokenizer.batch_decode(ids, skip_special_tokens=False)
 
     def _env_failures(self, flat: list[tuple[int, Any, Any]], dropped: list[bool], metrics: dict[str, float]) -> None:
         """Episodes whose environment failed: the run stops (`env.on_failure=fail`), or their groups are dropped."""

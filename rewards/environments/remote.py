@@ -2,15 +2,18 @@
 
 Owns: `RemoteEnvironments` (opens episode sessions on the service's replicas: new sessions round-robin, each
 session sticks to the URL that created it; at most `max_concurrency` requests in flight; a deadline per request;
-retries with full-jitter exponential backoff; validation of every reply; metrics), and `RemoteEnvironmentError`.
+retries with full-jitter exponential backoff; validation of every reply; metrics), `RemoteEnvironmentError`, and
+what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `EventLoopThread` (a client's
+private event loop), `LoopSession` (sequential calls on a session), `check_arguments`, `bearer_token`.
 Does not own: the failure policy (the episode loop, actors/episodes.py, marks the episode failed on
 `RemoteEnvironmentError`; cluster/run/scoring.py stops the run or drops the group), nor the service side
 (rewards/environments/service.py).
 
 Decisions:
-- As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread with one
-  `httpx.AsyncClient`, so connections are reused, each request gets a hard deadline (`asyncio.wait_for`: httpx's
-  timeouts are per read), and sessions can be driven from any event loop (each call hops to the private one).
+- As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`,
+  shared with the OpenEnv client) with one `httpx.AsyncClient`, so connections are reused, each request gets a hard
+  deadline (`asyncio.wait_for`: httpx's timeouts are per read), and sessions can be driven from any event loop
+  (each call hops to the private one).
 - Retried: connection refused or reset, timeouts, 5xx (503: the service is full; 504: the call ran past its
   `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
   raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is safe
@@ -35,7 +38,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -58,6 +61,50 @@ class RemoteEnvironmentError(EpisodeError):
         self.url, self.call = url, call
 
 
+class EventLoopThread:
+    """A client's private asyncio event loop, run in a daemon thread: its connections live there, so that sessions can
+    be awaited from any event loop. The environment clients' one copy (`RemoteEnvironments`, and
+    `OpenEnvEnvironments` in rewards/environments/openenv_client.py)."""
+
+    def __init__(self, name: str):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float) -> Any:
+        """`coro`'s result, run on the loop, from a thread outside it; cancelled after `timeout` seconds
+        (`TimeoutError`)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def call(self, coro) -> Any:
+        """Await `coro`, run on the loop, from another event loop; cancelling the caller cancels it."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def stop(self, shutdown: Callable[[], Awaitable[None]]) -> None:
+        """Cancel every task on the loop (their callers get `CancelledError`), await `shutdown()` there (close the
+        connections), then stop the loop and its thread. Call once."""
+        try:
+            self.run(self._cancel_all(shutdown), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    @staticmethod
+    async def _cancel_all(shutdown: Callable[[], Awaitable[None]]) -> None:
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await shutdown()
+
+
 class RemoteEnvironments(Redacting):
     """Episode sessions on an environment service; the arguments mirror `RemoteSource` (rewards/config.py).
 
@@ -71,28 +118,21 @@ class RemoteEnvironments(Redacting):
     def __init__(self, urls: Sequence[str], *, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.25,
                  backoff_max: float = 8.0, max_concurrency: int = 64, token_env: str | None = None,
                  verify_tls: bool = True, name: str = "environment"):
-        _check_arguments(urls, timeout, max_retries, backoff, backoff_max, max_concurrency, token_env)
+        check_arguments(urls, timeout, max_retries, backoff, backoff_max, max_concurrency, token_env)
         self.name, self.timeout, self.max_retries = name, timeout, max_retries
         self.backoff, self.backoff_max, self.max_concurrency = backoff, backoff_max, max_concurrency
         self.token_env = token_env
         self._urls = [url.rstrip("/") for url in urls]
         headers = {"Accept": "application/json"}
-        self._secret: str | None = None
-        if token_env:
-            token = os.environ.get(token_env, "")
-            if not token:
-                raise ValueError(f"token_env: environment variable {token_env} is unset or empty; export the "
-                                 "service's bearer token in it, or remove token_env")
-            self._secret = token
-            headers["Authorization"] = f"Bearer {token}"
+        self._secret: str | None = bearer_token(token_env)
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._secret}"
         self._stats = CallStats()
         self._next_url = 0  # round-robin position of the next new session; used on the private loop only
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-env-{name}", daemon=True)
-        self._thread.start()
+        self._loop = EventLoopThread(f"relay-env-{name}")
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        self._client: httpx.AsyncClient = self._run(self._make_client(headers, limits, verify_tls), timeout=30)
+        self._client: httpx.AsyncClient = self._loop.run(self._make_client(headers, limits, verify_tls), timeout=30)
         self._semaphore = asyncio.Semaphore(max_concurrency)
 
     async def _make_client(self, headers: dict[str, str], limits: httpx.Limits, verify: bool) -> httpx.AsyncClient:
@@ -129,35 +169,14 @@ class RemoteEnvironments(Redacting):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._run(self._shutdown(), timeout=10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._loop.close()
-
-    async def _shutdown(self) -> None:
-        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self._client.aclose()
-
-    def _run(self, coro, timeout: float):
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
+        self._loop.stop(self._client.aclose)
 
     async def _on_loop(self, coro) -> Any:
         """Run `coro` on the private loop and await it from the caller's loop; cancelling the caller cancels it."""
         if self._closed:
             coro.close()
             raise RuntimeError(f"{self!r} is closed")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await self._loop.call(coro)
 
     async def _reset(self, body: dict[str, Any]) -> tuple[tuple[str, str], str]:
         """POST /reset to the next URL in turn (retries: the URLs after it); ((session id, observation), URL)."""
@@ -230,14 +249,40 @@ class RemoteEnvironments(Redacting):
         return self._excerpt(json.dumps(value), 50)
 
 
-class _RemoteSession:
+class LoopSession:
+    """An episode session of a client whose calls run on its private loop (`_owner._on_loop`): calls are sequential,
+    and once one fails or is abandoned the session takes no other (the call may or may not have been applied).
+    Shared by relay's protocol's sessions and OpenEnv's (rewards/environments/openenv_client.py)."""
+
+    def __init__(self, owner: Any):
+        self._owner = owner
+        self._turn = 0
+        self._done = self._failed = self._busy = self._closed = self._reset = False
+
+    async def _call(self, what: str, coro) -> Any:
+        problem = ("on a closed session" if self._closed else
+                   "on a session whose environment failed earlier: close it" if self._failed else
+                   "while another call of this session runs: calls on a session are sequential" if self._busy
+                   else None)
+        if problem:
+            coro.close()
+            raise RuntimeError(f"{what} {problem}")
+        self._busy = True
+        try:
+            return await self._owner._on_loop(coro)
+        except BaseException:  # failed or abandoned (cancelled): the call may or may not have been applied
+            self._failed = True
+            raise
+        finally:
+            self._busy = False
+
+
+class _RemoteSession(LoopSession):
     """One episode on the service: created by `reset` on one URL, which its steps and close then use."""
 
     def __init__(self, owner: RemoteEnvironments):
-        self._owner = owner
+        super().__init__(owner)
         self._url = self._session_id = None
-        self._turn = 0
-        self._done = self._failed = self._busy = self._closed = self._reset = False
 
     async def reset(self, prompt: str, label: Any) -> str:
         if self._reset:
@@ -276,31 +321,26 @@ class _RemoteSession:
         except RemoteEnvironmentError:  # logged and counted by `_call`; the service expires the session anyway
             pass
 
-    async def _call(self, what: str, coro) -> Any:
-        problem = ("on a closed session" if self._closed else
-                   "on a session whose environment failed earlier: close it" if self._failed else
-                   "while another call of this session runs: calls on a session are sequential" if self._busy
-                   else None)
-        if problem:
-            coro.close()
-            raise RuntimeError(f"{what} {problem}")
-        self._busy = True
-        try:
-            return await self._owner._on_loop(coro)
-        except BaseException:  # failed or abandoned (cancelled): the call may or may not have been applied
-            self._failed = True
-            raise
-        finally:
-            self._busy = False
-
 
 def _ignore(reply: Any) -> None:
     return None
 
 
-def _check_arguments(urls: Sequence[str], timeout: float, max_retries: int, backoff: float, backoff_max: float,
-                     max_concurrency: int, token_env: str | None) -> None:
-    """One-line `ValueError`s for arguments `RemoteSource` would refuse."""
+def bearer_token(token_env: str | None) -> str | None:
+    """The token held in the environment variable `token_env` (None without one); a one-line `ValueError` if it is
+    unset or empty."""
+    if not token_env:
+        return None
+    token = os.environ.get(token_env, "")
+    if not token:
+        raise ValueError(f"token_env: environment variable {token_env} is unset or empty; export the service's bearer "
+                         "token in it, or remove token_env")
+    return token
+
+
+def check_arguments(urls: Sequence[str], timeout: float, max_retries: int, backoff: float, backoff_max: float,
+                    max_concurrency: int, token_env: str | None) -> None:
+    """One-line `ValueError`s for arguments `RemoteSource` would refuse (both environment clients')."""
     if isinstance(urls, str) or not urls:
         raise ValueError("urls: give a list of at least one base URL, e.g. ['http://127.0.0.1:8000']")
     for url in urls:

@@ -5,7 +5,9 @@ Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET
 `app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
 rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service, as are its bearer-token check
 and body reading.
-Does not own: environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
+Does not own: OpenEnv's protocol on the same app (rewards/environments/openenv_service.py: `/ws`, `/state`,
+`/schema`, `/metadata`, `/mcp`, and the `/reset` / `/step` bodies of OpenEnv's shape, which the routes here hand
+over), environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
 (rewards/environments/remote.py).
 
 Decisions:
@@ -26,6 +28,10 @@ Decisions:
 - Sessions end on `/close` (idempotent: unknown ids are fine), and expire after `session_ttl` seconds idle (no
   call running). Ending one closes its environment (its `close()`, if any) in the background, after its last call
   has finished. At most `max_sessions` exist at once: a reset beyond that gets 503, which the client retries.
+- One app speaks both relay's protocol and OpenEnv's: `/reset` and `/step` tell them apart by the body's shape
+  (openenv_service.py's decisions), and both protocols' sessions count against `max_sessions`. `GET /health`
+  answers `{"status": "healthy"}` (503 `unhealthy` when stalled), the words of OpenEnv's `HealthStatus`, which
+  `openenv validate` checks; relay's client reads only the status code.
 """
 
 from __future__ import annotations
@@ -231,13 +237,16 @@ def _log_failure(session_id: str, task: asyncio.Task) -> None:
 def create_app(factory: Callable[[], Environment], *, token: str | None = None, max_sessions: int = 1024,
                session_ttl: float = 600.0, step_timeout: float = 30.0, workers: int = 8,
                max_body_bytes: int = 8 * 2**20) -> FastAPI:
-    """A FastAPI app serving the environments `factory` makes (one per session) with the remote environment protocol.
+    """A FastAPI app serving the environments `factory` makes (one per session) with the remote environment protocol
+    and OpenEnv's (rewards/environments/openenv_service.py).
 
     token: bearer token required by every endpoint but `/health` (None: no authentication). max_sessions: sessions
     open at once (more: 503). session_ttl: seconds a session may stay idle before it expires. step_timeout: seconds
     a reply waits for its call (reset or step; longer: 504). workers: threads running environment calls.
     max_body_bytes: largest request body (more: 413).
     """
+    from rewards.environments.openenv_service import OpenEnvRoutes, is_openenv_reset, is_openenv_step  # imports us
+
     if min(max_sessions, workers, max_body_bytes) < 1 or not (session_ttl > 0 and step_timeout > 0):
         raise ValueError("max_sessions, session_ttl, step_timeout, workers and max_body_bytes must be positive")
     environments = InProcessEnvironments(factory, max_concurrency=workers, timeout=None)  # deadlines: `reply`
@@ -251,19 +260,22 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
         await sessions.shutdown()
         environments.close()
 
-    app = FastAPI(title="relay environment service", lifespan=lifespan,
-                  description="The remote environment protocol of relay (docs/environments.md).")
+    app = FastAPI(title="relay environment service", lifespan=lifespan, version="1.0.0",  # openenv-http/1.x
+                  description="relay's remote environment protocol and OpenEnv's (docs/environments.md).")
     app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
     app.state.serve_command = "relay env serve"
     app.state.sessions = sessions
 
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
+    async def read(request: Request) -> bytes:
         if token is not None and not _authorized(request, token):
             raise _Reply(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         body = await _read_body(request, max_body_bytes)
         if body is None:
             raise _Reply(413, f"request body exceeds max_body_bytes={max_body_bytes}")
-        return model.model_validate_json(body)
+        return body
+
+    openenv = OpenEnvRoutes(sessions, factory, token=token, max_body_bytes=max_body_bytes)
+    openenv.add_routes(app, read)
 
     @app.exception_handler(_Reply)
     async def error_reply(_: Request, reply: _Reply):
@@ -279,13 +291,16 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     @app.get("/health")
     async def health():
         if len(sessions.overdue) >= workers:
-            return JSONResponse({"status": "stalled", "detail": f"{len(sessions.overdue)} calls are past "
+            return JSONResponse({"status": "unhealthy", "detail": f"{len(sessions.overdue)} calls are past "
                                  f"step_timeout={step_timeout:g}s and unfinished ({workers} workers)"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "healthy"}
 
     @app.post("/reset", response_model=ResetResponse, responses=_ERRORS)
     async def reset(request: Request):
-        body: ResetRequest = await parse(request, ResetRequest)
+        raw = await read(request)
+        if is_openenv_reset(raw):
+            return await openenv.reset(raw)
+        body = ResetRequest.model_validate_json(raw)
         session = sessions.new()
         sessions.start(session, session.episode.reset(body.prompt, body.label))
         try:
@@ -297,7 +312,10 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
 
     @app.post("/step", response_model=StepResponse, responses=_ERRORS)
     async def step(request: Request):
-        body: StepRequest = await parse(request, StepRequest)
+        raw = await read(request)
+        if is_openenv_step(raw):
+            return await openenv.step(raw)
+        body = StepRequest.model_validate_json(raw)
         session = sessions.get(body.session_id)
         if body.turn == session.next_turn:
             _check_can_step(session, body.turn)
@@ -310,7 +328,7 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
 
     @app.post("/close", responses=_ERRORS)
     async def close(request: Request):
-        body: CloseRequest = await parse(request, CloseRequest)
+        body = CloseRequest.model_validate_json(await read(request))
         session = sessions.open.get(body.session_id)
         if session is not None:
             sessions.end(session, "closed")

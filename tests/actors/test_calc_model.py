@@ -93,8 +93,8 @@ def test_the_calc_problems_of_the_build_are_reproducible_and_two_digit() -> None
 
 def test_calc_is_a_demo_task_with_its_own_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
-    # Every data.task has a demo model: its own, or (a dataset) the arithmetic one.
-    assert set(DEMO_TASKS) | {"dataset"} == set(get_args(DataConfig.model_fields["task"].annotation))
+    # Every data.task has a demo model: its own, or (a dataset, reasoning-gym's tasks) the arithmetic one.
+    assert set(DEMO_TASKS) | {"dataset", "reasoning_gym"} == set(get_args(DataConfig.model_fields["task"].annotation))
     assert demo_model_dir("calc") == tmp_path / "demo-calc-model-v1"
     with pytest.raises(ValueError, match="calc takes a CalcRecipe"):
         build_demo_model(tmp_path / "wrong", task="calc", recipe=WarmupRecipe())

@@ -295,7 +295,7 @@ def test_bearer_token_is_required_and_never_shown(monkeypatch):
     assert "HTTP 401, not retried (check the token in $ENV_TOKEN)" in str(wrong) and wrong_metrics["retries"] == 0
     assert TOKEN not in str(wrong) + repr(wrong) + str(missing)
     assert episodes == expected_episodes() and TOKEN not in shown and "ENV_TOKEN" in shown
-    assert raw == {"/reset": 401, "/step": 401, "/close": 401} and health.json() == {"status": "ok"}
+    assert raw == {"/reset": 401, "/step": 401, "/close": 401} and health.json() == {"status": "healthy"}
 
 
 def test_a_service_echoing_the_token_does_not_leak_it(monkeypatch, caplog):

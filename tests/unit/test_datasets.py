@@ -1,8 +1,10 @@
-"""Prompt datasets (cluster/run/data.py): the three file formats, fields, chat templates, the length filter, seeded
-epochs, the resumable cursor, and one-line errors naming file, row and field.
+"""Prompt datasets (cluster/run/data.py): the three file formats, fields, labels as JSON text, chat templates, the
+length filter, the tokenizer round trip, seeded epochs, the resumable cursor, and one-line errors naming file, row
+and field.
 
-The character tokenizer keeps only "0123456789+-*= " (one token each, everything else dropped), so prompts made of
-those characters have a token count equal to their length.
+The character tokenizer holds only "0123456789+-*= " (one token each; it drops everything else, which the round trip
+refuses), so prompts made of those characters have a token count equal to their length. `byte_tokenizer` holds any
+text, one token per UTF-8 byte.
 """
 
 from __future__ import annotations
@@ -41,9 +43,16 @@ def tokenizer():
     return build_char_tokenizer()
 
 
+def byte_tokenizer():
+    """The demo's tokenizer over the whole byte-level alphabet: every byte one token, so any text is held."""
+    from tokenizers import pre_tokenizers
+
+    return build_char_tokenizer(model_max_length=4096, characters="".join(sorted(pre_tokenizers.ByteLevel.alphabet())))
+
+
 @pytest.fixture
 def chat_tokenizer():
-    tok = build_char_tokenizer()
+    tok = byte_tokenizer()  # readable templates ("<user>", newlines): the digits-only tokenizer cannot hold them
     tok.chat_template = READABLE_TEMPLATE
     return tok
 
@@ -342,3 +351,112 @@ def test_a_datasets_prompts_carry_their_token_ids_tokenised_once(tmp_path, token
     for problem in draw(source, 2):
         assert problem.prompt_ids.dtype == np.int32
         assert problem.prompt_ids.tolist() == tokenizer.encode(problem.prompt, add_special_tokens=False)
+
+
+# --- labels as JSON text ------------------------------------------------------------------------------------------
+
+
+def test_label_format_json_decodes_string_labels_in_every_format(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1+1=", "label": "[1, 2]"}, {"prompt": "2+2=", "label": '{"a": {"b": null}}'},
+            {"prompt": "3+3=", "label": '"6"'}]
+    jsonl = write_jsonl(tmp_path / "data.jsonl", rows)
+    parquet = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for path in (jsonl, parquet):
+        assert [p.label for p in dataset(path, tokenizer).problems] == ["[1, 2]", '{"a": {"b": null}}', '"6"']
+        assert [p.label for p in dataset(path, tokenizer, label_format="json").problems] == [[1, 2], {"a": {"b": None}},
+                                                                                             "6"]
+    # A label that is not a string (JSONL's own objects, numbers) is kept as it is.
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "1=", "label": {"x": 1}}, {"prompt": "2=", "label": 7}])
+    assert [p.label for p in dataset(mixed, tokenizer, label_format="json").problems] == [{"x": 1}, 7]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*rows[:1], {"prompt": "2+2=", "label": "four"}])
+    with pytest.raises(DataError, match=rf"^{bad} line 2: field 'label' is not JSON text \(Expecting value at "
+                                        r"column 1\) but data.label_format=json; write labels with json.dumps"):
+        dataset(bad, tokenizer, label_format="json")
+
+
+# --- the tokenizer round trip -------------------------------------------------------------------------------------
+
+
+def test_a_prompt_the_tokenizer_cannot_hold_is_refused_naming_row_and_character(tmp_path, tokenizer):
+    # The demo tokenizer drops what it lacks: "2+2=\n" would reach the engine as "2+2=", "What is 3+3=" as " 3+3=".
+    rows = [{"prompt": "1+1=", "label": 2}, {"prompt": "2+2=\n", "label": 4}, {"prompt": "What is 3+3=", "label": 6}]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        dataset(path, tokenizer)
+    assert str(err.value) == (
+        f"{path} line 2: the model tokenizer cannot hold the prompt: its token ids decode to other text from character "
+        "4 ('\\n') on; use a model whose tokenizer covers the text, fix the row, or set data.untokenizable=filter to "
+        "skip such prompts")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist([rows[0], rows[2]]), parquet)
+    with pytest.raises(DataError, match=rf"^{parquet} row 1 \(0-based\): .* from character 0 \('W'\) on;"):
+        dataset(parquet, tokenizer)
+    # Through a chat template too: the rendered text is what must survive.
+    chat = build_char_tokenizer()
+    chat.chat_template = READABLE_TEMPLATE
+    with pytest.raises(DataError, match=rf"^{path} line 1: .* from character 0 \('<'\) on;"):
+        dataset(path, chat, chat_template=True)
+
+
+def test_untokenizable_filter_skips_and_counts_them_with_the_long_ones(tmp_path, tokenizer):
+    prompts = ["1+1=", "2+2=\n", "What is 3+3=", "12345678", "4+4=", "x"]
+    path = write_jsonl(tmp_path / "data.jsonl", [{"prompt": p, "label": p} for p in prompts])
+    data = dataset(path, tokenizer, untokenizable="filter", max_prompt_tokens=6)
+    assert [p.prompt for p in data.problems] == ["1+1=", "4+4="]
+    assert data.metrics()["data/filtered_prompts"] == 4.0  # 3 untokenizable + 1 too long
+    assert {p.prompt for p in draw(data, 3)} == {"1+1=", "4+4="}
+    with pytest.raises(DataError, match=r"all 2 prompts are longer than max_prompt_tokens=3 tokens \(the shortest "
+                                        r"has 4\), and 2 untokenizable ones were skipped; raise data.max_prompt"):
+        dataset(write_jsonl(tmp_path / "long.jsonl", [{"prompt": p, "label": p} for p in prompts[:4]]), tokenizer,
+                untokenizable="filter", max_prompt_tokens=3)
+
+
+def word_tokenizer():
+    """A real word-level tokenizer with an unknown token: splits on words and punctuation, decodes with a space
+    between tokens (so "1+1" comes back as "1 + 1")."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "1": 1, "+": 2, "=": 3, "2": 4, "\n": 5}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(" "), behavior="removed"),
+                                                     pre_tokenizers.Split(Regex(r"\w+|[^\w ]"), behavior="isolated")])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
+
+
+def test_the_round_trip_ignores_spaces_only(tmp_path):
+    from cluster.run.data import _holds
+
+    tok = word_tokenizer()
+    texts = ["1+1=2", "1 +\n1", "1+x=2", "1+[UNK]", "1+1=\t2"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert tok.backend_tokenizer.decode(ids[0]) == "1 + 1 = 2"  # spaces added: held
+    # held: spaces added; a newline kept. Not: x unknown. Held: the unknown token written out literally. Not: a tab.
+    assert _holds(tok, texts, ids) == [True, True, False, True, False]
+
+    class PerfectDecoder:
+        """Decodes to the text whatever the ids: only the unknown-token count can tell."""
+        unk_token_id, unk_token, backend_tokenizer = 0, "<unk>", None
+
+        def batch_decode(self, rows, **_):
+            return ["a<unk>b"] * len(rows)
+
+    assert _holds(PerfectDecoder(), ["a<unk>b", "a<unk>b"], [[7, 0, 8], [7, 0, 0]]) == [True, False]
+
+
+def test_the_round_trip_decodes_in_batches(tmp_path, tokenizer, monkeypatch):
+    from cluster.run import data as module
+
+    calls = []
+    decode = module._decode
+    monkeypatch.setattr(module, "_decode", lambda tok, rows: calls.append(len(rows)) or decode(tok, rows))
+    path = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"{i}+{i}=", "label": 2 * i} for i in range(2500)])
+    assert dataset(path, tokenizer).num_prompts == 2500
+    assert calls == [1024, 1024, 452]  # one decode per tokenised chunk, not per prompt

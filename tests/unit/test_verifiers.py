@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rewards.registry import RULE_VERIFIERS, load_verifier
-from rewards.verifiers import exact_match, format_match, math_verify_match, numeric_match
+from rewards.verifiers import exact_match, format_match, math_verify_match, numeric_match, reasoning_gym_match
 
 GSM8K_LABEL = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips in April and May.\n#### 72"
 LONG_PROSE = "word " * 20_000  # 100,000 characters
@@ -266,6 +266,7 @@ def test_registry_names_and_functions() -> None:
         "numeric_match": numeric_match,
         "math_verify": math_verify_match,
         "format": format_match,
+        "reasoning_gym": reasoning_gym_match,
     }
 
 
@@ -323,8 +324,8 @@ def test_load_verifier_module_whose_own_import_fails(tmp_path, monkeypatch) -> N
 @pytest.mark.parametrize(
     ("spec", "params", "message"),
     [
-        ("exact", None, "unknown verifier 'exact': use one of exact_match, numeric_match, math_verify, format, or "
-         "your own as 'package.module:function'"),
+        ("exact", None, "unknown verifier 'exact': use one of exact_match, numeric_match, math_verify, format, "
+         "reasoning_gym, or your own as 'package.module:function'"),
         ("math_verify_match", None, "unknown verifier 'math_verify_match'"),  # the function's name is not the key
         ("no_such_module_xyz:score", None, "cannot import module 'no_such_module_xyz' (No module named "
          "'no_such_module_xyz'); check the name and that it is on PYTHONPATH"),
