@@ -55,7 +55,8 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass. 1 keeps the full distribution, which the learner's logprobs assume; below 1 the
     engines' logprobs are renormalised over the nucleus and the learner's are not, so `logprob/mismatch` also holds
-    that renormalisation (the run warns at start)."""
+    that renormalisation (the run warns at start). With `learner.rollout_correction` (which asynchronous training and
+    replay set by default) it is refused: the importance weights would be biased below 1."""
     max_model_len: int = Field(64, ge=8, le=1_048_576)
     """Longest prompt+response the engine accepts."""
     kv_cache_bytes: int = Field(64 * 2**20, ge=2**20)

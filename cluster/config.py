@@ -296,6 +296,12 @@ class RunConfig(_Section):
         return self
 
 
+def replayed_groups(prompts_per_step: int, fraction: float) -> int:
+    """Groups iterative GRPO's replay mixes into each step once its buffer holds that many: the share `fraction` of
+    the whole batch, round(prompts_per_step x f / (1 - f))."""
+    return round(prompts_per_step * fraction / (1 - fraction)) if fraction > 0 else 0
+
+
 def _inconsistencies(config: RunConfig):
     """Yield one message per invalid combination of keys, each saying how to fix it."""
     learner, rollout = config.learner, config.rollout
@@ -312,6 +318,12 @@ def _inconsistencies(config: RunConfig):
     if batch % learner.num_minibatches:
         yield (f"learner.num_minibatches ({learner.num_minibatches}) must divide the batch of "
                f"data.prompts_per_step x rollout.group_size = {batch} completions")
+    replayed = min(replayed_groups(config.data.prompts_per_step, config.data.replay_fraction),
+                   config.data.replay_buffer_size) * rollout.group_size
+    if replayed and (batch + replayed) % learner.num_minibatches:
+        yield (f"learner.num_minibatches ({learner.num_minibatches}) must also divide the batch with replay, {batch} "
+               f"fresh + {replayed} replayed = {batch + replayed} completions (data.replay_fraction), or the "
+               "minibatches would be ragged: choose one that divides both, or another replay_fraction")
     if learner.advantage == "rloo" and rollout.group_size < 2:
         yield "learner.advantage=rloo needs rollout.group_size >= 2"
     if learner.advantage == "gae" and not config.critic.enabled:
@@ -376,6 +388,12 @@ def _inconsistencies(config: RunConfig):
         yield ("env.turn_rewards=steps with advantage=grpo normalises the rewards at turn ends only, so a per-token "
                "KL in the reward would be lost: put the KL in the loss (learner.kl_coef) and set "
                "learner.kl_reward_coef=0")
+    if rollout.top_p < 1 and learner.rollout_correction != "none":
+        why = ("asynchronous training and replay set it by default; " if rollout.max_staleness
+               or config.data.replay_fraction else "")
+        yield (f"rollout.top_p={rollout.top_p:g} with learner.rollout_correction={learner.rollout_correction} "
+               "(" + why + "the learner's logprobs are not renormalised over the nucleus as the engines' are, so the "
+               "importance weights would be biased below 1): set rollout.top_p=1, or learner.rollout_correction=none")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

@@ -81,6 +81,7 @@ class Prepared:
     stats: dict[str, Any]
     reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
     timings: dict[str, float]  # its time/generate and time/score
+    fresh: int  # groups sampled for this step: the first ones of `groups` (replayed groups follow)
 
 
 @dataclass
@@ -205,8 +206,8 @@ class Trainer:
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
         self.timings["time/rollout_idle"] = self.rollouts.take_idle()
         ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
-        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's
-            tokens = np.concatenate([np.asarray(r.versions, np.float64) for r in rollouts])
+        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's (fresh groups)
+            tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in ready.groups[:ready.fresh] for r in g])
             ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
                                 "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
         return self.record(step, rollouts, learner_metrics, self.rollouts.take_gap(), time.perf_counter() - started,
@@ -251,11 +252,13 @@ class Trainer:
         outer, self.timings = self.timings, {}
         try:
             groups, rewards, stats = self.sample(step, collect)
+            fresh = len(groups)
             groups, rewards = self.replay.mix(step, groups, rewards, batch.version, stats)
             rollouts = [r for group in groups for r in group]
             with self.timed("reference"):
                 self.refresh_reference(step, stats)
-            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings)
+            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings,
+                            fresh)
         finally:
             self.timings = outer
 

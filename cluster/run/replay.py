@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from actors.rollout_types import Rollout
+from cluster.config import replayed_groups
 
 REPLAY_FILE = "replay.npz"
 
@@ -40,7 +41,7 @@ class ReplayBuffer:
     """Past fresh groups, mixed into later batches; `count` groups per step once it holds that many."""
 
     def __init__(self, fraction: float, capacity: int, seed: int, prompts_per_step: int):
-        self.count = round(prompts_per_step * fraction / (1 - fraction)) if fraction > 0 else 0
+        self.count = replayed_groups(prompts_per_step, fraction)
         self.seed = seed
         self.groups: deque[ReplayGroup] = deque(maxlen=capacity)
 

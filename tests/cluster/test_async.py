@@ -204,8 +204,11 @@ class SlowStepsWorker(RolloutWorker):
 def test_in_flight_updates_give_fresher_tokens_within_the_bound(ray_local, tmp_path, demo_model_dir, dtype):
     """`rollout.in_flight_updates`: engines take each new version between two steps of the request they run; batches
     still start from the version the rule names, later tokens come from newer versions (never newer than the
-    learner's), every load is fingerprint-checked and the last one of a request probed (the run would stop)."""
-    records, _ = run(tmp_path, demo_model_dir, "in_flight", dtype, SlowStepsWorker, "rollout.in_flight_updates=true")
+    learner's), every load is fingerprint-checked and the last one of a request probed (the run would stop). Replayed
+    groups (older versions) are mixed in: token staleness counts the step's fresh rollouts only."""
+    records, _ = run(tmp_path, demo_model_dir, "in_flight", dtype, SlowStepsWorker, "rollout.in_flight_updates=true",
+                     "data.replay_fraction=0.25")
+    assert any(r["replay/staleness"] > s for r, s in zip(records, STALENESS))  # replay alone would exceed the bound
     assert [r["rollout/version"] for r in records] == VERSIONS
     assert [r["async/staleness"] for r in records] == STALENESS
     assert [r["weights/version"] for r in records] == [1, 2, 3, 4, 5]

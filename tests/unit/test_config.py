@@ -75,9 +75,15 @@ BAD = [
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
     (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
+    (["rollout.top_p=0.9", "learner.rollout_correction=tis"], "rollout.top_p=0.9 with learner.rollout_correction=tis "
+                                                              "(the learner's logprobs are not renormalised"),
+    (["rollout.top_p=0.9", "rollout.max_staleness=1"], "rollout.top_p=0.9 with learner.rollout_correction=tis "
+                                                       "(asynchronous training and replay set it by default;"),
     (["learner.kl_coef=0.1", "reference.enabled=false"], "needs a reference policy: set reference.enabled=true"),
     (["data.min_operand=9", "data.max_operand=2"], "min_operand (9) must not exceed max_operand (2)"),
     (["learner.num_minibatches=3"], "learner.num_minibatches (3) must divide the batch"),
+    (["data.replay_fraction=0.1", "learner.num_minibatches=64"], "learner.num_minibatches (64) must also divide the "
+                                                                  "batch with replay, 256 fresh + 32 replayed = 288"),
     (["learnerlr"], "override 'learnerlr' is not of the form dotted.key=value"),
     (["learner..lr=1"], "is not of the form dotted.key=value"),
     (["sync.transport=nccl"], "sync.transport: Input should be 'object_store'"),
