@@ -63,7 +63,8 @@ def open_environments(env: EnvironmentConfig) -> Any:
         return InProcessEnvironments(load_environment(env.spec, env.params), max_concurrency=env.max_concurrency,
                                      timeout=env.timeout, name=env.spec)
     remote = dict(timeout=env.timeout, max_retries=env.max_retries, backoff=env.backoff, backoff_max=env.backoff_max,
-                  max_concurrency=env.max_concurrency, token_env=env.token_env, verify_tls=env.verify_tls, name="env")
+                  max_concurrency=env.max_concurrency, token_env=env.token_env, verify_tls=env.verify_tls,
+                  allow_plain_http_token=env.allow_plain_http_token, name="env")
     if env.protocol == "openenv":
         from rewards.environments.openenv_client import OpenEnvEnvironments
 

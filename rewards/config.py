@@ -1,14 +1,49 @@
 """How completions are scored: named reward sources (rule verifiers, remote services, reward models) and shaping.
 
-Owned here, beside the verifiers; `cluster/config.py` composes them into the run config. Imports only pydantic.
+Owned here, beside the verifiers; `cluster/config.py` composes them into the run config. Imports only pydantic (and
+the standard library's `ipaddress` and `urllib`).
+Also owns where a bearer token may travel (`clear_text_token_error`, `is_loopback`): config validation needs it, and a
+config module imports nothing of the project, so the clients (rewards/http.py) and `relay submit` use it from here.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` is this machine: 127.0.0.0/8, ::1 (or ::ffff:127.x.y.z), `localhost`. Lookalikes such as
+    `127.0.0.1.example.com` are not."""
+    if not host:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
+    return (mapped or ip).is_loopback
+
+
+def clear_text_token_error(urls: Sequence[str], token_env: str | None, allowed: bool) -> str | None:
+    """One line saying why sending the bearer token of `token_env` to `urls` would put it on the network in clear
+    text, naming the fixes: a URL of plain http (or ws) to a host that is not loopback. None when none would: https,
+    loopback (a tunnel's near end), no token, or `allowed` (`allow_plain_http_token`)."""
+    if token_env is None or allowed:
+        return None
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme.lower() in ("http", "ws") and not is_loopback(parts.hostname):
+            return (f"url {url} is plain http to another machine: it would carry the bearer token from ${token_env} "
+                    "in clear text; use an https:// URL, or tunnel the service to this machine (ssh -L "
+                    "PORT:127.0.0.1:PORT HOST) and use http://127.0.0.1:PORT, or set allow_plain_http_token: true "
+                    "to send it anyway")
+    return None
 
 
 class _Section(BaseModel):
@@ -64,6 +99,10 @@ class RemoteSource(_Section):
     """Name of the environment variable holding a bearer token (the token itself is never in the config)."""
     verify_tls: bool = True
     """Verify the service's TLS certificate (https URLs)."""
+    allow_plain_http_token: bool = False
+    """Send the bearer token (`token_env`) over plain `http://` to a host that is not loopback anyway: anyone on the
+    network path can read it. Off: such a URL is refused; use https, or a tunnel to 127.0.0.1 (loopback: 127.0.0.0/8,
+    ::1, localhost)."""
     level: Literal["outcome", "steps"] = "outcome"
     """What the service scores: `outcome`, one `reward` per completion; `steps`, the service scores each step of a
     completion (`step_rewards`, docs/verifiers.md); needs `reward.steps.delimiter`."""
@@ -85,6 +124,8 @@ class RemoteSource(_Section):
             raise ValueError("on_failure=default needs default_reward (e.g. 0.0); or choose fail or drop")
         if self.backoff > self.backoff_max:
             raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        if (error := clear_text_token_error(self.urls, self.token_env, self.allow_plain_http_token)) is not None:
+            raise ValueError(error)
         return self
 
 
@@ -214,6 +255,10 @@ class EnvironmentConfig(_Section):
     """Remote: name of the environment variable holding the service's bearer token."""
     verify_tls: bool = True
     """Remote: verify the service's TLS certificate (https URLs)."""
+    allow_plain_http_token: bool = False
+    """Remote: send the bearer token (`token_env`) over plain `http://` (openenv: `ws://`) to a host that is not
+    loopback anyway: anyone on the network path can read it. Off: such a URL is refused; use https, or a tunnel to
+    127.0.0.1 (loopback: 127.0.0.0/8, ::1, localhost)."""
     on_failure: Literal["fail", "drop"] = "fail"
     """What an episode whose environment call failed (raised, timed out, service down after the retries) does:
     `fail` stops the run naming the environment and the error; `drop` removes its group from the step. Always counted
@@ -240,6 +285,8 @@ class EnvironmentConfig(_Section):
                 raise ValueError(f"url {url!r} is not of the form http(s)://host[:port]")
         if self.backoff > self.backoff_max:
             raise ValueError(f"backoff ({self.backoff}) must not exceed backoff_max ({self.backoff_max})")
+        if (error := clear_text_token_error(self.urls, self.token_env, self.allow_plain_http_token)) is not None:
+            raise ValueError(error)
         if self.protocol == "openenv" and not self.urls:
             raise ValueError("protocol 'openenv' talks to OpenEnv servers: set urls (e.g. "
                              "env.urls=[http://127.0.0.1:8000]) instead of spec")

@@ -8,15 +8,15 @@ source's `level: steps`, each sample carries its step texts and gets one reward 
 `protocol: openrlhf` it speaks OpenRLHF's remote reward protocol instead (`POST <url> {"query", "prompts",
 "labels"}` -> `{"rewards": [...]}`), through the same batching, deadlines, retries and failure policy.
 Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
-`None`s here), nor the service side (rewards/service.py), nor OpenRLHF's request shape (rewards/openrlhf.py).
-Shared with the environment client (rewards/environments/remote.py): `retrying` (the retry loop), `Redacting`
-(token scrubbing, reading a reply's status and JSON), `describe_transport_error`.
+`None`s here), nor the service side (rewards/service.py), nor OpenRLHF's request shape (rewards/openrlhf.py), nor
+the plumbing shared with the environment clients (rewards/http.py: the retry loop, token scrubbing and the reading of
+a reply's status, the private event loop, the token and where it may travel).
 
 Decisions:
-- Requests run on a private asyncio event loop in a daemon thread with one `httpx.AsyncClient`, so connections
-  are reused across `score` calls and each request gets a hard deadline (`asyncio.wait_for`): httpx's own timeouts
-  are per read, so a server that trickles bytes would otherwise hold a request for ever. The caller stays
-  synchronous.
+- Requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`) with one `httpx.AsyncClient`,
+  so connections are reused across `score` calls and each request gets a hard deadline (`asyncio.wait_for`):
+  httpx's own timeouts are per read, so a server that trickles bytes would otherwise hold a request for ever. The
+  caller stays synchronous.
 - Retried (the same batch, on the next URL): connection refused or reset, timeouts, 5xx, and a malformed reply
   (not JSON, wrong shape, wrong number of results, unknown / duplicate / missing ids), which we treat as a
   server fault. Not retried: 4xx (the request itself is wrong), and per-sample faults (an `"error"` result, or a
@@ -28,7 +28,8 @@ Decisions:
   fixed meaning, and relay's metrics are its own per-step counters.
 - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
   so a dead service fails fast; the exception carries the metrics gathered so far.
-- The bearer token is read once, kept only in the client's default headers, and scrubbed from every message.
+- The bearer token is read once, kept only in the client's default headers, and scrubbed from every message; a URL
+  that would carry it in clear text (plain http to another machine) is refused unless `allow_plain_http_token`.
   Text from the service is scrubbed whole before it is cut to length (`_excerpt`): cut first, a prefix of an
   echoed token would no longer match and would survive.
 """
@@ -36,20 +37,16 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import math
-import os
-import random
-import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from rewards.http import EventLoopThread, Redacting, RetriesFailed, Retryable, bearer_token, is_finite_number, retrying
 from rewards.openrlhf import request_body
 
 if TYPE_CHECKING:  # the config type is only named in annotations
@@ -99,44 +96,6 @@ class RemoteScores:
     retries included), `latency_mean_s` / `latency_max_s` (over requests that got a valid reply; 0 if none)."""
 
 
-T = TypeVar("T")
-
-
-class Retryable(Exception):
-    """A fault worth another attempt (refused, reset, timeout, 5xx, malformed reply)."""
-
-
-class Permanent(Exception):
-    """A fault not worth another attempt (4xx, or a 5xx whose body says `"retryable": false`)."""
-
-
-class RetriesFailed(Exception):
-    """`retrying` gave up; the message is the last attempt's reason (with how many retries ran)."""
-
-
-async def retrying(attempt: Callable[[int], Awaitable[T]], *, max_retries: int, backoff: float, backoff_max: float,
-                   timeout: float, on_retry: Callable[[str, float], None]) -> T:
-    """`await attempt(k)` for k = 0, 1, ... until it returns: after a `Retryable`, a transport error or a timeout,
-    again after a full-jitter exponential backoff (uniform in [0, min(backoff_max, backoff x 2^k)]), at most
-    `max_retries` times; a `Permanent` ends it at once. `on_retry(reason, delay)` is told of each retry. Raises
-    `RetriesFailed` with the last reason. The verifier and environment clients' one retry loop."""
-    for k in range(max_retries + 1):
-        try:
-            return await attempt(k)
-        except Permanent as err:
-            raise RetriesFailed(str(err)) from None
-        except Retryable as err:
-            reason = str(err)
-        except (httpx.RequestError, TimeoutError) as err:
-            reason = describe_transport_error(err, timeout)
-        if k == max_retries:
-            break
-        delay = random.uniform(0, min(backoff_max, backoff * 2**k))
-        on_retry(reason, delay)
-        await asyncio.sleep(delay)
-    raise RetriesFailed(f"{max_retries} retries exhausted: {reason}" if max_retries else reason)
-
-
 @dataclass
 class _Batch:
     index: int
@@ -158,70 +117,6 @@ class _Stats:
                 "latency_mean_s": sum(lat) / len(lat) if lat else 0.0, "latency_max_s": max(lat, default=0.0)}
 
 
-class Redacting:
-    """A client's bearer token (`_secret`, None without one) kept out of every message it writes: text from or about
-    the service is scrubbed whole before it is cut to length (cut first, a prefix of an echoed token would survive).
-    Mixed into `RemoteVerifier` and the environment client."""
-
-    _secret: str | None = None
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
-
-    def _excerpt(self, text: str, limit: int) -> str:
-        """At most `limit` characters of `text` from the service, whitespace collapsed; scrubbed before the cut."""
-        return " ".join(self._scrub(text).split())[:limit]
-
-    def _snippet(self, response: httpx.Response) -> str:
-        text = self._excerpt(response.text, 200)
-        return f": {text}" if text else ""
-
-    def _json_reply(self, response: httpx.Response, token_env: str | None) -> Any:
-        """A 200 reply's JSON; else `Retryable` (5xx, another status, not JSON) or `Permanent` (4xx, with a hint on
-        401/403; a 5xx whose body says `"retryable": false`), the service's text scrubbed and cut."""
-        status = response.status_code
-        if status >= 500:
-            if _says_not_retryable(response):
-                raise Permanent(f"HTTP {status}, not retried{self._snippet(response)}")
-            raise Retryable(f"HTTP {status}{self._snippet(response)}")
-        if status >= 400:
-            hint = ""
-            if status in (401, 403):
-                hint = (f" (check the token in ${token_env})" if token_env
-                        else " (the service wants a bearer token: set token_env)")
-            raise Permanent(f"HTTP {status}, not retried{hint}{self._snippet(response)}")
-        if status != 200:
-            raise Retryable(f"unexpected HTTP {status}")
-        try:
-            return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise Retryable("malformed reply: not JSON") from None
-
-
-def _says_not_retryable(response: httpx.Response) -> bool:
-    """Whether a reply's JSON body says `"retryable": false`."""
-    try:
-        body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(body, dict) and body.get("retryable") is False
-
-
-def describe_transport_error(err: Exception, timeout: float) -> str:
-    """One line for a request that got no reply: a timeout, a refused or reset connection, or another transport
-    error (httpx wraps the socket's error a few levels down)."""
-    if isinstance(err, TimeoutError | httpx.TimeoutException):
-        return f"no reply within timeout={timeout:g}s"
-    cause = _os_error(err)
-    if cause is not None and cause.errno == errno.ECONNREFUSED:
-        return "connection refused"
-    if cause is not None and cause.errno == errno.ECONNRESET:
-        return "connection reset"
-    what = "cannot connect" if isinstance(err, httpx.ConnectError) else "connection lost"
-    detail = cause.strerror if cause is not None and cause.strerror else str(err) or type(err).__name__
-    return f"{what}: {detail}"
-
-
 class RemoteVerifier(Redacting):
     """Scores samples with a remote verifier service; one instance per `reward.sources.<name>` of type remote.
 
@@ -235,20 +130,13 @@ class RemoteVerifier(Redacting):
         # relay's urls are base URLs (`/verify` is appended); OpenRLHF's are the endpoints themselves.
         self._urls = [url.rstrip("/") if config.protocol == "relay" else url for url in config.urls]
         headers = {"Accept": "application/json"}
-        self._secret: str | None = None
-        if config.token_env:
-            token = os.environ.get(config.token_env, "")
-            if not token:
-                raise ValueError(f"token_env: environment variable {config.token_env} is unset or empty; export the "
-                                 "service's bearer token in it, or remove token_env")
-            self._secret = token
-            headers["Authorization"] = f"Bearer {token}"
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-verifier-{name}", daemon=True)
-        self._thread.start()
+        self._secret: str | None = bearer_token(config.token_env, config.urls, config.allow_plain_http_token)
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._secret}"
+        self._loop = EventLoopThread(f"relay-verifier-{name}")
         self._closed = False
         limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
-        self._client: httpx.AsyncClient = self._run(self._make_client(headers, limits), timeout=30)
+        self._client: httpx.AsyncClient = self._loop.run(self._make_client(headers, limits), timeout=30)
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
 
     async def _make_client(self, headers: dict[str, str], limits: httpx.Limits) -> httpx.AsyncClient:
@@ -270,13 +158,7 @@ class RemoteVerifier(Redacting):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._run(self._client.aclose(), timeout=10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._loop.close()
+        self._loop.stop(self._client.aclose)
 
     def deadline_s(self, num_samples: int) -> float:
         """Upper bound on the wall time of `score(num_samples samples)`, in seconds.
@@ -309,19 +191,11 @@ class RemoteVerifier(Redacting):
         stats = _Stats()
         deadline = self.deadline_s(len(samples))
         try:
-            self._run(self._score_batches(batches, stats), timeout=deadline + 5)
+            self._loop.run(self._score_batches(batches, stats), timeout=deadline + 5)
         except TimeoutError:  # the bound above should make this unreachable; never hang if it is wrong
             raise RemoteVerifierError(self._scrub(f"verifier '{self.name}' did not finish within {deadline + 5:.0f}s "
                                                   "(client bug: please report)"), stats.metrics(len(samples))) from None
         return self._apply_policy(batches, stats)
-
-    def _run(self, coro, timeout: float):
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
 
     async def _score_batches(self, batches: list[_Batch], stats: _Stats) -> None:
         tasks = [asyncio.create_task(self._score_batch(b, stats)) for b in batches]
@@ -388,7 +262,7 @@ class RemoteVerifier(Redacting):
             raise Retryable('malformed reply: expected {"rewards": [one number per query, ...]}')
         if len(rewards) != len(samples):
             raise Retryable(f"malformed reply: {len(rewards)} rewards for {len(samples)} queries")
-        bad = next((i for i, r in enumerate(rewards) if not _is_finite_number(r)), None)
+        bad = next((i for i, r in enumerate(rewards) if not is_finite_number(r)), None)
         if bad is not None:
             raise Retryable(f"malformed reply: reward {bad} is {self._excerpt(json.dumps(rewards[bad]), 50)}, not a "
                             "finite number")
@@ -413,7 +287,7 @@ class RemoteVerifier(Redacting):
     def _reward(self, result: dict) -> tuple[float, str]:
         """(reward, "") from a result of `level: outcome`, or (0.0, why it is not a reward)."""
         reward = result.get("reward")
-        if not _is_finite_number(reward):
+        if not is_finite_number(reward):
             if reward is None and "step_rewards" in result:
                 return 0.0, "the service returned step_rewards but no reward: set level=steps, or send no steps"
             return 0.0, f"reward {self._excerpt(json.dumps(reward), 50)} is not a finite number"
@@ -429,7 +303,7 @@ class RemoteVerifier(Redacting):
             return [], f"step_rewards {self._excerpt(json.dumps(rewards), 50)} is not a list"
         if len(rewards) != num_steps:
             return [], f"{len(rewards)} step_rewards for {num_steps} steps"
-        bad = next((i for i, r in enumerate(rewards) if not _is_finite_number(r)), None)
+        bad = next((i for i, r in enumerate(rewards) if not is_finite_number(r)), None)
         if bad is not None:
             return [], f"step {bad}'s reward {self._excerpt(json.dumps(rewards[bad]), 50)} is not a finite number"
         return [float(r) for r in rewards], ""
@@ -483,19 +357,3 @@ def _sample_body(sample: VerifierSample) -> dict[str, Any]:
     if sample.steps is not None:
         body["steps"] = sample.steps
     return body
-
-
-def _is_finite_number(value: Any) -> bool:
-    """A JSON number that is finite: not a string, not `true`/`false`, not `null`, not NaN or infinity."""
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-
-
-def _os_error(err: BaseException) -> OSError | None:
-    """The first OSError with an errno in the exception's chain of causes, if any."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno is not None:
-            return err
-        err = err.__cause__ or err.__context__
-    return None

@@ -7,7 +7,9 @@ rewards/openrlhf.py's, behind the same token, limits, worker pool and deadlines)
 verifiers by name or `package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what
 `relay verifier serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks);
 both warn when an app without a token is served beyond loopback.
-Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py).
+Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py), nor the plumbing
+shared with the environment service (rewards/http.py: the token from the environment, the bearer-token check,
+FastAPI's pages behind it, reading a body within its limit).
 
 This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
 in any language. Decisions:
@@ -19,8 +21,9 @@ in any language. Decisions:
   log, with the sample's id.
 - Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
   503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
-- `/health` needs no token (load balancers probe it); `/verify` and `/get_reward` do when a token is set. Unknown
-  sample fields are ignored, so newer clients can add fields without breaking older services.
+- `/health` needs no token (load balancers probe it); `/verify`, `/get_reward` and FastAPI's own pages
+  (`/openapi.json`, `/docs`, `/redoc`) do when a token is set. Unknown sample fields are ignored, so newer clients
+  can add fields without breaking older services.
 - `/get_reward` (OpenRLHF) has no per-sample errors: a query that cannot be scored fails its request with a 500
   naming it and `"retryable": false` (OpenRLHF sends one query per request, so this is per query there).
 - Steps are optional both ways: a sample with `steps` goes to the step verifier if there is one (reply
@@ -31,11 +34,8 @@ in any language. Decisions:
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -48,6 +48,8 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from rewards.config import is_loopback
+from rewards.http import UNAUTHORIZED, authorized, guard_docs, read_body, token_from_env
 from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS, RewardRequest, completion_of, longest_first, reward_reply
 
 log = logging.getLogger(__name__)
@@ -224,7 +226,8 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
     when there is no step verifier (result `reward`); a sample without `steps` needs `verifier`.
     max_batch: most samples (or queries) per request (more: 413). max_body_bytes: largest request body (more: 413).
     workers: threads scoring samples in parallel. sample_timeout: seconds one call may run before its sample gets
-    an error. token: bearer token required by `/verify` and `/get_reward` (None: no authentication).
+    an error. token: bearer token required by `/verify`, `/get_reward` and FastAPI's `/openapi.json`, `/docs` and
+    `/redoc` (None: no authentication).
     special_tokens: stripped from a `/get_reward` query's completion (None: `rewards.openrlhf.DEFAULT_SPECIAL_TOKENS`).
     """
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
@@ -292,6 +295,7 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
                                 status_code=501)
         return await _openrlhf_rewards(body, score, strip, mismatch_logged)
 
+    guard_docs(app, token)
     return app
 
 
@@ -350,10 +354,9 @@ Body = TypeVar("Body", bound=BaseModel)
 async def _admit(request: Request, model: type[Body], token: str | None, max_body_bytes: int) -> Body | JSONResponse:
     """The request's body read as `model`, or the reply refusing it: 401 (token), 413 (body size) or 422 (shape,
     with the field's location). What every scoring route checks first."""
-    if token is not None and not _authorized(request, token):
-        return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    body = await _read_body(request, max_body_bytes)
+    if token is not None and not authorized(request, token):
+        return JSONResponse({"detail": UNAUTHORIZED}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    body = await read_body(request, max_body_bytes)
     if body is None:
         return _error(413, f"request body exceeds max_body_bytes={max_body_bytes}; send smaller batches")
     try:
@@ -363,39 +366,8 @@ async def _admit(request: Request, model: type[Body], token: str | None, max_bod
         return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
 
 
-def _authorized(request: Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The request body, or None if it is larger than `limit` bytes (by Content-Length or as actually sent)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status)
-
-
-def token_from_env(token_env: str | None) -> str | None:
-    """A service's bearer token from the environment variable `token_env` (None without one); ValueError (one line)
-    if that variable is unset or empty."""
-    if not token_env:
-        return None
-    token = os.environ.get(token_env, "")
-    if not token:
-        raise ValueError(f"environment variable {token_env} (--token-env) is unset or empty; export the token in it "
-                         "or drop --token-env")
-    return token
 
 
 def app_from_spec(spec: str | None, *, params: Mapping[str, Any] | None = None, step_spec: str | None = None,
@@ -429,18 +401,11 @@ def run_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: 
 
 def _warn_if_open(app: Any, host: str) -> None:
     state = getattr(app, "state", None)
-    if getattr(state, "requires_token", True) or _is_loopback(host):
+    if getattr(state, "requires_token", True) or is_loopback(host):
         return  # apps not made by create_app (no `requires_token`) manage their own access
     command = getattr(state, "serve_command", "relay verifier serve")  # the environment service sets its own
     log.warning("serving on %s without a token: anyone who can reach it can use it; set a token (%s --token-env VAR) "
                 "or bind 127.0.0.1", host, command)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host.lower() == "localhost"
 
 
 @contextmanager

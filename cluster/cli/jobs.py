@@ -10,7 +10,6 @@ Does not own: the run itself (the job runs `python -m cluster.cli train` on the 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cluster.config import RunConfig, dump_config
+from rewards.config import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cluster", "actors", "learner", "rewards", "sync", "configs")  # what a job imports or names; small
@@ -64,7 +64,7 @@ def check_token_transport(address: str, allow_insecure: bool = False) -> None:
     except ValueError as err:  # e.g. an unclosed [IPv6 bracket
         raise ValueError(f"--address {address!r} is not a valid URL ({err}); pass e.g. --address "
                          "http://127.0.0.1:8265") from None
-    if allow_insecure or parts.scheme.lower() == "https" or _is_loopback(parts.hostname):
+    if allow_insecure or parts.scheme.lower() == "https" or is_loopback(parts.hostname):
         return
     found = local_token()
     if found is None:
@@ -73,17 +73,6 @@ def check_token_transport(address: str, allow_insecure: bool = False) -> None:
                      f"{found[1]}) in clear text; use an https:// address, or tunnel the dashboard to this machine "
                      "(ssh -L 8265:127.0.0.1:8265 HEAD, or kubectl port-forward svc/HEAD-svc 8265:8265) and pass "
                      "--address http://127.0.0.1:8265, or pass --allow-insecure-token to send it anyway")
-
-
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host.lower().rstrip(".") == "localhost"
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is 127.0.0.1
-    return (mapped or ip).is_loopback
 
 
 def submit(config: RunConfig, address: str, run_dir: str | None = None) -> str:

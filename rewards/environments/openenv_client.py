@@ -3,9 +3,10 @@
 Owns: `OpenEnvEnvironments`, episode sessions on servers built with openenv-core's `create_app`: one WebSocket
 session (`/ws`) per episode, new sessions round-robin over the URLs, at most `max_concurrency` sessions open at
 once, a deadline per call, text mapped to and from OpenEnv's dicts (`action_field`, `observation_field`), metrics.
-Does not own: the retry loop, token scrubbing and transport-error wording (rewards/remote.py), the private event loop,
-argument checks, reading the token and `RemoteEnvironmentError` (rewards/environments/remote.py, shared with relay's
-own protocol's client), the failure policy (actors/episodes.py, cluster/run/scoring.py), nor serving OpenEnv.
+Does not own: the retry loop, token scrubbing, transport-error wording, the private event loop, reading the token and
+refusing to send it in clear text (rewards/http.py, shared with every client), argument checks and
+`RemoteEnvironmentError` (rewards/environments/remote.py, shared with relay's own protocol's client), the failure
+policy (actors/episodes.py, cluster/run/scoring.py), nor serving OpenEnv.
 
 Decisions:
 - OpenEnv's HTTP `/reset` and `/step` keep no state (each makes a fresh environment). Its sessions live on `/ws`, one
@@ -43,10 +44,18 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from rewards.environments.interface import CallStats, EpisodeSession, StepResult
-from rewards.environments.remote import (EventLoopThread, LoopSession, RemoteEnvironmentError, bearer_token,
-                                        check_arguments)
-from rewards.remote import (Permanent, Redacting, RetriesFailed, Retryable, _is_finite_number,
-                            describe_transport_error, retrying)
+from rewards.environments.remote import LoopSession, RemoteEnvironmentError, check_arguments
+from rewards.http import (
+    EventLoopThread,
+    Permanent,
+    Redacting,
+    RetriesFailed,
+    Retryable,
+    bearer_token,
+    describe_transport_error,
+    is_finite_number,
+    retrying,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +72,14 @@ class OpenEnvEnvironments(Redacting):
     timeout: deadline of opening a session (with its reset), of a step, of a close (seconds). max_retries, backoff,
     backoff_max: retries of opening a session. max_concurrency: sessions open at once (a session holds its slot from
     its `reset` until its `close`: close every session). token_env: environment variable holding the bearer token,
-    sent on the WebSocket handshake.
+    sent on the WebSocket handshake. allow_plain_http_token: send it over plain ws (an `http://` URL) to a host that
+    is not loopback anyway (else refused).
     """
 
     def __init__(self, urls: Sequence[str], *, action_field: str = "message", observation_field: str = "text",
                  timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.25, backoff_max: float = 8.0,
                  max_concurrency: int = 32, token_env: str | None = None, verify_tls: bool = True,
-                 name: str = "environment"):
+                 allow_plain_http_token: bool = False, name: str = "environment"):
         check_arguments(urls, timeout, max_retries, backoff, backoff_max, max_concurrency, token_env)
         for what, value in (("action_field", action_field), ("observation_field", observation_field)):
             if not isinstance(value, str) or not value:
@@ -78,7 +88,7 @@ class OpenEnvEnvironments(Redacting):
         self.backoff, self.backoff_max, self.max_concurrency = backoff, backoff_max, max_concurrency
         self.action_field, self.observation_field, self.token_env = action_field, observation_field, token_env
         self._urls = [_ws_url(url) for url in urls]
-        self._secret: str | None = bearer_token(token_env)
+        self._secret: str | None = bearer_token(token_env, urls, allow_plain_http_token)
         self._headers = {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
         self._ssl = None if verify_tls else _unverified_tls()
         self._stats = CallStats()
@@ -306,7 +316,7 @@ class OpenEnvEnvironments(Redacting):
                             f"fields: {self._excerpt(fields, 100)}); set env.observation_field")
         if reward is None or isinstance(reward, bool):
             reward = float(bool(reward))
-        elif not _is_finite_number(reward):
+        elif not is_finite_number(reward):
             raise Permanent(f"malformed reply: reward {self._quote(reward)} is not a finite number or null")
         if not isinstance(done, bool):
             raise Permanent(f"malformed reply: done {self._quote(done)} is not true or false")

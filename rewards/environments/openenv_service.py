@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rewards.environments.interface import Environment, StepResult
 from rewards.environments.service import _Reply, _Session, _Sessions
-from rewards.service import _authorized
+from rewards.http import authorized
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class OpenEnvRoutes:
 
     async def serve_websocket(self, websocket: WebSocket) -> None:
         """One OpenEnv session: refused without the token, answered `CAPACITY_REACHED` and closed at capacity."""
-        if self.token is not None and not _authorized(websocket, self.token):  # type: ignore[arg-type]
+        if self.token is not None and not authorized(websocket, self.token):
             await websocket.close(code=1008)  # before accepting: the handshake's answer is HTTP 403
             return
         await websocket.accept()

@@ -3,17 +3,19 @@
 Owns: `RemoteEnvironments` (opens episode sessions on the service's replicas: new sessions round-robin, each
 session sticks to the URL that created it; at most `max_concurrency` requests in flight; a deadline per request;
 retries with full-jitter exponential backoff; validation of every reply; metrics), `RemoteEnvironmentError`, and
-what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `EventLoopThread` (a client's
-private event loop), `LoopSession` (sequential calls on a session), `check_arguments`, `bearer_token`.
+what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `LoopSession` (sequential calls on
+a session) and `check_arguments`.
 Does not own: the failure policy (the episode loop, actors/episodes.py, marks the episode failed on
 `RemoteEnvironmentError`; cluster/run/scoring.py stops the run or drops the group), nor the service side
-(rewards/environments/service.py).
+(rewards/environments/service.py), nor the plumbing every client shares (rewards/http.py: the retry loop, token
+scrubbing and the reading of a reply's status, the private event loop, the token and where it may travel, the
+finite-number check).
 
 Decisions:
-- As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`,
-  shared with the OpenEnv client) with one `httpx.AsyncClient`, so connections are reused, each request gets a hard
-  deadline (`asyncio.wait_for`: httpx's timeouts are per read), and sessions can be driven from any event loop
-  (each call hops to the private one).
+- As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`)
+  with one `httpx.AsyncClient`, so connections are reused, each request gets a hard deadline (`asyncio.wait_for`:
+  httpx's timeouts are per read), and sessions can be driven from any event loop (each call hops to the private
+  one).
 - Retried: connection refused or reset, timeouts, 5xx (503: the service is full; 504: the call ran past its
   `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
   raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is safe
@@ -25,8 +27,8 @@ Decisions:
 - `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the
   session anyway.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message, whole
-  before any cut. The retry loop (`retrying`), the scrubbing and the reading of a reply's status (`Redacting`) and
-  the finite-number check are rewards/remote.py's own, shared with the verifier client.
+  before any cut; a URL that would carry it in clear text (plain http to another machine) is refused unless
+  `allow_plain_http_token`.
 """
 
 from __future__ import annotations
@@ -34,17 +36,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
-import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
 from rewards.environments.interface import CallStats, EpisodeError, EpisodeSession, StepResult
-from rewards.remote import Redacting, RetriesFailed, Retryable, _is_finite_number, retrying
+from rewards.http import EventLoopThread, Redacting, RetriesFailed, Retryable, bearer_token, is_finite_number, retrying
 
 log = logging.getLogger(__name__)
 
@@ -61,50 +61,6 @@ class RemoteEnvironmentError(EpisodeError):
         self.url, self.call = url, call
 
 
-class EventLoopThread:
-    """A client's private asyncio event loop, run in a daemon thread: its connections live there, so that sessions can
-    be awaited from any event loop. The environment clients' one copy (`RemoteEnvironments`, and
-    `OpenEnvEnvironments` in rewards/environments/openenv_client.py)."""
-
-    def __init__(self, name: str):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro, timeout: float) -> Any:
-        """`coro`'s result, run on the loop, from a thread outside it; cancelled after `timeout` seconds
-        (`TimeoutError`)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    async def call(self, coro) -> Any:
-        """Await `coro`, run on the loop, from another event loop; cancelling the caller cancels it."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
-
-    def stop(self, shutdown: Callable[[], Awaitable[None]]) -> None:
-        """Cancel every task on the loop (their callers get `CancelledError`), await `shutdown()` there (close the
-        connections), then stop the loop and its thread. Call once."""
-        try:
-            self.run(self._cancel_all(shutdown), timeout=10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._loop.close()
-
-    @staticmethod
-    async def _cancel_all(shutdown: Callable[[], Awaitable[None]]) -> None:
-        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await shutdown()
-
-
 class RemoteEnvironments(Redacting):
     """Episode sessions on an environment service; the arguments mirror `RemoteSource` (rewards/config.py).
 
@@ -113,18 +69,19 @@ class RemoteEnvironments(Redacting):
     session.close()`. urls: the replicas' base URLs. timeout: deadline of one request (seconds). max_retries,
     backoff, backoff_max: retries of one call, the first delay doubling up to backoff_max, full jitter.
     max_concurrency: requests in flight over all URLs. token_env: environment variable holding the bearer token.
+    allow_plain_http_token: send it over plain http to a host that is not loopback anyway (else refused).
     """
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.25,
                  backoff_max: float = 8.0, max_concurrency: int = 64, token_env: str | None = None,
-                 verify_tls: bool = True, name: str = "environment"):
+                 verify_tls: bool = True, allow_plain_http_token: bool = False, name: str = "environment"):
         check_arguments(urls, timeout, max_retries, backoff, backoff_max, max_concurrency, token_env)
         self.name, self.timeout, self.max_retries = name, timeout, max_retries
         self.backoff, self.backoff_max, self.max_concurrency = backoff, backoff_max, max_concurrency
         self.token_env = token_env
         self._urls = [url.rstrip("/") for url in urls]
         headers = {"Accept": "application/json"}
-        self._secret: str | None = bearer_token(token_env)
+        self._secret: str | None = bearer_token(token_env, urls, allow_plain_http_token)
         if self._secret:
             headers["Authorization"] = f"Bearer {self._secret}"
         self._stats = CallStats()
@@ -236,7 +193,7 @@ class RemoteEnvironments(Redacting):
         info = reply.get("info", {})
         if not isinstance(observation, str):
             raise Retryable(f"malformed reply: observation {self._quote(observation)} is not a string")
-        if not _is_finite_number(reward):
+        if not is_finite_number(reward):
             raise Retryable(f"malformed reply: reward {self._quote(reward)} is not a finite number")
         if not isinstance(done, bool):
             raise Retryable(f"malformed reply: done {self._quote(done)} is not true or false")
@@ -324,18 +281,6 @@ class _RemoteSession(LoopSession):
 
 def _ignore(reply: Any) -> None:
     return None
-
-
-def bearer_token(token_env: str | None) -> str | None:
-    """The token held in the environment variable `token_env` (None without one); a one-line `ValueError` if it is
-    unset or empty."""
-    if not token_env:
-        return None
-    token = os.environ.get(token_env, "")
-    if not token:
-        raise ValueError(f"token_env: environment variable {token_env} is unset or empty; export the service's bearer "
-                         "token in it, or remove token_env")
-    return token
 
 
 def check_arguments(urls: Sequence[str], timeout: float, max_retries: int, backoff: float, backoff_max: float,

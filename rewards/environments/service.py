@@ -3,8 +3,8 @@
 Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET /health`, `POST /reset`,
 `POST /step`, `POST /close`; sessions, idempotent steps, deadlines, limits, optional bearer token) and
 `app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
-rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service, as are its bearer-token check
-and body reading.
+rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service; the bearer-token check, FastAPI's
+pages behind it and body reading are rewards/http.py's, shared with it too.
 Does not own: OpenEnv's protocol on the same app (rewards/environments/openenv_service.py: `/ws`, `/state`,
 `/schema`, `/metadata`, `/mcp`, and the `/reset` / `/step` bodies of OpenEnv's shape, which the routes here hand
 over), environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
@@ -57,7 +57,7 @@ from rewards.environments.interface import (
     InProcessEnvironments,
     StepResult,
 )
-from rewards.service import _authorized, _read_body, token_from_env
+from rewards.http import UNAUTHORIZED, authorized, guard_docs, read_body, token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -240,10 +240,10 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     """A FastAPI app serving the environments `factory` makes (one per session) with the remote environment protocol
     and OpenEnv's (rewards/environments/openenv_service.py).
 
-    token: bearer token required by every endpoint but `/health` (None: no authentication). max_sessions: sessions
-    open at once (more: 503). session_ttl: seconds a session may stay idle before it expires. step_timeout: seconds
-    a reply waits for its call (reset or step; longer: 504). workers: threads running environment calls.
-    max_body_bytes: largest request body (more: 413).
+    token: bearer token required by every endpoint but `/health`, FastAPI's `/openapi.json`, `/docs` and `/redoc`
+    included (None: no authentication). max_sessions: sessions open at once (more: 503). session_ttl: seconds a
+    session may stay idle before it expires. step_timeout: seconds a reply waits for its call (reset or step; longer:
+    504). workers: threads running environment calls. max_body_bytes: largest request body (more: 413).
     """
     from rewards.environments.openenv_service import OpenEnvRoutes, is_openenv_reset, is_openenv_step  # imports us
 
@@ -267,9 +267,9 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     app.state.sessions = sessions
 
     async def read(request: Request) -> bytes:
-        if token is not None and not _authorized(request, token):
-            raise _Reply(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-        body = await _read_body(request, max_body_bytes)
+        if token is not None and not authorized(request, token):
+            raise _Reply(401, UNAUTHORIZED)
+        body = await read_body(request, max_body_bytes)
         if body is None:
             raise _Reply(413, f"request body exceeds max_body_bytes={max_body_bytes}")
         return body
@@ -334,6 +334,7 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
             sessions.end(session, "closed")
         return {}
 
+    guard_docs(app, token)
     return app
 
 

@@ -499,7 +499,9 @@ def test_client_arguments_are_checked_in_one_line(monkeypatch):
         (dict(urls=["http://h:1"], backoff=2.0, backoff_max=1.0), "backoff (2.0) must not exceed backoff_max (1.0)"),
         (dict(urls=["http://h:1"], timeout=0), "timeout must be positive (got 0)"),
         (dict(urls=["http://h:1"], max_concurrency=0), "max_concurrency must be at least 1 (got 0)"),
-        (dict(urls=["http://h:1"], token_env="ENV_TOKEN"), "token_env: environment variable ENV_TOKEN is unset"),
+        (dict(urls=["http://127.0.0.1:1"], token_env="ENV_TOKEN"), "token_env: environment variable ENV_TOKEN is "
+                                                                  "unset"),
+        (dict(urls=["http://h:1"], token_env="ENV_TOKEN"), "url http://h:1 is plain http to another machine"),
     ]
     for kwargs, message in cases:
         urls = kwargs.pop("urls")

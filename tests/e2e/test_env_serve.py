@@ -1,4 +1,5 @@
-"""`relay env serve` as a user runs it: episodes over HTTP with a token equal the in-process ones, the address it
+"""`relay env serve` as a user runs it: episodes over HTTP with a token equal the in-process ones (and the API's
+description, `/openapi.json`, `/docs`, `/redoc`, needs the token as the API does), the address it
 binds (loopback unless --host says otherwise, read from the listening socket) with the warning when it serves
 beyond loopback without a token, and one-line errors with exit code 2 for a bad environment or option."""
 
@@ -46,10 +47,14 @@ def test_serve_runs_episodes_with_a_token(serve_env, monkeypatch):
     with InProcessEnvironments(lambda: GuessNumber(max_turns=2)) as environments:
         expected = asyncio.run(play_all(environments))
     unauthorized = httpx.post(f"{url}/reset", json={"prompt": "", "label": 1})
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    docs = {path: (httpx.get(f"{url}{path}").status_code, httpx.get(f"{url}{path}", headers=bearer).status_code)
+            for path in ("/openapi.json", "/docs", "/redoc")}  # the API's description is behind the token too
     assert episodes == expected
     assert episodes[2] == ["", StepResult("no number", info={"invalid_call": True}), StepResult("correct", 1.0, True)]
     assert episodes[1][-1] == StepResult("higher", done=True)  # max_turns=2 reached
     assert unauthorized.status_code == 401
+    assert docs == {"/openapi.json": (401, 200), "/docs": (401, 200), "/redoc": (401, 200)}
 
 
 @pytest.mark.parametrize("args, bound, warns", [

@@ -4,7 +4,8 @@ From the bottom: the math (`learner/algo/`) and device placement (`learner/devic
 `sync/` imports only itself; `rewards/` only itself; `actors/` itself, `sync/`, `rewards/` (the rollout workers run
 episodes against its environments) and those two leaves of `learner/`;
 `learner/` itself and `sync/`; `cluster/` anything. No package below `cluster/` imports it. Config modules import
-nothing heavier than pydantic: `cluster/config.py` composes the packages' own. Every import counts, also one inside a
+nothing heavier than pydantic (and a few small standard modules: `ipaddress` and `urllib` check where a bearer token
+may travel): `cluster/config.py` composes the packages' own. Every import counts, also one inside a
 function or under TYPE_CHECKING.
 """
 
@@ -28,7 +29,7 @@ ALLOWED = {  # a module path prefix -> the project modules (prefixes) it may imp
     "cluster/": PROJECT,
 }
 CONFIGS = ["actors/config.py", "learner/config.py", "rewards/config.py", "sync/config.py"]
-LIGHT = ("__future__", "typing", "re", "pathlib", "pydantic", "yaml")
+LIGHT = ("__future__", "typing", "re", "pathlib", "collections", "ipaddress", "urllib", "pydantic", "yaml")
 
 
 def imports(path: Path) -> set[str]:
