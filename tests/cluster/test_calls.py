@@ -38,6 +38,7 @@ class Echo:
 @pytest.fixture(scope="module")
 def actors(ray_local):
     started = [ray_local.remote(Echo).options(num_cpus=0).remote() for _ in range(4)]
+    ray.get([actor.run.remote("ok") for actor in started], timeout=300)  # started: the tests' deadlines time calls only
     yield started
     for actor in started:
         ray_local.kill(actor)
