@@ -69,9 +69,8 @@ class SampledCompletion:
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused, and everything already alive frozen (left out of its collections),
     while vLLM starts: importing it and building an engine allocate millions of objects, and vLLM calls gc.collect()
-    itself five times, each a walk over the whole heap (torch and transformers included). On this 2-core CPU a rollout
-    worker's engine then starts in 2.7 s instead of 3.6 s, and one re-created in a process that imported vLLM already
-    (`FleetPool`) in 0.2 s instead of 1.1 s. The collector runs again afterwards; the heap stays frozen, as vLLM's
+    itself five times, each a walk over the whole heap (torch and transformers included), which is most of a small
+    engine's start (docs/benchmarks.md). The collector runs again afterwards; the heap stays frozen, as vLLM's
     engine core leaves it at the end of its start (`freeze_gc_heap`) and unfreezes it in its own shutdown. Only a start
     that fails unfreezes it here."""
     if not gc.isenabled():  # paused by someone else: theirs to resume
@@ -105,9 +104,9 @@ def _no_full_collections() -> Iterator[None]:
 def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
     """Whether a CPU engine's linear layers run torch's linear on their weights as loaded (`rollout.cpu_linear`)
     instead of vLLM's oneDNN kernels, which pre-pack a copy of each weight. A load then copies the new weights in
-    place (the demo's 0.3M-parameter model: 2.5 ms against 24 ms through vLLM's reload, which re-packs every layer),
-    while oneDNN's matmuls sample a 25M model in 0.8x the time (docs/benchmarks.md); `auto` picks torch's below 1M
-    parameters. The switch is the engine's process's, so only for an engine in it (`in_process`) with one shard."""
+    place instead of re-packing every layer through vLLM's reload, which dominates a small model's sync, while
+    oneDNN's matmuls sample a large model faster (docs/benchmarks.md, "Torch's linear in a small model's engines");
+    `auto` picks torch's below 1M parameters. The switch is the engine's process's, so only for an engine in it (`in_process`) with one shard."""
     from learner.device import SMALL_MODEL_PARAMETERS, count_parameters
 
     here = in_process and settings.tensor_parallel_size == 1

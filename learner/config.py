@@ -88,10 +88,8 @@ class LearnerConfig(_Section):
     """Run each pass's rows as one packed sequence of their real tokens: every layer but attention computes no
     padding; attention gathers each row's tokens into a padded row of its own (the CPU equivalent of a GPU's
     variable-length attention; `learner.algo.packing`). The same logprobs, losses and gradients (up to float
-    summation order); on the 25M benchmark's sequences (shared prompts, 1024 tokens per pass) the passes'
-    forward and backward took 0.87-0.93x the padded passes' time (docs/benchmarks.md, "Packed passes"); a value
-    model's (`critic.enabled`: it runs the policy's passes, packed too) 0.82-0.84x ("A value model's passes
-    packed"). Only for models whose attention is sdpa and keeps no sliding window (others run padded passes)."""
+    summation order), in less time than padded passes (docs/benchmarks.md, "Packed passes"); a value model
+    (`critic.enabled`) runs the policy's passes, packed too. Only for models whose attention is sdpa and keeps no sliding window (others run padded passes)."""
     overlap_reference: Literal["auto"] | bool = "auto"
     """On-policy steps: send the update before the reference's logprobs have arrived, so that the learner's first
     training forward (a round's prompts and its first pass) runs while the reference computes; it waits for them

@@ -26,9 +26,8 @@ def pick_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-# Below this many parameters a second torch thread does not pay on a CPU shared with Ray's processes: in a run on 2
-# cores the demo's 0.3M-parameter policy trains and scores faster on one; a 3.2M and the 25M model are faster on two
-# (the 25M's update in 0.6x the time). docs/benchmarks.md, "The sync probe inside its request".
+# Below this many parameters a second torch thread does not pay on a CPU shared with Ray's processes: a small
+# model's passes are too short to split (docs/benchmarks.md, "The sync probe inside its request").
 SMALL_MODEL_PARAMETERS = 1_000_000
 
 

@@ -449,8 +449,8 @@ def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
 
 class FleetPool:
     """Keeps the fleet of a run that ended, so that the next run in this process whose fleet has the same shape
-    (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`): a run then starts
-    in ~2 s instead of ~10 s on 2 cores (the processes' imports and the engines' start-up are most of a start), with
+    (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`): the processes'
+    imports and the engines' start-up, most of a run's start, are skipped (docs/benchmarks.md), with
     the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
     are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
     their class (a pooled fleet's rollout actors can be re-initialised as any RolloutWorker subclass:

@@ -643,9 +643,9 @@ def prepare(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
         raise ConfigError(f"the run asks Ray for {sum(asked.values()):g} CPUs ({parts}) but the local Ray instance has "
                           f"{cpus}: lower those num_cpus (fractions are fine: they only book Ray's CPUs, the threads "
                           "are set by num_threads) or set ray.num_cpus")
-    # Measured on 2 cores (docs/operations.md): 4 threads (two engines of 1, learner 1, reference 1: they are not all
-    # busy at once) still beat the synchronous loop; 6 ran 1.6-2.8x slower than it. (Asynchronously every learner
-    # and reference thread count is set: `RunConfig._threads_for_overlap`.)
+    # Asynchronously the engines, the learner and the reference compute at once: more threads than cores makes the
+    # step slower than the synchronous loop's (docs/operations.md). (Asynchronously every learner and reference
+    # thread count is set: `RunConfig._threads_for_overlap`.)
     if ro.max_staleness and local:
         threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
                    + (config.reference.num_threads if config.uses_reference else 0))

@@ -16,9 +16,8 @@ class, when prompts are shared; its attention interface, when passes are packed)
 
 Why packed passes gather each row's attention into a padded row of its own rather than use transformers' packed
 format (position ids that restart): on CPU, transformers keeps packed sequences apart with a dense block-diagonal
-mask, whose cost grows with the square of the pack; measured on the 25M-parameter model (docs/benchmarks.md,
-"How passes are cut"), that was slower than padded passes at every budget, while packing with per-row attention
-is faster than both ("Packed passes").
+mask, whose cost grows with the square of the pack: slower than padded passes, while packing with per-row
+attention is faster than both (docs/benchmarks.md, "How passes are cut", "Packed passes").
 """
 
 from __future__ import annotations
