@@ -4,9 +4,9 @@ Owns: `OpenEnvEnvironments`, episode sessions on servers built with openenv-core
 session (`/ws`) per episode, new sessions round-robin over the URLs, at most `max_concurrency` sessions open at
 once, a deadline per call, text mapped to and from OpenEnv's dicts (`action_field`, `observation_field`), metrics.
 Does not own: the retry loop, token scrubbing, transport-error wording, the private event loop, reading the token and
-refusing to send it in clear text (rewards/http.py, shared with every client), argument checks and
-`RemoteEnvironmentError` (rewards/environments/remote.py, shared with relay's own protocol's client), the failure
-policy (actors/episodes.py, cluster/run/scoring.py), nor serving OpenEnv.
+refusing to send it in clear text (rewards/http.py, shared with every client), argument checks, `LoopClient`,
+`LoopSession` and `RemoteEnvironmentError` (rewards/environments/remote.py, shared with relay's own protocol's
+client), the failure policy (actors/episodes.py, cluster/run/scoring.py), nor serving OpenEnv.
 
 Decisions:
 - OpenEnv's HTTP `/reset` and `/step` keep no state (each makes a fresh environment). Its sessions live on `/ws`, one
@@ -44,7 +44,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from rewards.environments.interface import CallStats, EpisodeSession, StepResult
-from rewards.environments.remote import LoopSession, RemoteEnvironmentError, check_arguments
+from rewards.environments.remote import LoopClient, LoopSession, RemoteEnvironmentError, check_arguments
 from rewards.http import (
     EventLoopThread,
     Permanent,
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 2**20  # a reply larger than this closes the connection (as relay's service's body limit)
 
 
-class OpenEnvEnvironments(Redacting):
+class OpenEnvEnvironments(LoopClient, Redacting):
     """Episode sessions on OpenEnv servers; the arguments mirror `RemoteEnvironments`, plus the field mapping.
 
     Usage: `with OpenEnvEnvironments(["http://10.0.0.5:8000"]) as environments:`, then in a coroutine
@@ -102,19 +102,8 @@ class OpenEnvEnvironments(Redacting):
         return (f"OpenEnvEnvironments(name={self.name!r}, urls={self._urls!r}, "
                 f"token={'<from $' + self.token_env + '>' if self.token_env else None})")
 
-    def __enter__(self) -> OpenEnvEnvironments:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def open(self) -> EpisodeSession:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
+    def _new_session(self) -> EpisodeSession:
         return _OpenEnvSession(self)
-
-    def take_metrics(self) -> dict[str, float]:
-        return self._stats.take()
 
     def close(self) -> None:
         """Cancel calls in flight (their callers get `CancelledError`), drop the open connections (the servers close
@@ -127,13 +116,6 @@ class OpenEnvEnvironments(Redacting):
     async def _drop_all(self) -> None:
         for ws in list(self._open):
             self._drop(ws)
-
-    async def _on_loop(self, coro) -> Any:
-        """Run `coro` on the private loop and await it from the caller's loop; cancelling the caller cancels it."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError(f"{self!r} is closed")
-        return await self._loop.call(coro)
 
     def _drop(self, ws: ClientConnection) -> None:
         """Abandon a connection at once (no closing handshake, which could wait): the server sees it gone and closes
@@ -165,9 +147,7 @@ class OpenEnvEnvironments(Redacting):
         self._stats.add(calls=1)
         await self._slots.acquire()
         session.holds_slot = True
-        start = self._next_url
-        self._next_url = (start + 1) % len(self._urls)
-        urls = self._urls[start:] + self._urls[:start]
+        urls = self._rotation()
         url = urls[0]
 
         async def attempt(k: int) -> StepResult:

@@ -3,8 +3,8 @@
 Owns: `RemoteEnvironments` (opens episode sessions on the service's replicas: new sessions round-robin, each
 session sticks to the URL that created it; at most `max_concurrency` requests in flight; a deadline per request;
 retries with full-jitter exponential backoff; validation of every reply; metrics), `RemoteEnvironmentError`, and
-what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `LoopSession` (sequential calls on
-a session) and `check_arguments`.
+what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `LoopClient` (a client's life
+around its private loop), `LoopSession` (sequential calls on a session) and `check_arguments`.
 Does not own: the failure policy (the episode loop, actors/episodes.py, marks the episode failed on
 `RemoteEnvironmentError`; cluster/run/scoring.py stops the run or drops the group), nor the service side
 (rewards/environments/service.py), nor the plumbing every client shares (rewards/http.py: the retry loop, token
@@ -39,7 +39,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -61,7 +61,54 @@ class RemoteEnvironmentError(EpisodeError):
         self.url, self.call = url, call
 
 
-class RemoteEnvironments(Redacting):
+class LoopClient:
+    """What relay's protocol's client and OpenEnv's (rewards/environments/openenv_client.py) share around their
+    private loop: the context manager, `open` (refused once closed), `take_metrics`, running a coroutine on the loop
+    (`_on_loop`) and the round-robin order of a new session's URLs (`_rotation`). A client sets `_closed`, `_stats`,
+    `_loop`, `_urls` and `_next_url`, and defines `close` and `_new_session`."""
+
+    _closed: bool
+    _stats: CallStats
+    _loop: EventLoopThread
+    _urls: list[str]
+    _next_url: int
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def open(self) -> EpisodeSession:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        return self._new_session()
+
+    def _new_session(self) -> EpisodeSession:
+        raise NotImplementedError
+
+    def take_metrics(self) -> dict[str, float]:
+        return self._stats.take()
+
+    async def _on_loop(self, coro) -> Any:
+        """Run `coro` on the private loop and await it from the caller's loop; cancelling the caller cancels it."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self!r} is closed")
+        return await self._loop.call(coro)
+
+    def _rotation(self) -> list[str]:
+        """The URLs in the order a new session tries them (retries: the next ones): the next in turn first, round-robin
+        over sessions. Called on the private loop only."""
+        start = self._next_url
+        self._next_url = (start + 1) % len(self._urls)
+        return self._urls[start:] + self._urls[:start]
+
+
+class RemoteEnvironments(LoopClient, Redacting):
     """Episode sessions on an environment service; the arguments mirror `RemoteSource` (rewards/config.py).
 
     Usage: `with RemoteEnvironments(["http://10.0.0.5:8000"]) as environments:`, then in a coroutine
@@ -100,25 +147,14 @@ class RemoteEnvironments(Redacting):
         return (f"RemoteEnvironments(name={self.name!r}, urls={self._urls!r}, "
                 f"token={'<from $' + self.token_env + '>' if self.token_env else None})")
 
-    def __enter__(self) -> RemoteEnvironments:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     @property
     def deadline_s(self) -> float:
         """Upper bound on one call's wall time (its attempts and backoffs), in seconds, not counting waits for a
         free request slot (each request in flight holds one for at most `timeout`)."""
         return (self.max_retries + 1) * self.timeout + self.max_retries * self.backoff_max
 
-    def open(self) -> EpisodeSession:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
+    def _new_session(self) -> EpisodeSession:
         return _RemoteSession(self)
-
-    def take_metrics(self) -> dict[str, float]:
-        return self._stats.take()
 
     def close(self) -> None:
         """Cancel calls in flight (their callers get `CancelledError`), close the connections and stop the private
@@ -128,19 +164,9 @@ class RemoteEnvironments(Redacting):
         self._closed = True
         self._loop.stop(self._client.aclose)
 
-    async def _on_loop(self, coro) -> Any:
-        """Run `coro` on the private loop and await it from the caller's loop; cancelling the caller cancels it."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError(f"{self!r} is closed")
-        return await self._loop.call(coro)
-
     async def _reset(self, body: dict[str, Any]) -> tuple[tuple[str, str], str]:
         """POST /reset to the next URL in turn (retries: the URLs after it); ((session id, observation), URL)."""
-        start = self._next_url
-        self._next_url = (start + 1) % len(self._urls)
-        urls = self._urls[start:] + self._urls[:start]
-        return await self._call("reset", "/reset", body, urls, self._read_reset)
+        return await self._call("reset", "/reset", body, self._rotation(), self._read_reset)
 
     async def _call(self, what: str, path: str, body: dict[str, Any], urls: list[str],
                     read: Callable[[Any], Any]) -> tuple[Any, str]:
