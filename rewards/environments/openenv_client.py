@@ -329,33 +329,14 @@ class _OpenEnvSession(LoopSession):
         self.url = ""
         self.holds_slot = False
 
-    async def reset(self, prompt: str, label: Any) -> str:
-        if self._reset:
-            raise RuntimeError("reset called twice on one session: open a new session per episode")
-        self._reset = True
-        result = await self._call("reset", self._owner._start(self, {"prompt": prompt, "label": label}))
-        return result.observation
+    async def _send_reset(self, prompt: str, label: Any) -> str:
+        return (await self._owner._start(self, {"prompt": prompt, "label": label})).observation
 
-    async def step(self, action: str) -> StepResult:
-        if not self._reset:
-            raise RuntimeError("step before reset")
-        if self._done:
-            raise RuntimeError(f"step after the episode is done (turn {self._turn - 1} returned done=True)")
-        what = f"step {self._turn}"
-        result = await self._call(what, self._owner._step(self, what, action))
-        self._turn += 1
-        self._done = result.done
-        return result
+    async def _send_step(self, what: str, action: str) -> StepResult:
+        return await self._owner._step(self, what, action)
 
-    async def close(self) -> None:
-        """End the session on the server (idempotent); never raises `RemoteEnvironmentError`."""
-        if self._busy:
-            raise RuntimeError("close while another call of this session runs: await that call first")
-        if self._closed:
-            return
-        self._closed = True
-        if self._reset and not self._owner._closed:  # else nothing was opened, or the client dropped it already
-            await self._owner._on_loop(self._owner._finish(self))
+    async def _end(self) -> None:
+        await self._owner._on_loop(self._owner._finish(self))
 
 
 def _ws_url(url: str) -> str:

@@ -242,6 +242,45 @@ class LoopSession:
         self._turn = 0
         self._done = self._failed = self._busy = self._closed = self._reset = False
 
+    async def reset(self, prompt: str, label: Any) -> str:
+        if self._reset:
+            raise RuntimeError("reset called twice on one session: open a new session per episode")
+        self._reset = True
+        return await self._call("reset", self._send_reset(prompt, label))
+
+    async def step(self, action: str) -> StepResult:
+        if not self._reset:
+            raise RuntimeError("step before reset")
+        if self._done:
+            raise RuntimeError(f"step after the episode is done (turn {self._turn - 1} returned done=True)")
+        what = f"step {self._turn}"
+        result = await self._call(what, self._send_step(what, action))
+        self._turn += 1
+        self._done = result.done
+        return result
+
+    async def close(self) -> None:
+        """End the session on the server (idempotent); never raises `RemoteEnvironmentError`."""
+        if self._busy:
+            raise RuntimeError("close while another call of this session runs: await that call first")
+        if self._closed:
+            return
+        self._closed = True
+        if self._reset and not self._owner._closed:  # else nothing was opened, or the client dropped it already
+            await self._end()
+
+    async def _send_reset(self, prompt: str, label: Any) -> str:
+        """On the private loop: open the session with its reset; the initial observation."""
+        raise NotImplementedError
+
+    async def _send_step(self, what: str, action: str) -> StepResult:
+        """On the private loop: send one step and read its reply."""
+        raise NotImplementedError
+
+    async def _end(self) -> None:
+        """End the session on the server (from the caller's loop); never raises `RemoteEnvironmentError`."""
+        raise NotImplementedError
+
     async def _call(self, what: str, coro) -> Any:
         problem = ("on a closed session" if self._closed else
                    "on a session whose environment failed earlier: close it" if self._failed else
@@ -267,36 +306,19 @@ class _RemoteSession(LoopSession):
         super().__init__(owner)
         self._url = self._session_id = None
 
-    async def reset(self, prompt: str, label: Any) -> str:
-        if self._reset:
-            raise RuntimeError("reset called twice on one session: open a new session per episode")
-        self._reset = True
+    async def _send_reset(self, prompt: str, label: Any) -> str:
         body = {"prompt": prompt, "label": label, "metadata": {}}
-        (session_id, observation), url = await self._call("reset", self._owner._reset(body))
-        self._session_id, self._url = session_id, url
+        (session_id, observation), self._url = await self._owner._reset(body)
+        self._session_id = session_id
         return observation
 
-    async def step(self, action: str) -> StepResult:
-        if not self._reset:
-            raise RuntimeError("step before reset")
-        if self._done:
-            raise RuntimeError(f"step after the episode is done (turn {self._turn - 1} returned done=True)")
-        what = f"step {self._turn}"
+    async def _send_step(self, what: str, action: str) -> StepResult:
         body = {"session_id": self._session_id, "action": action, "turn": self._turn}
-        result, _ = await self._call(what, self._owner._call(what, "/step", body, [self._url],
-                                                             self._owner._read_step))
-        self._turn += 1
-        self._done = result.done
+        result, _ = await self._owner._call(what, "/step", body, [self._url], self._owner._read_step)
         return result
 
-    async def close(self) -> None:
-        """End the session on the service (idempotent); never raises `RemoteEnvironmentError`."""
-        if self._busy:
-            raise RuntimeError("close while another call of this session runs: await that call first")
-        if self._closed:
-            return
-        self._closed = True
-        if self._session_id is None or self._owner._closed:  # never created, or the client is gone: it expires
+    async def _end(self) -> None:
+        if self._session_id is None:  # never created: nothing to end
             return
         call = self._owner._call("close", "/close", {"session_id": self._session_id}, [self._url], _ignore)
         try:
