@@ -6,8 +6,9 @@ the retry loop (`retrying`, with full-jitter exponential backoff, and its faults
 (`describe_transport_error`), a client's private event loop (`EventLoopThread`), its bearer token (`bearer_token`:
 refused where it would cross the network in clear text) and `is_finite_number`. For the services
 (rewards/service.py, rewards/environments/service.py, openenv_service.py): the token from the environment
-(`token_from_env`), the bearer-token check of a request (`authorized`, `UNAUTHORIZED`), FastAPI's own pages behind the
-token (`guard_docs`), and reading a body within its limit (`read_body`).
+(`token_from_env`), the bearer-token check of a request and its 401 reply (`authorized`, `UNAUTHORIZED`,
+`unauthorized`), FastAPI's own pages behind the token (`guard_docs`), and reading a body within its limit
+(`read_body`).
 Does not own: what any protocol sends or answers (the modules above), where a token may travel and loopback detection
 (rewards/config.py: config validation needs them, and config modules import nothing of the project), nor serving an
 app (rewards/service.py's `run_app`, `run_in_thread`).
@@ -243,6 +244,13 @@ def authorized(connection: HTTPConnection, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+def unauthorized() -> Any:
+    """A service's 401 reply to a request without its bearer token (a Starlette `JSONResponse`)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"detail": UNAUTHORIZED}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The request body, or None if it is larger than `limit` bytes (by Content-Length or as actually sent)."""
     declared = request.headers.get("content-length", "")
@@ -274,13 +282,11 @@ def guard_docs(app: FastAPI, token: str | None) -> None:
 def _needs_token(page: Callable[..., Awaitable[None]], token: str) -> Callable[..., Awaitable[None]]:
     """The ASGI app `page`, answering 401 to a request without `token`."""
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
 
     async def guarded(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if authorized(Request(scope), token):
             await page(scope, receive, send)
         else:
-            refusal = JSONResponse({"detail": UNAUTHORIZED}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            await refusal(scope, receive, send)
+            await unauthorized()(scope, receive, send)
 
     return guarded

@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rewards.config import is_loopback
-from rewards.http import UNAUTHORIZED, authorized, guard_docs, read_body, token_from_env
+from rewards.http import authorized, guard_docs, read_body, token_from_env, unauthorized
 from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS, RewardRequest, completion_of, longest_first, reward_reply
 
 log = logging.getLogger(__name__)
@@ -355,7 +355,7 @@ async def _admit(request: Request, model: type[Body], token: str | None, max_bod
     """The request's body read as `model`, or the reply refusing it: 401 (token), 413 (body size) or 422 (shape,
     with the field's location). What every scoring route checks first."""
     if token is not None and not authorized(request, token):
-        return JSONResponse({"detail": UNAUTHORIZED}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return unauthorized()
     body = await read_body(request, max_body_bytes)
     if body is None:
         return _error(413, f"request body exceeds max_body_bytes={max_body_bytes}; send smaller batches")
