@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rewards.environments.interface import Environment, StepResult
-from rewards.environments.service import _Reply, _Session, _Sessions
+from rewards.environments.service import _Reply, _Session, _Sessions, step_blocker
 from rewards.http import authorized
 
 log = logging.getLogger(__name__)
@@ -368,16 +368,11 @@ async def _reset_then_step(session: _Session, request: _StepBody, action: str) -
 
 def _cannot_step(session: _Session) -> str | None:
     """Why the session cannot take a step now, or None."""
-    last = session.task
-    if last is None:
+    if session.task is None:
         return "step before reset: send a reset first"
-    if not last.done():
-        return "the previous call is still running (past step_timeout): reset to start a new episode"
-    if last.cancelled() or last.exception() is not None:
-        return "the episode failed (see the service's log): reset to start a new episode"
-    if isinstance(last.result(), StepResult) and last.result().done:
-        return "the episode is done: reset to start a new episode"
-    return None
+    return {"running": "the previous call is still running (past step_timeout): reset to start a new episode",
+            "failed": "the episode failed (see the service's log): reset to start a new episode",
+            "done": "the episode is done: reset to start a new episode"}.get(step_blocker(session))
 
 
 async def _receive(websocket: WebSocket) -> str | None:

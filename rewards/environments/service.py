@@ -350,16 +350,31 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def step_blocker(session: _Session) -> str | None:
+    """What in the session's last call keeps it from a new turn: `running` (not finished), `failed`, or `done` (it
+    answered done=true, whether or not a reply carried it); None when it may step or has had no call. Both protocols'
+    step checks (`_check_can_step`, openenv_service.py's `_cannot_step`) word it their way."""
+    last = session.task
+    if last is None:
+        return None
+    if not last.done():
+        return "running"
+    if last.cancelled() or last.exception() is not None:
+        return "failed"
+    if isinstance(last.result(), StepResult) and last.result().done:
+        return "done"
+    return None
+
+
 def _check_can_step(session: _Session, turn: int) -> None:
     """Raise 409 unless the session can take a new turn: its last call finished, succeeded, and was not done."""
-    last, previous = session.task, "the reset" if turn == 0 else f"turn {turn - 1}"
-    if last is None:
-        return
-    if not last.done():
+    previous = "the reset" if turn == 0 else f"turn {turn - 1}"
+    blocker = step_blocker(session)
+    if blocker == "running":
         raise _Reply(409, f"{previous} is still running: send it again for its reply, then turn {turn}")
-    if last.cancelled() or last.exception() is not None:
+    if blocker == "failed":
         raise _Reply(409, f"{previous} failed: the session takes no further turn; close it")
-    if isinstance(last.result(), StepResult) and last.result().done:  # whether or not a reply carried it
+    if blocker == "done":
         raise _Reply(409, f"the episode is done ({previous} answered done=true); close the session")
 
 
