@@ -33,3 +33,18 @@ class Counter:
             raise RuntimeError(f"Counter fails at turn {turn}")
         return StepResult(f"{turn}{turn} ", reward=float(turn + 1), done=self.turn >= self.turns,
                           info={"invalid_call": True} if turn == self.invalid_at else {})
+
+
+async def play_episode(environments: Any, prompt: str, label: Any, actions: list[str]) -> list:
+    """[initial observation, StepResult, ...] of one episode on `environments` (any `Environments`), stopping at
+    done; the session is closed."""
+    session = environments.open()
+    try:
+        out = [await session.reset(prompt, label)]
+        for action in actions:
+            out.append(await session.step(action))
+            if out[-1].done:
+                break
+        return out
+    finally:
+        await session.close()

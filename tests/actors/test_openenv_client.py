@@ -26,6 +26,7 @@ from rewards.environments.interface import METRIC_KEYS, InProcessEnvironments, S
 from rewards.environments.openenv_client import OpenEnvEnvironments
 from rewards.environments.remote import RemoteEnvironmentError, RemoteEnvironments
 from rewards.service import run_in_thread
+from tests.envs import play_episode
 from tests.openenv_envs import Calculator, Shell, ShellAction, ShellObservation, TextAction, TextObservation
 
 TOKEN = "tok-51f0c2-secret"
@@ -49,16 +50,7 @@ def shell(urls: list[str], **overrides) -> OpenEnvEnvironments:
 
 async def play(environments, label, actions: list[str]) -> list:
     """[initial observation, StepResult, ...] of one episode, stopping at done; the session is closed."""
-    session = environments.open()
-    try:
-        out = [await session.reset(f"{label}?", label)]
-        for action in actions:
-            out.append(await session.step(action))
-            if out[-1].done:
-                break
-        return out
-    finally:
-        await session.close()
+    return await play_episode(environments, f"{label}?", label, actions)
 
 
 def play_all(environments, episodes: dict) -> list[list]:

@@ -26,6 +26,7 @@ from rewards.environments.interface import METRIC_KEYS, InProcessEnvironments, S
 from rewards.environments.remote import RemoteEnvironmentError, RemoteEnvironments
 from rewards.environments.service import create_app
 from rewards.service import run_in_thread
+from tests.envs import play_episode
 
 TOKEN = "tok-9d2e7b-secret"
 GUESSES = {3: ["5", "2", "3"], 8: ["5", "9", "x", "8"], 1: ["7", "7", "7", "7", "7"]}  # target -> actions
@@ -39,16 +40,7 @@ def client(urls: list[str], **overrides) -> RemoteEnvironments:
 
 async def play(environments, target: int, actions: list[str]) -> list:
     """[initial observation, StepResult, ...] of one episode, stopping at done; the session is closed."""
-    session = environments.open()
-    try:
-        out = [await session.reset(f"guess {target}", target)]
-        for action in actions:
-            out.append(await session.step(action))
-            if out[-1].done:
-                break
-        return out
-    finally:
-        await session.close()
+    return await play_episode(environments, f"guess {target}", target, actions)
 
 
 def play_all(environments) -> list[list]:

@@ -20,6 +20,7 @@ from rewards.environments.interface import (
     StepResult,
     load_environment,
 )
+from tests.envs import play_episode
 
 # ---------------------------------------------------------------- test environments (loaded by spec below)
 
@@ -148,16 +149,7 @@ def run(coro):
 
 async def episode(environments, prompt, actions):
     """[initial observation, StepResult, ...], stopping at done; the session closed."""
-    session = environments.open()
-    try:
-        out = [await session.reset(prompt, None)]
-        for action in actions:
-            out.append(await session.step(action))
-            if out[-1].done:
-                break
-        return out
-    finally:
-        await session.close()
+    return await play_episode(environments, prompt, None, actions)
 
 
 def test_sessions_run_in_worker_threads_and_metrics_count_calls():
