@@ -1,7 +1,7 @@
 """ReferenceWorker: the frozen reference policy, scoring prompt+response tokens for the KL penalty.
 
 Owns: a transformers causal LM in eval mode with gradients off, on the actor's GPU when it has one
-(`learner.device.pick_device`); with `reference.refresh_every` (iterative GRPO), taking the learner's weights in
+(`learner.passes.device.pick_device`); with `reference.refresh_every` (iterative GRPO), taking the learner's weights in
 place (reporting the fingerprints of what it got, as an engine does) and saving / restoring them with checkpoints.
 Does not own: the KL itself (learner/algo/losses) or when to refresh (cluster/fleet/reference_refresh.py). A plain
 class: Ray wraps it in `cluster/`.
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from learner.algo.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
-from learner.device import count_parameters, default_threads, matmuls_in, pick_device
+from learner.passes.device import count_parameters, default_threads, matmuls_in, pick_device
+from learner.passes.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from sync.receive import Loaded, Weights, fingerprints, received
 
 

@@ -1,11 +1,11 @@
 """RewardModelWorker: a reward model scoring prompt + completion texts, in batches, frozen or fine-tuned during a run.
 
 Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode (no dropout, ever),
-on the actor's GPU when it has one (`learner.device.pick_device`), its own tokenizer (a reward model need not share
-the policy's), and batched scoring of right-padded text (texts sorted by token count and cut into passes by a token
-budget, `learner.algo.sequences.MicroBatching`, each padded to its own longest).
+on the actor's GPU when it has one (`learner.passes.device.pick_device`), its own tokenizer (a reward model need not
+share the policy's), and batched scoring of right-padded text (texts sorted by token count and cut into passes by a
+token budget, `learner.passes.sequences.MicroBatching`, each padded to its own longest).
 Frozen (no `training` settings): gradients off, parameters in `dtype`. Trained (iterative reward modelling): float32
-master parameters computed in `dtype` (autocast when narrower, `learner.device.compute_in`), AdamW, `fit` on
+master parameters computed in `dtype` (autocast when narrower, `learner.passes.device.compute_in`), AdamW, `fit` on
 verifier-labelled completions with the Bradley-Terry pair loss or a regression loss (looked up by the config's name
 in REWARD_MODEL_LOSSES), and `save_state`/`load_state` of the weights (a Hugging Face directory) and the optimizer.
 Does not own: combining or normalising scores (the driver, `cluster/run/scoring.py`), choosing what to fit on or when,
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from learner.algo.sequences import MicroBatching
-from learner.device import compute_in, matmuls_in, pick_device, to_cpu
+from learner.passes.device import compute_in, matmuls_in, pick_device, to_cpu
+from learner.passes.sequences import MicroBatching
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the Hugging Face files that `save_state` writes: AdamW state, update count
 OPTIMIZER_STATE_FORMAT = 1

@@ -38,7 +38,7 @@ class ProbeSample(NamedTuple):
     logprobs: list[float]  # the engine's, per response token
     weights_version: int  # the version the worker says it serves
     cached_prompt_tokens: int | None  # prompt tokens taken from the prefix cache: 0 right after a load (reset)
-    learner_logprobs: Sequence[float] = ()  # the learner's of the same tokens, filled in by RolloutPool._scored
+    learner_logprobs: Sequence[float] = ()  # the learner's of the same tokens, filled in by WeightSync.scored
 
 
 class RolloutWorker:
@@ -175,6 +175,10 @@ class RolloutWorker:
 
     def leave_weight_group(self) -> None:
         self.engine.leave_weight_group()
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text`'s token ids as this worker's engine gets them (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def probe(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> ProbeSample:
         """Sample one seeded completion of a fixed prompt, with how much of the prompt came from the prefix cache

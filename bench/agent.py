@@ -34,7 +34,7 @@ PRESET = ROOT / "configs" / "agent_calc.yaml"
 
 def run(mode: str, seed: int, steps: int, overrides: list[str], tmp: Path, url: str | None = None) -> dict:
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
     from rewards.config import EnvironmentConfig
 
     run_dir = tmp / f"{mode}-{seed}"

@@ -42,7 +42,7 @@ def steps_to_target(records: list[dict], key: str = "reward/mean") -> int | None
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     from cluster.config import load_config
     from cluster.demo.cache import ensure_demo_model
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
     from learner.learner import Learner
 
     run_dir = Path(tmp) / name

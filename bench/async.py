@@ -65,7 +65,7 @@ def overrides(work: str) -> list[str]:
 
 def run(work: str, k: str, steps: int, extra: list[str]) -> list[dict]:
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     in_flight = ["rollout.in_flight_updates=true"] if k.endswith("i") else []
     with tempfile.TemporaryDirectory() as tmp:

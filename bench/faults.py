@@ -62,7 +62,7 @@ def main() -> None:
 
     from cluster.config import load_config
     from cluster.demo.cache import ensure_demo_model
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
     from sync.calls import RunError
 
     rng = random.Random(args.seed)

@@ -1,5 +1,6 @@
-"""What a `FleetPool` saves: the same short demo run made several times from one process, on a fresh fleet each time
-and on the fleet the previous run parked (docs/operations.md, "Several runs from one process").
+"""What the tests' pool saves (`ParkingPool`, tests/fleets.py): the same short demo run made several times from one
+process, on a fresh fleet each time and on the fleet the previous run parked (docs/operations.md, "Several runs from
+one process").
 
     python bench/fleet_pool.py [--runs 3] [--steps 3] [key=value ...]
 
@@ -11,12 +12,17 @@ fail here: every run uses its own seed, so a stale engine or optimizer would sho
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# The pool is test support, not installed: the actors import its rollout host (tests/rehost.py) from the checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 VOLATILE = ("time/", "throughput/", "memory/")
 
 
@@ -32,13 +38,13 @@ def main() -> int:
 
     from cluster.config import load_config
     from cluster.demo.cache import ensure_demo_model
-    from cluster.fleet.placement import FleetPool
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
+    from tests.fleets import ParkingPool
 
     model = str(ensure_demo_model())
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     results: dict[str, list[tuple[float, list[dict], dict]]] = {"fresh": [], "parked": []}
-    pool = FleetPool()
+    pool = ParkingPool()
     try:
         for mode in ("fresh", "parked"):
             for run in range(args.runs):
@@ -63,7 +69,7 @@ def main() -> int:
     print(f"\n{args.runs} demo runs of {args.steps} steps (8 prompts x 8, one rollout worker), one after the other")
     print("| fleet | run wall clock, s (each) | median, s |")
     print("|---|---|---|")
-    for mode, label in (("fresh", "fresh each run"), ("parked", "parked by the previous run (`FleetPool`)")):
+    for mode, label in (("fresh", "fresh each run"), ("parked", "parked by the previous run (`ParkingPool`)")):
         times = [r[0] for r in results[mode]]
         print(f"| {label} | {' / '.join(f'{t:.1f}' for t in times)} | {statistics.median(times):.1f} |")
     print("(the first run of the parked mode starts its fleet: nothing is parked yet)")

@@ -2,7 +2,7 @@
 fixed row count), rows sorted by length under a token budget (relay's `MicroBatching`), packed rows (several
 sequences in one row, attention kept within each by position ids, transformers' packed-sequence mask), relay's
 packed passes (`learner.pack_sequences`: a pass's rows as one sequence of their real tokens, attention gathered per
-row, `learner.algo.packing`), and shared prompts (relay's `SharedPrompts`: each group's prompt run once, each row's
+row, `learner.passes.packing`), and shared prompts (relay's `SharedPrompts`: each group's prompt run once, each row's
 pass its own tokens on the prompt's cached states, the passes cut by those tokens), padded or packed; and a PPO value
 model's passes (`--ways critic`: the same backbone with a one-label token-classification head, `learner.critic`'s
 `value_pass`), sorted under a padded-token budget against packed under a real-token one.
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.demo.model import tiny_qwen2_config  # noqa: E402
-from learner.algo.sequences import (  # noqa: E402
+from learner.passes.sequences import (  # noqa: E402
     MicroBatching,
     SharedPrompts,
     pad_sequences,
@@ -236,7 +236,7 @@ def main() -> None:
     if "critic" in args.ways:
         from transformers import Qwen2ForTokenClassification
 
-        from learner.algo.packing import packable
+        from learner.passes.packing import packable
 
         torch.manual_seed(0)
         critic_config = tiny_qwen2_config(VOCAB, max_position_embeddings=128, **SHAPES[args.size])

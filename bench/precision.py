@@ -41,7 +41,7 @@ VARIANTS = {
 def run(name: str, steps: int, overrides: list[str], tmp: str) -> dict:
     from cluster.config import load_config
     from cluster.demo.cache import ensure_demo_model
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     run_dir = Path(tmp) / name
     config = load_config(None, [f"max_steps={steps}", f"run_dir={run_dir}", *VARIANTS[name], *overrides])

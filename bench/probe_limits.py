@@ -2,24 +2,26 @@
 
 Usage: python bench/probe_limits.py [--precisions float32 bfloat16 bfloat16/bfloat16] [--lrs 1e-6 5e-6 5e-5 1e-3]
        [--steps 5]
-The probe (`sync.probe`) checks every engine two ways after a load. The gap: its logprobs of a seeded sample from
-`sync.probe_prompt` must be within the probe's tolerance of the learner's; that catches an engine that kept the
-previous weights only if one step moves those logprobs by more than the tolerance, and refuses no correct load only if
-engine and learner agree to within it. The repeat rule (`sync.verify.stale_probe`): an engine that gives bit
-for bit the probe it gave at an earlier version, while the learner's logprobs of it moved by more than the noise
-floor, did not apply the load. For each precision (`model.dtype`, the engine's and the learner's compute dtype, and
-`learner.master_dtype`, the learner's parameters) and learning rate, on the demo model: a learner (`warmup_steps=0`, so
-each step uses the full lr; the default 10-step warm-up makes a run's first step lr/10) and a real vLLM engine in this
-process take `--steps` GRPO steps on groups the engine samples from the demo's prompts (rewards drawn at random: any
-batch with non-zero advantages moves the policy). Before each load the probe compares the engine, still on the
-previous weights, with the updated learner ("stale"); after it, the engine on the new weights ("fresh"). Every probe
-uses the run's seed, and the learner scores each probe alone, as a run does.
-Columns: the noise floor (the gap before any update), the largest fresh gap, the smallest stale gap, the tolerance
-derived from the noise floor as a run derives it (`sync.verify.probe_tolerance_from`: 5x, at least 1e-4
-in float32 and 2^-5 in bfloat16),
-whether the gap caught every stale engine with no correct load refused, how many one-step-stale engines the repeat
-rule caught, the step at which it caught an engine that never loaded (its probe is the one of step 0, as a stale
-engine repeats its probe exactly), and the repeat rule's false alarms on fresh engines.
+The probe (`sync.probe`) checks every engine two ways after a load. The gap (`sync.verify.probe_gap`, the root mean
+square over its tokens of |engine - learner| logprob) of a seeded sample from `sync.probe_prompt` must be within the
+probe's tolerance; that catches an engine that kept the previous weights only if one step moves those logprobs by more
+than the tolerance, and refuses no correct load only if engine and learner agree to within it. The repeat rule
+(`sync.verify.stale_probe`): an engine that gives bit for bit the probe it gave at an earlier version, while the
+learner's logprobs of it moved by more than the noise floor, did not apply the load. For each precision
+(`model.dtype`, the engine's and the learner's compute dtype, and `learner.master_dtype`, the learner's parameters) and
+learning rate, on the demo model: a learner (`warmup_steps=0`, so each step uses the full lr; the default 10-step
+warm-up makes a run's first step lr/10) and a real vLLM engine in this process take `--steps` GRPO steps on groups the
+engine samples from the demo's prompts (rewards drawn at random: any batch with non-zero advantages moves the policy).
+Before any update the engine samples the probe with each of `PROBE_NOISE_SEEDS` and the learner scores it, as a run's
+first (on-policy) probe does: the noise floor is their largest gap (`sync.verify.probe_noise`). Before each load the
+probe (`PROBE_SEED`'s, as every later probe of a run) compares the engine, still on the previous weights, with the
+updated learner ("stale"); after it, the engine on the new weights ("fresh"). The learner scores each probe alone, as a
+run does.
+Columns: the noise floor, the largest fresh gap (`PROBE_SEED`'s probe before any update included), the smallest stale
+gap, the tolerance derived from the noise floor as a run derives it (`sync.verify.probe_tolerance_from`: 3x, at least
+1e-4 in float32 and 2^-3 in bfloat16), whether the gap caught every stale engine with no correct load refused, how many
+one-step-stale engines the repeat rule caught, the step at which it caught an engine that never loaded (its probe is
+the one of step 0, as a stale engine repeats its probe exactly), and the repeat rule's false alarms on fresh engines.
 """
 
 from __future__ import annotations
@@ -55,21 +57,29 @@ def main() -> int:
     from learner.config import LearnerConfig
     from learner.learner import Learner, TrainBatch
     from sync.config import SyncConfig
-    from sync.fingerprint import digest
-    from sync.verify import PROBE_SEED, ProbeRecord, next_probe_record, probe_tolerance_from, stale_probe
+    from sync.verify import (
+        PROBE_NOISE_SEEDS,
+        PROBE_SEED,
+        ProbeRecord,
+        digest,
+        next_probe_record,
+        probe_gap,
+        probe_noise,
+        probe_tolerance_from,
+        stale_probe,
+    )
 
     model_path = str(ensure_demo_model())
     sync = SyncConfig()
     sampling = SamplingSettings(group_size=4, max_new_tokens=8)
     prompts = [f"{a}+{b}=" for a, b in [(37, 45), (1, 2), (60, 39), (8, 8), (12, 71), (99, 1), (5, 40), (23, 23)]]
 
-    def probe(worker, learner, version: int, weights: str) -> tuple[float, ProbeRecord]:
-        """(the gap, the probe as RolloutPool records it; `weights`: the digest of the learner's weights)."""
-        prompt_ids, response_ids, engine_lps, *_ = worker.probe(sync.probe_prompt, sync.probe_tokens, 1.0,
-                                                                PROBE_SEED)
+    def probe(worker, learner, version: int, weights: str, seed: int = PROBE_SEED) -> tuple[float, ProbeRecord]:
+        """(the gap, the probe as a run records it; `weights`: the digest of the learner's weights)."""
+        prompt_ids, response_ids, engine_lps, *_ = worker.probe(sync.probe_prompt, sync.probe_tokens, 1.0, seed)
         [ours] = learner.compute_logprobs([prompt_ids], [response_ids])
-        gap = max(abs(a - b) for a, b in zip(engine_lps, ours))
-        return gap, ProbeRecord(version, weights, tuple(response_ids), tuple(engine_lps), tuple(ours))
+        return probe_gap(engine_lps, ours), ProbeRecord(version, weights, tuple(response_ids), tuple(engine_lps),
+                                                        tuple(ours))
 
     def rescored(record: ProbeRecord, prompt_ids: list[int], learner, version: int, weights: str) -> ProbeRecord:
         """`record`'s probe as an engine that never loaded repeats it, with the learner's logprobs now."""
@@ -86,8 +96,13 @@ def main() -> int:
                 config = LearnerConfig(lr=lr, warmup_steps=0, kl_coef=0.0, num_threads=1, master_dtype=master)
                 learner = Learner(model_path, config, dtype=dtype)
                 worker.load_weights(0, *learner.export_weights(int(sync.bucket_mb * 2**20)))
-                noise, first = probe(worker, learner, 0, digest(learner.weights_fingerprint()))
-                fresh, stale, repeats_caught, false_alarms, never_caught = [noise], [], 0, 0, None
+                weights = digest(learner.weights_fingerprint())
+                # The noise floor's draws, PROBE_SEED's first (as a run takes them): the probe every later one repeats.
+                draws = [probe(worker, learner, 0, weights, seed)[1] for seed in PROBE_NOISE_SEEDS]
+                noise = probe_noise([(draw.engine, draw.learner) for draw in draws])
+                first = draws[PROBE_NOISE_SEEDS.index(PROBE_SEED)]
+                fresh, stale = [probe_gap(first.engine, first.learner)], []
+                repeats_caught, false_alarms, never_caught = 0, 0, None
                 last = first  # the record a run keeps for this engine
                 rng = random.Random(0)  # the same rewards for every row
                 for step in range(1, args.steps + 1):

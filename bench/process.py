@@ -40,7 +40,7 @@ def outcome_only(tmp: Path) -> Path:
 
 def run(name: str, config_file: Path, seed: int, steps: int, overrides: list[str], tmp: Path) -> dict:
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     run_dir = tmp / f"{name}-{seed}"
     config = load_config(config_file, [f"max_steps={steps}", f"seed={seed}", f"run_dir={run_dir}", *overrides])

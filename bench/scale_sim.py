@@ -143,14 +143,14 @@ def measure(n: int, steps: int, per_worker: int, balance: str, slow: bool, laten
     sampling = SamplingSettings(8, tokens)
     prompts = ["1+1="] * (n * per_worker)
     seeds = list(range(len(prompts)))
-    pool.sync(0)  # warm-up, as a run's first sync: the learner makes its buffer, the workers learn its class
+    pool.export(0)  # warm-up, as a run's first sync: the learner makes its buffer, the workers learn its class
     for _ in range(2):  # warm-up: first calls start the actors' Python paths; speeds get measured
         pool.generate(prompts, seeds, sampling)
     started, cpu = time.perf_counter(), time.process_time()
     for step in range(1, steps + 1):
         groups = pool.generate(prompts, seeds, sampling)
         assert len(groups) == len(prompts)
-        pool.sync(step)
+        pool.export(step)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     stop()
     return steps * len(prompts) * 8 / seconds, cpu / steps
@@ -161,7 +161,7 @@ def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens
     """(completions per second, driver CPU seconds per step) of `steps` steps (after a first one) in which the
     learner's update takes `update_seconds` (a sleep in the driver, which waits for it): on-policy (`staleness` 0:
     generate, update, sync) or asynchronous (`rollout.max_staleness` = staleness: the pool's dispatch/collect
-    pipeline, each batch sent out after the update `staleness` steps before it, as `Trainer.async_step` does)."""
+    pipeline, each batch sent out after the update `staleness` steps before it, as `Trainer.step` does)."""
     from collections import deque
 
     pool, stop = simulated_pool(n, [f"rollout.max_staleness={staleness}"], latency, tokens)
@@ -182,13 +182,13 @@ def measure_pipeline(n: int, steps: int, per_worker: int, latency: tuple, tokens
             if step == 1:
                 started, cpu = time.perf_counter(), time.process_time()
     else:
-        pool.sync(0)
+        pool.export(0)
         for _ in range(2):
             pool.generate(prompts, seeds, sampling)
         for step in range(1, steps + 2):
             assert len(pool.generate(prompts, seeds, sampling)) == len(prompts)
             time.sleep(update_seconds)
-            pool.sync(step)
+            pool.export(step)
             if step == 1:
                 started, cpu = time.perf_counter(), time.process_time()
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu

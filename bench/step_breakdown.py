@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(None, [f"max_steps={args.steps}", f"run_dir={tmp}/run", *args.overrides])

@@ -119,7 +119,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
     try:
         for attempt in range(repeats + 1):
             ray.get(pool.fleet.learner.__ray_call__.remote(perturb, seed=pool.weights_version))
-            pool.weights_version += 1
+            pool.weights.version += 1
             if attempt:
                 stale.append(probe_gap(pool))
             started = time.perf_counter()
@@ -127,23 +127,23 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
             elapsed = time.perf_counter() - started
             if failed:
                 raise RuntimeError(f"{name}: load failed: {failed}")
-            for i, report in done.items():
-                pool.check_loaded(i, report)  # raises SyncError unless version and fingerprints are the learner's
-            loaded.append(pool.verify())  # raises SyncError above the probe's tolerance (the first call sets it)
+            for i, report in done.items():  # raises SyncError unless version and fingerprints are the learner's
+                pool.weights.check_loaded(workers[i], report, pool.weights_version)
+            loaded.append(pool.weights.verify(pool.fleet.rollout))  # SyncError above the tolerance (the first sets it)
             if attempt == 0:
                 first = elapsed
                 continue
             loads.append(elapsed)
-            timings = ray.get([w.load_timings.remote() for w in pool.workers])
+            timings = ray.get([w.load_timings.remote() for w in pool.fleet.rollout_workers])
             engine.append(max(t["reload_s"] + t["fingerprint_s"] for t in timings))
             fingerprint.append(max(t["fingerprint_s"] for t in timings))
             if name == "collective":
                 broadcast.append(transport.last_broadcast["seconds"])
     finally:
         transport.close()
-    if min(stale) <= pool.tolerance:
+    if min(stale) <= pool.weights.tolerance:
         raise RuntimeError(f"{name}: the perturbation moved the probe by only {min(stale):.2g} <= the probe "
-                           f"tolerance {pool.tolerance:g}: this check could not catch a load that did nothing")
+                           f"tolerance {pool.weights.tolerance:g}: this check could not catch a load that did nothing")
     load, engine_load = statistics.median(loads), statistics.median(engine)
     return {"load": load, "engine": engine_load, "transfer": max(load - engine_load, 0.0), "first": first,
             "broadcast": statistics.median(broadcast) if broadcast else float("nan"), "probe": max(loaded),
@@ -152,7 +152,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
 
 def probe_gap(pool) -> float:
     """The probe's smallest engine-vs-learner gap over the workers (before a load: every one must be stale)."""
-    return min(gap for gap, _ in pool.probe_gaps(list(range(len(pool.workers)))))
+    return min(gap for gap, _ in pool.weights.probe_gaps(pool.fleet.rollout))
 
 
 def run_size(size: str, workers: list[int], repeats: int, overrides: list[str]) -> list[dict]:

@@ -142,7 +142,9 @@ class DataConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(20, ge=0, le=10_000_000)
-    """Write a checkpoint every this many steps (and always after the last step); 0: only after the last step."""
+    """Write a checkpoint every this many steps (and always after the last step); 0: only after the last step. With
+    `rollout.max_staleness` >= 1 the pipeline drains at these steps, which fixes the weights version of each batch: a
+    resumed run must keep it."""
     keep: int = Field(2, ge=1, le=1000)
     """Checkpoints kept in `run_dir/checkpoints/`; older ones are deleted once a newer one is complete."""
 
@@ -282,9 +284,9 @@ class RunConfig(_Section):
     def _threads_for_overlap(cls, data: Any) -> Any:
         """In an asynchronous run (`rollout.max_staleness` >= 1) the engines generate while the learner and the
         reference compute, so an unset `learner.num_threads` or `reference.num_threads` is 1, whatever the model's
-        size (unset on-policy, it is set by the size when the fleet starts: `learner.device.default_threads`): two
-        threads each beside the engines oversubscribe a small machine's cores (the demo's step took 1.6-2.8x the
-        synchronous one's on 2 cores)."""
+        size (unset on-policy, it is set by the size when the fleet starts:
+        `learner.passes.device.default_threads`): two threads each beside the engines oversubscribe a small machine's
+        cores (the demo's step took 1.6-2.8x the synchronous one's on 2 cores)."""
         if not isinstance(data, dict) or not _asynchronous(data):
             return data
         return _unset_to(_unset_to(data, "learner", "num_threads", 1), "reference", "num_threads", 1)
@@ -303,7 +305,8 @@ def replayed_groups(prompts_per_step: int, fraction: float) -> int:
 
 
 def _inconsistencies(config: RunConfig):
-    """Yield one message per invalid combination of keys, each saying how to fix it."""
+    """Yield one message per invalid combination of keys, each saying how to fix it. (Long on purpose: one flat list of
+    independent rules, each two to four lines, reads and reviews best in one place.)"""
     learner, rollout = config.learner, config.rollout
     if learner.master_dtype == "bfloat16" and config.model.dtype != "bfloat16":
         yield ("learner.master_dtype=bfloat16 needs model.dtype=bfloat16 (master weights are never coarser than the "

@@ -87,7 +87,7 @@ class LearnerConfig(_Section):
     pack_sequences: bool = True
     """Run each pass's rows as one packed sequence of their real tokens: every layer but attention computes no
     padding; attention gathers each row's tokens into a padded row of its own (the CPU equivalent of a GPU's
-    variable-length attention; `learner.algo.packing`). The same logprobs, losses and gradients (up to float
+    variable-length attention; `learner.passes.packing`). The same logprobs, losses and gradients (up to float
     summation order), in less time than padded passes (docs/benchmarks.md, "Packed passes"); a value model
     (`critic.enabled`) runs the policy's passes, packed too. Only for models whose attention is sdpa and keeps no sliding window (others run padded passes)."""
     overlap_reference: Literal["auto"] | bool = "auto"

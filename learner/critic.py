@@ -2,7 +2,7 @@
 
 Owns: the value model (a transformers `AutoModelForTokenClassification` with one label, so it saves and loads as a
 plain Hugging Face checkpoint), its own AdamW and warm-up schedule, computing values in the token layout of
-`learner.algo.sequences` (in packed passes, `learner.algo.packing`, as the policy's), accumulating the clipped value
+`learner.passes.sequences` (in packed passes, `learner.passes.packing`, as the policy's), accumulating the clipped value
 loss micro-batch by micro-batch, and saving/restoring itself for checkpoints, data-parallel over the learner's ranks
 like the policy (`distribute`). Also the Hugging
 Face directory helpers the policy and the value model share (`save_model_dir`, `read_model_weights`,
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from learner.algo.losses import value_loss
-from learner.algo.sequences import SequenceBatch, pass_logits
-from learner.device import compute_in, matmuls_in, pick_device
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
+from learner.passes.device import compute_in, matmuls_in, pick_device
+from learner.passes.sequences import SequenceBatch, pass_logits
 
 if TYPE_CHECKING:
     from learner.config import CriticConfig

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from learner.algo.sequences import MicroBatching, SequenceBatch
-from learner.device import pick_device
+from learner.passes.device import pick_device
+from learner.passes.sequences import MicroBatching, SequenceBatch
 
 GRADIENT_BUCKET_BYTES = 64 * 2**20  # gradients are all-reduced in flat buckets of about this size
 STRATEGIES = ("ddp", "fsdp2")

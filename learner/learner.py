@@ -8,7 +8,7 @@ advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.mo
 tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each
 row's model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
 (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
-(`learner.algo.sequences.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
+(`learner.passes.sequences.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
 non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the
 updates it made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed
 precision: parameters, gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and
@@ -17,7 +17,8 @@ directory is cast to `model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
 gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
 optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
-(`learner.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host memory.
+(`learner.passes.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host
+memory.
 Does not own: sampling, rewards, how weights travel (it publishes them through `sync.publisher.WeightPublisher`,
 mixed in), or checkpoint atomicity and retention (cluster/run/checkpoint.py). A plain class: Ray wraps its ranks in
 cluster/fleet/learner_group.py.
@@ -43,7 +44,10 @@ from learner.algo.advantages import (
 )
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
-from learner.algo.sequences import (
+from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
+from learner.distributed import DataParallel, clip_grad_norm
+from learner.passes.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
+from learner.passes.sequences import (
     MicroBatching,
     SequenceBatch,
     SharedPrompts,
@@ -57,9 +61,6 @@ from learner.algo.sequences import (
     tail_lengths,
     unpad_per_token,
 )
-from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
-from learner.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
-from learner.distributed import DataParallel, clip_grad_norm
 from sync.publisher import WeightPublisher, cast_to_engine
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ class Learner(WeightPublisher):
                              "gae needs one, as does reinforce with baseline 'value'; the others don't")
         # Prompts shared by a group's rows are computed once (`SharedPrompts`). Not under fsdp2 with several ranks:
         # its per-backward gradient reduction would run once more, for the prompts' own backward (not measured).
-        # Passes are packed (`learner.algo.packing`), the value model's too (it runs whole rows in the same passes).
+        # Passes are packed (`learner.passes.packing`), the value model's too (it runs whole rows in the same passes).
         self.batching = MicroBatching(config.micro_batch_size, config.max_tokens_per_micro_batch,
                                       config.share_prompts and not self.dp.sharded, config.pack_sequences)
         # Each batch gets exactly one update and nothing needs the pre-update logprobs before it (no KL in the reward):
@@ -241,7 +242,7 @@ class Learner(WeightPublisher):
                                     tail_lengths(batch) if prompts is not None else None)
 
     def _compute(self):
-        """The context of every policy forward pass (`learner.device.compute_in`)."""
+        """The context of every policy forward pass (`learner.passes.device.compute_in`)."""
         return compute_in(self.device, self.compute_dtype, self.master_dtype)
 
     def num_trained_parameters(self) -> dict[str, int]:
@@ -366,7 +367,6 @@ class Learner(WeightPublisher):
 
         With several ranks, this rank runs its share of the minibatch `b_idx`, weighted against the whole minibatch;
         gradients and metrics are summed over ranks before the norm and the skip decision, so all ranks agree."""
-        cfg = self.config
         b_mask = step.batch.loss_mask[b_idx]  # the trained tokens: every share and denominator counts these
         totals: dict[str, float] = {}
 
@@ -378,56 +378,66 @@ class Learner(WeightPublisher):
             self.critic.zero_grad()
         for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
             for mb_idx, live in passes:
-                mb = step.batch.select(mb_idx)
-                width = mb.response_mask.shape[1]
-                mb_mask = mb.loss_mask
-                # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for
-                # every mode. A dead pass (ranks run equally many) weighs 0.
-                weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
-                token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
-                seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
-                with self._compute():
-                    logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature,
-                                                                      cfg.entropy_coef > 0, prompts,
-                                                                      self.batching.pack)
-                if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
-                    old = logprobs.detach()
-                    behavior = step.behavior[mb_idx, :width]
-                    add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
-                    correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
-                                                               cfg.rollout_correction_cap, cfg.rollout_correction_level)
-                    for name, value in corrected.items():  # token means
-                        add(name, value, token_share)
-                    if cfg.rollout_correction == "none":
-                        correction = None
-                else:
-                    old = step.old_logprobs[mb_idx, :width]
-                    correction = None if step.correction is None else step.correction[mb_idx, :width]
-                policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
-                    logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
-                    cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
-                loss = policy_loss
-                if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
-                    token_kl = kl(logprobs, step.reference()[mb_idx, :width], cfg.kl_estimator, mb_mask)
-                    loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
-                    add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
-                if cfg.entropy_coef > 0:
-                    loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
-                with matmuls_in(self.device, self.compute_dtype):
-                    (loss * weight).backward()
-                add("loss/policy", policy_loss.detach(), weight)
-                add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
-                for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
-                    add(name, value, seq_share if name.startswith("seq_") else token_share)
-                if self.critic:
-                    for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
-                                                              step.returns[mb_idx, :width], token_share).items():
-                        add(name, value, 1.0)
+                self._micro_batch_backward(step, mb_idx, live, b_mask, prompts, add)
             if prompts is not None:  # the prompts' own backward, once
                 with matmuls_in(self.device, self.compute_dtype):
                     prompts.backward()
         self.dp.reduce_gradients([self.model, self.critic.model] if self.critic else [self.model])
-        totals = self.dp.sum_metrics(totals)
+        return self._optimizer_step(self.dp.sum_metrics(totals))
+
+    def _micro_batch_backward(self, step: StepTensors, mb_idx: torch.Tensor, live: bool, b_mask: torch.Tensor,
+                              prompts: Any, add: Callable[[str, torch.Tensor | float, float], None]) -> None:
+        """One pass: the micro-batch's loss, weighted into the minibatch's, backward; its metrics go to `add`."""
+        cfg = self.config
+        mb = step.batch.select(mb_idx)
+        width = mb.response_mask.shape[1]
+        mb_mask = mb.loss_mask
+        # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for every
+        # mode. A dead pass (ranks run equally many) weighs 0.
+        weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
+        token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
+        seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
+        with self._compute():
+            logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0,
+                                                              prompts, self.batching.pack)
+        if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
+            old = logprobs.detach()
+            behavior = step.behavior[mb_idx, :width]
+            add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
+            correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
+                                                       cfg.rollout_correction_cap, cfg.rollout_correction_level)
+            for name, value in corrected.items():  # token means
+                add(name, value, token_share)
+            if cfg.rollout_correction == "none":
+                correction = None
+        else:
+            old = step.old_logprobs[mb_idx, :width]
+            correction = None if step.correction is None else step.correction[mb_idx, :width]
+        policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
+            logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
+            cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
+        loss = policy_loss
+        if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
+            token_kl = kl(logprobs, step.reference()[mb_idx, :width], cfg.kl_estimator, mb_mask)
+            loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
+            add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
+        with matmuls_in(self.device, self.compute_dtype):
+            (loss * weight).backward()
+        add("loss/policy", policy_loss.detach(), weight)
+        add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
+        for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
+            add(name, value, seq_share if name.startswith("seq_") else token_share)
+        if self.critic:
+            for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
+                                                      step.returns[mb_idx, :width], token_share).items():
+                add(name, value, 1.0)
+
+    def _optimizer_step(self, totals: dict[str, float]) -> dict[str, float]:
+        """Clip the gradients and step the optimizers, or skip the update when a metric or a norm is not finite
+        (`learner.max_nonfinite_steps` in a row stop the run); the minibatch's metrics."""
+        cfg = self.config
         norms = {"grad_norm": clip_grad_norm(self.model.parameters(), cfg.max_grad_norm)}
         if self.critic:
             norms["critic/grad_norm"] = self.critic.clip_gradients()

@@ -229,7 +229,9 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
     an error. token: bearer token required by `/verify`, `/get_reward` and FastAPI's `/openapi.json`, `/docs` and
     `/redoc` (None: no authentication).
     special_tokens: stripped from a `/get_reward` query's completion (None: `rewards.openrlhf.DEFAULT_SPECIAL_TOKENS`).
-    """
+
+    Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
+    each a few lines, written where FastAPI registers them."""
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
         raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
     verifiers = _Verifiers(verifier, step_verifier)

@@ -37,10 +37,11 @@ class SyncConfig(_Section):
     makes one call per step instead of a load, a probe and its request under `collective`; rollouts' weights versions
     are checked either way."""
     probe_tolerance: float | None = Field(None, gt=0)
-    """Largest allowed max |engine - learner| logprob on the probe. Empty: derived from the noise floor the first probe
-    measures, before any update (engines and learner on the same weights): 5x it, at least 1e-4 in float32 and 2^-5
-    in bfloat16 (float32: 1e-4; bfloat16: ~5e-2, where one step's change at small learning rates is below it and the
-    probe's repeat rule and the fingerprints carry the check: docs/operations.md). A first gap above 0.25 stops the
+    """Largest allowed probe gap: the root mean square over the probe's tokens of |engine - learner| logprob. Empty:
+    derived from the noise floor the first probe measures before any update (engines and learner on the same weights),
+    the largest gap of 8 seeded draws: 3x it, at least 1e-4 in float32 and 2^-3 in bfloat16 (one ulp of a logit of 16
+    to 32: training that sharpens the logits raises bfloat16's noise; below it, one step's change at small learning
+    rates is left to the probe's repeat rule and the fingerprints: docs/operations.md). A floor above 0.25 stops the
     run: that is not numerics."""
     probe_tokens: int = Field(8, ge=1, le=1024)
     """Tokens the probe samples from its fixed prompt."""

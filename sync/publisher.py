@@ -108,7 +108,7 @@ class WeightPublisher:
 
     def shutdown(self) -> None:
         """Release what the publishing holds outside Python's memory (the weight group, the shared-memory buffer),
-        so that the process can serve another run (`cluster.fleet.placement.FleetPool`)."""
+        so that the process can serve another run (a pool that re-initialises actors in place: tests/fleets.py)."""
         self.leave_weight_group()
         shared, self.shared_weights = self.shared_weights, None
         if shared is not None:

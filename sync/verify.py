@@ -2,16 +2,20 @@
 
 Owns: `check_loaded` (a worker's report of a load against the learner's version and fingerprints, compared by
 `differences`: what the worker's fingerprints lack or get wrong, in one line), `digest` (one string for a version's
-fingerprints), the probe's tolerance from the measured noise floor (`probe_tolerance_from`), and the probe's repeat
-rule (`stale_probe`, `next_probe_record`: an engine that repeats an earlier version's seeded probe bit for bit while
-the learner's logprobs of it moved beyond the noise did not apply the load), with `SyncError`, which stops the run.
-Does not own: calling the workers and the learner for the probe (cluster/fleet/rollout_pool.py) or the load
+fingerprints), the probe's gap (`probe_gap`: the root mean square of |engine - learner| logprob over its tokens), its
+noise floor over several seeded draws on the same weights (`probe_noise`, `PROBE_NOISE_SEEDS`) and the tolerance
+derived from it (`probe_tolerance_from`), and the probe's repeat rule (`stale_probe`, `next_probe_record`: an engine
+that repeats an earlier version's seeded probe bit for bit while the learner's logprobs of it moved beyond the noise
+did not apply the load), with `SyncError`, which stops the run.
+Does not own: calling the workers and the learner for the probe (cluster/fleet/weight_sync.py) or the load
 (sync/transport.py). Functions over plain data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from sync.calls import RunError
@@ -20,6 +24,10 @@ if TYPE_CHECKING:
     from sync.receive import Loaded
 
 PROBE_SEED = 0  # one seed for every probe: an engine still on the weights of its last probe repeats it bit for bit
+# The first probe's draws, engines and learner on the same weights: the noise floor is their largest gap. One draw of a
+# few tokens is not enough in bfloat16, where a draw's gap depends on whether it sampled an unlikely token
+# (docs/benchmarks.md, the sync probe's noise floor). PROBE_SEED's draw is the one later probes repeat.
+PROBE_NOISE_SEEDS = tuple(range(PROBE_SEED, PROBE_SEED + 8))
 
 
 class SyncError(RunError):
@@ -71,17 +79,35 @@ def check_loaded(name: str, loaded: Loaded | None, version: int, expected: dict[
 # Far above float32's engine-learner noise, far below what one float32 step at lr 1e-6 moves the probe
 # (docs/benchmarks.md, the sync probe's limits).
 PROBE_TOLERANCE_MIN = 1e-4
-# bfloat16's minimum: one bfloat16 ulp of a logit of magnitude 4 to 8. A first probe of near-certain tokens measures
-# a floor of ~0, which is not bfloat16's (the calc demo model on an AVX2 CPU: 0, then 2.4e-4 after one step).
-PROBE_TOLERANCE_MIN_BFLOAT16 = 2.0**-5
-PROBE_NOISE_FACTOR = 5.0  # the tolerance over the noise floor: bfloat16's gaps change with the probe's sampled tokens
+# bfloat16's minimum: one bfloat16 ulp of a logit of magnitude 16 to 32, a trained LM's top logits. The noise floor is
+# measured before any update; training that sharpens the logits raises bfloat16's noise past a multiple of it, which
+# this minimum absorbs (docs/benchmarks.md, the sync probe's noise floor).
+PROBE_TOLERANCE_MIN_BFLOAT16 = 2.0**-3
+PROBE_NOISE_FACTOR = 3.0  # the tolerance over the noise floor (the largest gap of `PROBE_NOISE_SEEDS`' draws)
 PROBE_NOISE_CEILING = 0.25  # a gap on the same weights above this is a wrong model or engine, not numerics
 
 
+def probe_gap(engine: Sequence[float], learner: Sequence[float]) -> float:
+    """The probe's gap: the root mean square over its T tokens of the engine's logprob e_t minus the learner's l_t,
+    sqrt(1/T sum_t (e_t - l_t)^2); 0 for no tokens. Not the largest token's: in bfloat16 an unlikely token's gap is
+    several times a likely one's, so the largest depends on whether the draw sampled one; a stale engine moves most
+    tokens, the root mean square with them. NaN if either side has a NaN (the check then fails)."""
+    if len(engine) != len(learner):
+        raise ValueError(f"the engine scored {len(engine)} probe tokens, the learner {len(learner)}")
+    if not engine:
+        return 0.0
+    return math.sqrt(math.fsum((e - l) ** 2 for e, l in zip(engine, learner)) / len(engine))
+
+
+def probe_noise(draws: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:
+    """The noise floor: the largest `probe_gap` over draws of (engine logprobs, learner logprobs) of the same tokens,
+    engines and learner on the same weights (`PROBE_NOISE_SEEDS`' draws before any update); 0 without draws."""
+    return max((probe_gap(engine, learner) for engine, learner in draws), default=0.0)
+
+
 def probe_tolerance_from(noise: float, names: list[str], dtype: str = "float32") -> float:
-    """The probe's tolerance from the largest gap of the first probe (engines and learner on the same weights):
-    `PROBE_NOISE_FACTOR` x it, at least `probe_tolerance_min(dtype)`; a gap above `PROBE_NOISE_CEILING` raises
-    SyncError."""
+    """The probe's tolerance from the noise floor `noise` (`probe_noise`): `PROBE_NOISE_FACTOR` x it, at least
+    `probe_tolerance_min(dtype)`; a floor above `PROBE_NOISE_CEILING` raises SyncError naming the workers `names`."""
     if not noise <= PROBE_NOISE_CEILING:
         raise SyncError(f"weight sync check failed before the first update: the engines' probe logprobs differ from "
                         f"the learner's by {noise:.3g} (> {PROBE_NOISE_CEILING}) on the weights both started from "
@@ -95,8 +121,8 @@ def probe_tolerance_min(dtype: str) -> float:
 
 
 class ProbeRecord(NamedTuple):
-    """One worker's probe at one version, with what identifies the learner's weights then
-    (`RolloutPool._weights_digest`)."""
+    """One worker's probe at one version, with what identifies the learner's weights then (the digest of their
+    fingerprints, or the version)."""
 
     version: int
     weights: str
@@ -106,9 +132,9 @@ class ProbeRecord(NamedTuple):
 
 
 def stale_probe(earlier: ProbeRecord | None, now: ProbeRecord, noise: float) -> float | None:
-    """How far the learner's logprobs of the probe moved from `earlier` to `now`, if the engine's stayed bit for bit
-    the same meanwhile though the learner's weights changed and moved them by more than the noise floor (at least
-    `PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR`); else None.
+    """How far the learner's logprobs of the probe moved from `earlier` to `now` (the largest token's move), if the
+    engine's stayed bit for bit the same meanwhile though the learner's weights changed and moved them by more than
+    the noise floor `noise` (`probe_noise`; at least `PROBE_TOLERANCE_MIN / PROBE_NOISE_FACTOR`); else None.
 
     An engine serving the same weights repeats a seeded probe exactly (same tokens, same batch); one serving new
     weights does not, unless their change is too small to reach the probe's logits, and then the learner's logprobs

@@ -101,7 +101,7 @@ def ray_local():
 
 @pytest.fixture
 def fleets(ray_local):
-    """The session's `FleetPool` (tests/fleets.py), for `run_training(..., pool=fleets)`."""
+    """The session's `ParkingPool` (tests/fleets.py), for `run_training(..., pool=fleets)`."""
     from tests.fleets import POOL
 
     return POOL

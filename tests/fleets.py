@@ -1,7 +1,235 @@
-"""The test session's one `FleetPool`: consecutive runs of one shape in the modules that ask for the `fleets` fixture
-share their actor processes (each run re-initialises them). tests/conftest.py clears it before every other test, so
-those find the cluster's resources free, and at the end of the session."""
+"""Fleets kept between the tests' runs: `ParkingPool`, and the test session's one pool (`POOL`).
 
-from cluster.fleet.placement import FleetPool
+Owns: keeping a finished run's fleet parked and giving it to the next run of the same shape (`FleetShape`), its
+actors re-initialised in place (`reinit_actor`; rollout actors as any `RolloutWorker` subclass: `PooledLauncher`,
+tests/rehost.py), through `start_fleet`'s hook (`FleetPool`, cluster/fleet/placement.py).
+Does not own: placing and starting actors (cluster/fleet/placement.py), what a run does with its fleet.
 
-POOL = FleetPool()
+Consecutive runs of one shape in the modules that ask for the `fleets` fixture share their actor processes (each run
+re-initialises them). tests/conftest.py clears `POOL` before every other test, so those find the cluster's resources
+free, and at the end of the session. bench/fleet_pool.py measures what it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+
+from cluster.config import RunConfig
+from cluster.fleet.learner_group import LearnerGroup, rank_args
+from cluster.fleet.placement import (
+    CoreSpec,
+    Fleet,
+    RolloutLauncher,
+    RolloutSlot,
+    actor_env,
+    connect_core,
+    core_spec,
+    launch_fleet,
+    start_core,
+    start_rollout_slots,
+    stop_fleet,
+)
+from sync.calls import RunError, get, wait_all
+
+
+class PooledLauncher(RolloutLauncher):
+    """Starts rollout actors as `PooledRolloutWorker`s hosting this run's rollout class, so that a later run can
+    re-initialise them as its own (`reinit`); `shape` is what the pool matches the fleet by."""
+
+    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None, shape: FleetShape | None):
+        super().__init__(config, model_path, rollout_cls)
+        self.shape = shape
+
+    def actor(self) -> tuple[type, tuple]:
+        from tests.rehost import PooledRolloutWorker
+
+        return PooledRolloutWorker, (self.rollout_cls, *self.args())
+
+    def reinit(self, slots: list[RolloutSlot]) -> list[Any]:
+        """Re-initialise pooled rollout actors in place as this launcher's workers (`reinit_as`); the calls' refs."""
+        from tests.rehost import reinit_as
+
+        return [s.actor.__ray_call__.remote(reinit_as, self.rollout_cls, *self.args(), **self.kwargs()) for s in slots]
+
+
+@dataclass(frozen=True)
+class FleetShape:
+    """What a fleet's processes and placement groups are made of (`fleet_shape`). Two runs of one `core` can share
+    the learner, reference and reward-model processes; of one `rollout` too, the rollout workers (as many as both
+    have: the worker count is not part of it)."""
+
+    core: tuple
+    rollout: tuple
+
+
+def fleet_shape(config: RunConfig, spec: CoreSpec) -> FleetShape | None:
+    """The shape a `ParkingPool` matches fleets by; None for a fleet that cannot be re-initialised in place (several
+    learner ranks: their process group; sharded engines; the collective transport's groups)."""
+    lc, rc, ro = config.learner, config.reference, config.rollout
+    if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
+        return None
+
+    def place(section: Any) -> tuple:
+        return (section.num_cpus, section.num_gpus, section.num_threads,
+                tuple(sorted((getattr(section, "resources", None) or {}).items())))
+
+    where = (tuple(sorted(actor_env(0).items())), ray.get_runtime_context().get_job_id())
+    reward_models = tuple((name, cls, place(config.reward.sources[name]))
+                          for name, (cls, _, _) in spec.reward_models.items())
+    return FleetShape(
+        core=(place(lc), config.uses_reference, place(rc), reward_models, where),
+        rollout=(ro.in_flight_updates, ro.placement, place(ro), tuple(sorted(ro.node_labels.items())), where))
+
+
+def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
+    """Run inside an actor (`__ray_call__`): release what its object holds outside Python's memory (its `shutdown`,
+    if any: an engine, a shared-memory buffer), drop its state and run its constructor again with these
+    arguments, as if the process had just started it."""
+    shutdown = getattr(instance, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    instance.__dict__.clear()
+    type(instance).__init__(instance, *args, **kwargs)
+
+
+class ParkingPool:
+    """A `FleetPool` that keeps the fleet of a run that ended, so that the next run in this process whose fleet has
+    the same shape (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`):
+    the processes' imports and the engines' start-up, most of a run's start, are skipped (docs/benchmarks.md), with
+    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
+    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
+    their class (its rollout actors can be re-initialised as any RolloutWorker subclass: tests/rehost.py); a
+    different core stops the parked learner, reference and reward models first (and the rollout workers too unless
+    their shape matches). The parked fleet holds its resources until taken or `clear`ed: use one pool for runs made
+    one after the other, and `clear` it before anything else needs the cluster."""
+
+    HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
+    STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to answer (to be kept), then to shut down
+
+    def __init__(self) -> None:
+        self.parked: Fleet | None = None
+
+    def take(self, config: RunConfig, model_path: str, rollout_cls: type | None) -> Fleet:
+        """This run's fleet: as much of the parked one as its shape allows, re-initialised with this run's
+        arguments (no longer parked; the rest of it is stopped), the rest started."""
+        spec = core_spec(config, model_path)
+        launcher = PooledLauncher(config, model_path, rollout_cls, fleet_shape(config, spec))
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            new, old = launcher.shape, parked.launcher.shape  # a parked fleet's is never None (`park`)
+            if new is not None and new.core == old.core:
+                fleet = self._reinit(parked, new.rollout == old.rollout, launcher, spec, model_path)
+                if fleet is not None:
+                    return fleet
+            elif new is not None and new.rollout == old.rollout:
+                # A parked fleet of another core: its rollout workers may still serve, re-initialised (meanwhile the
+                # core starts); the rest of it stops.
+                count = config.rollout.num_workers
+                kept, parked.rollout = parked.rollout[:count], parked.rollout[count:]
+                stop_fleet(parked)
+                return self._around(kept, launcher, model_path)
+            else:
+                stop_fleet(parked)
+        return launch_fleet(config, model_path, launcher)
+
+    @staticmethod
+    def _reinit(fleet: Fleet, keep_rollout: bool, launcher: PooledLauncher, spec: CoreSpec,
+                model_path: str) -> Fleet | None:
+        """The parked `fleet`'s learner, reference and reward models run again with this run's arguments; its rollout
+        workers too (as this run's rollout class) if `keep_rollout` (up to `num_workers` of them), the rest are
+        stopped and started. None (the fleet stopped) if a parked actor died or a constructor raised (which then
+        raises again on a fresh fleet)."""
+        config = launcher.config
+        ro = config.rollout
+        keep = fleet.rollout[:ro.num_workers] if keep_rollout else []
+        launcher.stop(fleet.rollout[len(keep):])
+        fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(keep)]
+        fleet.launcher = launcher
+        fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
+        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, config.learner, 0,
+                                                                                **spec.rank_kwargs))]
+        restarts += launcher.reinit(keep)
+        if fleet.reference is not None:
+            restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *spec.reference))
+        restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
+                     for name, (_, args, kwargs) in spec.reward_models.items()]
+        try:
+            fleet.rollout += start_rollout_slots(launcher, list(range(len(keep), ro.num_workers)),
+                                                 [s.node_id for s in keep])
+        except BaseException:
+            stop_fleet(fleet)
+            raise
+        try:
+            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
+                (["reference"] if fleet.reference is not None else []) +
+                [f"reward model '{name}'" for name in spec.reward_models], "start")
+            return fleet
+        except RunError:  # a parked actor died (or a constructor raised): start afresh
+            stop_fleet(fleet)
+            return None
+        except BaseException:
+            stop_fleet(fleet)
+            raise
+
+    @staticmethod
+    def _around(kept: list[RolloutSlot], launcher: PooledLauncher, model_path: str) -> Fleet:
+        """A new learner, reference and reward models around the `kept` rollout workers, re-initialised as this run's
+        meanwhile; a kept worker that cannot be (it died while parked) is stopped and replaced by a new one."""
+        config = launcher.config
+        restarts = launcher.reinit(kept)
+        try:
+            fleet = start_core(config, model_path, launcher)
+        except BaseException:
+            launcher.stop(kept, timeout=0)
+            raise
+        fleet.rollout = kept
+        try:
+            outcomes = wait_all(restarts, config.timeouts.start, "start")
+            launcher.stop([slot for slot, outcome in zip(kept, outcomes) if not outcome.ok], timeout=0)
+            fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(
+                slot for slot, outcome in zip(kept, outcomes) if outcome.ok)]
+            fleet.rollout += start_rollout_slots(launcher, list(range(len(fleet.rollout), config.rollout.num_workers)),
+                                                 [s.node_id for s in fleet.rollout])
+            connect_core(fleet, config.timeouts.start)
+        except BaseException:
+            stop_fleet(fleet)  # release the placement groups and the actors that did start
+            raise
+        return fleet
+
+    def park(self, fleet: Fleet, failed: bool = False) -> bool:
+        """Keep `fleet` (one this pool's `take` gave; replacing any parked one) if its shape allows; returns whether it
+        was kept. Workers still on their way in are stopped. After a run that `failed`, a rollout worker is kept only
+        if it answers within `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its
+        engine down, then is killed; whatever state a kept one's fault left, re-initialising it replaces), and the
+        other actors only if they answer within `HEALTH_TIMEOUT`."""
+        self.clear()
+        if not isinstance(fleet.launcher, PooledLauncher) or fleet.launcher.shape is None:
+            return False
+        stale, fleet.pending = list(fleet.pending), []
+        if failed:
+            # Answering a no-op call in time: alive, and not busy with another call.
+            idle = [outcome.ok for outcome in wait_all([slot.actor.__ray_ready__.remote() for slot in fleet.rollout],
+                                                       self.STUCK_TIMEOUT, "park")]
+            stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
+            fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
+        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
+        if failed:
+            actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
+            try:
+                ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
+            except Exception:  # dead, or still busy with a call of the failed run
+                return False
+        self.parked = fleet
+        return True
+
+    def clear(self) -> None:
+        """Stop the parked fleet, if any, releasing its resources."""
+        parked, self.parked = self.parked, None
+        if parked is not None:
+            stop_fleet(parked)
+
+
+POOL = ParkingPool()

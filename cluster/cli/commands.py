@@ -3,7 +3,7 @@ build-demo-model, verifier serve, env serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
-Does not own: the run itself (cluster/run/driver.py), the Ray Jobs client (cluster/cli/jobs.py), the charts
+Does not own: the run itself (cluster/run/launch.py), the Ray Jobs client (cluster/cli/jobs.py), the charts
 (cluster/cli/plot.py) or the run's control actor (cluster/fleet/control.py).
 """
 
@@ -89,10 +89,10 @@ def _train(items: list[str], quiet: bool) -> int:
     path = items[0] if items and "=" not in items[0] else None
     overrides = items[1:] if path else items
     config = load_config(path, overrides)
-    from cluster.run.driver import resolve_run_dir
+    from cluster.run.launch import resolve_run_dir
 
     run_dir = resolve_run_dir(config)
-    from cluster.run.driver import RunFinished, run_training
+    from cluster.run.launch import RunFinished, run_training
     from sync.calls import RunError
 
     try:

@@ -1,36 +1,22 @@
 """Where the demo's base models live and how a machine gets them: `$RELAY_CACHE_DIR` (else `~/.cache/relay`), filled
 atomically with relay's shipped copy or, failing that, a build from the task's recipe.
 
-Owns the models' names, their cache and shipped directories and `ensure_demo_model`. Does not own building them
-(`cluster.demo.model`, imported only when a build is needed): a run whose model is cached or shipped imports neither
-torch nor transformers from here, so `relay train` on the demo starts without them.
+Owns the models' cache and shipped directories and `ensure_demo_model`. Does not own their names or how a directory
+appears whole (`cluster.demo.catalog`, which the build shares), nor building them (`cluster.demo.model`, imported
+only when a build is needed): a run whose model is cached or shipped imports neither torch nor transformers from
+here, so `relay train` on the demo starts without them.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe changes the built weights (cluster.demo.model)
-CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
-CALC_MODEL_NAME = "demo-calc-model-v1"  # likewise for `CALC_RECIPE`
-DEMO_TASKS = ("arithmetic", "chain_sum", "calc")  # the tasks with a built-in model; "dataset" gets the arithmetic one
-MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME, "calc": CALC_MODEL_NAME}
+from cluster.demo.catalog import MODEL_NAMES, atomic_dir, demo_task
+
 SHIPPED_MODELS_DIR = Path(__file__).parent / "models"  # relay's own builds: `shipped_demo_model`
-
-
-def demo_task(task: str) -> str:
-    """The built-in task whose model serves `task` (a `data.task`): itself, or arithmetic for a user's dataset or
-    reasoning-gym's tasks."""
-    if task in ("dataset", "reasoning_gym"):  # without model.path they have always run on the arithmetic model
-        return "arithmetic"  # (char tokenizer: cluster/run/data.py refuses the prompts it cannot hold)
-    if task not in DEMO_TASKS:
-        raise ValueError(f"no demo model for task {task!r}; use one of {', '.join(DEMO_TASKS)} or set model.path")
-    return task
 
 
 def demo_model_dir(task: str = "arithmetic") -> Path:
@@ -47,28 +33,6 @@ def shipped_demo_model(task: str = "arithmetic") -> Path:
     `build_demo_model` with the task's recipe and seed 0, so that a fresh machine starts from the same weights as
     the numbers in the docs and needs no build (the build's float rounding differs between CPUs)."""
     return SHIPPED_MODELS_DIR / MODEL_NAMES[demo_task(task)]
-
-
-@contextmanager
-def atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yields a temporary sibling of `out_dir` to fill, renamed to `out_dir` when the block ends (removed if it
-    raises), so a reader sees either no directory or a complete one. Raises FileExistsError if `out_dir` exists
-    before or appears meanwhile (another process renamed its complete copy first)."""
-    if out_dir.exists():
-        raise FileExistsError(f"model dir {out_dir} already exists: delete it or choose another path")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        yield tmp_dir
-        try:
-            os.rename(tmp_dir, out_dir)
-        except OSError as error:  # ENOTEMPTY/EEXIST
-            if out_dir.exists():
-                raise FileExistsError(f"model dir {out_dir} was created by another process meanwhile") from error
-            raise
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
 
 
 def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic", build: bool = False) -> Path:

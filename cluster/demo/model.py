@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo.cache import MODEL_NAMES, atomic_dir, demo_task
 from cluster.demo.calc import (
     call_probabilities,
     draw_calc_sequences,
@@ -38,6 +37,7 @@ from cluster.demo.calc import (
     run_calc_episodes,
     summarize_episodes,
 )
+from cluster.demo.catalog import MODEL_NAMES, atomic_dir, demo_task
 from cluster.demo.task import Problem, exact_match, make_calc_problems, make_chain_problems, make_problems
 from cluster.demo.tokenizer import CALC_CHARACTERS, CHARACTERS, build_char_tokenizer
 

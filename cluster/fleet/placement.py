@@ -4,19 +4,19 @@ Owns: placement (one placement group for the learner, reference and reward model
 its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
 also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote` wrapping
 of the rollout, reference and reward-model workers, starting and stopping the fleet (`start_fleet`, `stop_fleet`),
-keeping a finished run's fleet for the next run of the same shape (`FleetPool`, `reinit_actor`), and the Ray
-settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
+the hook through which a pool of fleets kept between runs gives a run its fleet (`FleetPool`), and the Ray settings
+of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
 Does not own: the learner's ranks as actors (cluster/fleet/learner_group.py, started here in the shared placement
-group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py) or what a step does
-(cluster/run/driver.py).
+group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py), what a step does
+(cluster/run/trainer.py), or keeping and re-initialising fleets between runs (the tests' pool: tests/fleets.py).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -24,7 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
-from sync.calls import RunError, get, wait_all
+from sync.calls import RunError, get
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
 # every node: deploy/'s images set them). A rollout worker's reply (G completions x response tokens x ids and
@@ -82,7 +82,6 @@ class Fleet:
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
     learner_group: Any = None  # cluster.fleet.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
     pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
-    shape: FleetShape | None = None  # `fleet_shape`: what a `FleetPool` matches it by
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -94,8 +93,9 @@ class Fleet:
         return [slot.name for slot in self.rollout]
 
 
-def _env(threads: int) -> dict[str, str]:
-    from learner.device import CPU_BFLOAT16_MATMULS  # here, not above: the driver imports torch only to start actors
+def actor_env(threads: int) -> dict[str, str]:
+    """The environment variables every actor of a run starts with."""
+    from learner.passes.device import CPU_BFLOAT16_MATMULS  # here, not above: the driver imports torch only to start actors
 
     env = {
         "OMP_NUM_THREADS": str(threads),
@@ -135,13 +135,12 @@ class RolloutLauncher:
 
     SHUTDOWN_TIMEOUT = 10.0  # s: how long `stop` waits for the engines to shut down before it kills the actors
 
-    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None, pooled: bool = False):
+    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
         from actors.engine import EngineSettings
         from actors.rollout import RolloutWorker
 
         self.config = config
         self.rollout_cls = rollout_cls or RolloutWorker
-        self.pooled = pooled  # actors a FleetPool may re-initialise as another rollout class (cluster/fleet/rehost.py)
         ro = config.rollout
         self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
                                        max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
@@ -190,31 +189,20 @@ class RolloutLauncher:
         CUDA_VISIBLE_DEVICES."""
         ro = self.config.rollout
         sharded = ro.tensor_parallel_size > 1
+        cls, args = self.actor()
         # In-flight updates: `offer_weights` runs in its own thread while `generate` runs.
-        actor = (ray.remote(concurrency_groups={"weights": 1})(self.actor_cls) if ro.in_flight_updates else
-                 ray.remote(self.actor_cls))
-        args = (self.rollout_cls, *self.args()) if self.pooled else self.args()
+        actor = ray.remote(concurrency_groups={"weights": 1})(cls) if ro.in_flight_updates else ray.remote(cls)
         return actor.options(
             num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
-            runtime_env={"env_vars": _env(ro.num_threads)},
+            runtime_env={"env_vars": actor_env(ro.num_threads)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
         ).remote(*args, **self.kwargs())
 
-    @property
-    def actor_cls(self) -> type:
-        """The class Ray starts: `rollout_cls`, or for a pooled fleet the host of any rollout class."""
-        if not self.pooled:
-            return self.rollout_cls
-        from cluster.fleet.rehost import PooledRolloutWorker
-
-        return PooledRolloutWorker
-
-    def reinit(self, slots: list[RolloutSlot]) -> list[Any]:
-        """Re-initialise pooled rollout actors in place as this launcher's workers (`reinit_as`); the calls' refs."""
-        from cluster.fleet.rehost import reinit_as
-
-        return [s.actor.__ray_call__.remote(reinit_as, self.rollout_cls, *self.args(), **self.kwargs()) for s in slots]
+    def actor(self) -> tuple[type, tuple]:
+        """The class Ray starts a worker as, and its positional arguments (with `kwargs`): `rollout_cls` and `args`.
+        The tests' pool starts a class that can later become another rollout class instead (tests/fleets.py)."""
+        return self.rollout_cls, self.args()
 
     def args(self) -> tuple:
         """A rollout worker's constructor arguments (with `kwargs`)."""
@@ -277,127 +265,129 @@ def reward_model_training(source: Any, seed: int) -> dict[str, Any]:
                          "seed": seed, "new_head": source.path is None}}
 
 
+class FleetPool(Protocol):
+    """What `start_fleet` and `run_training` ask of a pool that keeps fleets between the runs of one process (the
+    tests' pool, tests/fleets.py, re-initialises a finished run's actors for the next run: no new processes)."""
+
+    def take(self, config: RunConfig, model_path: str, rollout_cls: type | None) -> Fleet | None:
+        """This run's fleet, every actor up (`config` has `with_default_threads` applied); None: `start_fleet` starts
+        one."""
+
+    def park(self, fleet: Fleet, failed: bool = False) -> bool:
+        """Offered the run's fleet when the run ends; whether the pool kept it (else the run stops it)."""
+
+
 def start_fleet(config: RunConfig, model_path: str, rollout_cls: type | None = None,
                 pool: FleetPool | None = None) -> Fleet:
     """Reserve resources (one placement group for learner, reference and reward models; one per rollout worker)
-    and start every actor (engines load their model). With `pool`, a parked fleet of the same shape is taken
-    instead and each of its actors re-initialised in place with this run's arguments (`FleetPool`).
+    and start every actor (engines load their model), unless `pool` gives a fleet (`FleetPool.take`).
 
     `rollout_cls` replaces `RolloutWorker` (a subclass with injected faults, in the tests)."""
-    from actors.process_reward_model import ProcessRewardModelWorker
-    from actors.reference import ReferenceWorker
-    from actors.reward_model import RewardModelWorker
-    from cluster.fleet.learner_group import LearnerGroup, launch_learner_group, rank_args
-    from learner.algo.sequences import MicroBatching
-    from rewards.config import ModelSource
-
     config = with_default_threads(config, model_path)
-    lc, rc, ro = config.learner, config.reference, config.rollout
-    launcher = RolloutLauncher(config, model_path, rollout_cls, pooled=pool is not None)
-    reward_sources = {name: s for name, s in config.reward.sources.items() if isinstance(s, ModelSource)}
-    rank_kwargs = dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed, critic=config.critic,
-                       norm_length=ro.max_new_tokens)
-    reference_args = (model_path, config.model.dtype, rc.num_threads,
-                      MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch, rc.share_prompts,
-                                    rc.pack_sequences),
-                      ro.temperature)
-    reward_classes = {name: ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker
-                      for name, s in reward_sources.items()}
-    reward_args = {name: ((s.path or model_path, config.model.dtype, s.num_threads,
-                           MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch)),
-                          reward_model_training(s, config.seed)) for name, s in reward_sources.items()}
-    shape = fleet_shape(config, launcher, reward_classes)
-    fleet = pool.take(shape) if pool is not None else None
+    fleet = pool.take(config, model_path, rollout_cls) if pool is not None else None
     if fleet is not None:
-        # The parked fleet's learner, reference and reward models run again with this run's arguments; its rollout
-        # workers too (as this run's rollout class) if their shape is this run's (up to `num_workers` of them), the
-        # rest are stopped and started.
-        keep = fleet.rollout[:ro.num_workers] if fleet.shape.rollout == shape.rollout else []
-        launcher.stop(fleet.rollout[len(keep):])
-        fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(keep)]
-        fleet.launcher, fleet.shape = launcher, shape
-        fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
-        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, lc, 0, **rank_kwargs))]
-        restarts += launcher.reinit(keep)
-        if fleet.reference is not None:
-            restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *reference_args))
-        restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
-                     for name, (args, kwargs) in reward_args.items()]
-        try:
-            fleet.rollout += start_rollout_slots(launcher, list(range(len(keep), ro.num_workers)),
-                                                 [s.node_id for s in keep])
-        except BaseException:
-            stop_fleet(fleet)
-            raise
-        try:
-            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
-                (["reference"] if fleet.reference is not None else []) +
-                [f"reward model '{name}'" for name in reward_args], "start")
-            return fleet
-        except RunError:  # a parked actor died (or a constructor raised, which then raises again below): start afresh
-            stop_fleet(fleet)
-        except BaseException:
-            stop_fleet(fleet)
-            raise
+        return fleet
+    return launch_fleet(config, model_path, RolloutLauncher(config, model_path, rollout_cls))
 
-    # A parked fleet of another core: its rollout workers may still serve, re-initialised (meanwhile the core starts);
-    # the rest of it stops.
-    kept = pool.take_rollout(shape, ro.num_workers) if pool is not None else []
-    restarts = launcher.reinit(kept)
-    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
-    if config.uses_reference:
-        bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
-    bundles += [_bundle(s.num_cpus, s.num_gpus) for s in reward_sources.values()]
+
+def launch_fleet(config: RunConfig, model_path: str, launcher: RolloutLauncher) -> Fleet:
+    """A new fleet, its rollout workers started by `launcher` while the rest loads (`start_core`, `connect_core`);
+    whatever started is stopped if any of it fails. `config` has `with_default_threads` applied."""
+    fleet = start_core(config, model_path, launcher)
     try:
-        pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
-                      "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
-    except BaseException:
-        launcher.stop(kept, timeout=0)
-        raise
-
-    def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
-        return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": _env(threads)},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
-
-    # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
-    group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
-                                  for rank in range(lc.num_ranks)], model_path, lc, **rank_kwargs,
-                                 timeouts=config.timeouts)
-    first = lc.num_ranks
-    reference = None
-    if config.uses_reference:
-        reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
-                                                                  rc.num_gpus)).remote(*reference_args)
-        first += 1
-    reward_models = {  # a process reward model (level steps) scores steps, a sequence classifier completions
-        name: ray.remote(reward_classes[name]).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus))
-        .remote(*reward_args[name][0], **reward_args[name][1])
-        for i, (name, s) in enumerate(reward_sources.items())
-    }
-    fleet = Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, shape=shape)
-    names = (["reference"] if reference else []) + [f"reward model '{name}'" for name in reward_models]
-    actors = ([reference] if reference else []) + list(reward_models.values())
-    fleet.rollout = kept
-    try:
-        # A kept worker that cannot be re-initialised (it died while parked) is stopped and replaced by a new one.
-        outcomes = wait_all(restarts, config.timeouts.start, "start")
-        launcher.stop([slot for slot, outcome in zip(kept, outcomes) if not outcome.ok], timeout=0)
-        fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(
-            slot for slot, outcome in zip(kept, outcomes) if outcome.ok)]
-        fleet.rollout += start_rollout_slots(launcher, list(range(len(fleet.rollout), ro.num_workers)),
-                                             [s.node_id for s in fleet.rollout])
-        get([a.__ray_ready__.remote() for a in actors], config.timeouts.start, names, "start")
-        group.connect()  # the ranks are up and, with several, joined in their process group
+        fleet.rollout = start_rollout_slots(launcher, list(range(config.rollout.num_workers)), [])
+        connect_core(fleet, config.timeouts.start)
     except BaseException:
         stop_fleet(fleet)  # release the placement groups and the actors that did start
         raise
     return fleet
 
 
+@dataclass(frozen=True)
+class CoreSpec:
+    """What a run's learner ranks, reference and reward models are constructed with (`core_spec`)."""
+
+    rank_kwargs: dict[str, Any]  # `launch_learner_group`'s and `rank_args`'s, besides the model path and config
+    reference: tuple | None  # `ReferenceWorker`'s arguments; None for a run without a reference
+    reward_models: dict[str, tuple[type, tuple, dict[str, Any]]]  # model source name -> class, args, kwargs
+
+
+def core_spec(config: RunConfig, model_path: str) -> CoreSpec:
+    """The constructor arguments of the learner ranks, reference and reward models (`type: model` sources) of a run
+    of `config` on the policy at `model_path`."""
+    from actors.process_reward_model import ProcessRewardModelWorker
+    from actors.reward_model import RewardModelWorker
+    from learner.passes.sequences import MicroBatching
+    from rewards.config import ModelSource
+
+    rc, ro = config.reference, config.rollout
+    reference = (model_path, config.model.dtype, rc.num_threads,
+                 MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch, rc.share_prompts,
+                               rc.pack_sequences),
+                 ro.temperature)
+    return CoreSpec(
+        rank_kwargs=dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed,
+                         critic=config.critic, norm_length=ro.max_new_tokens),
+        reference=reference if config.uses_reference else None,
+        # a process reward model (level steps) scores steps, a sequence classifier completions
+        reward_models={name: (ProcessRewardModelWorker if s.level == "steps" else RewardModelWorker,
+                              (s.path or model_path, config.model.dtype, s.num_threads,
+                               MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch)),
+                              reward_model_training(s, config.seed))
+                       for name, s in config.reward.sources.items() if isinstance(s, ModelSource)})
+
+
+def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) -> Fleet:
+    """Reserve the shared placement group and start the learner's ranks, the reference and the reward models in it
+    (their models start loading: `connect_core` waits for them); a fleet without rollout workers yet."""
+    from actors.reference import ReferenceWorker
+    from cluster.fleet.learner_group import launch_learner_group
+
+    lc, rc = config.learner, config.reference
+    spec = core_spec(config, model_path)
+    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
+    if spec.reference is not None:
+        bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
+    bundles += [_bundle(config.reward.sources[name].num_cpus, config.reward.sources[name].num_gpus)
+                for name in spec.reward_models]
+    pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
+                  "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
+
+    def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
+        return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": actor_env(threads)},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+    # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
+    group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
+                                  for rank in range(lc.num_ranks)], model_path, lc, **spec.rank_kwargs,
+                                 timeouts=config.timeouts)
+    first = lc.num_ranks
+    reference = None
+    if spec.reference is not None:
+        reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
+                                                                  rc.num_gpus)).remote(*spec.reference)
+        first += 1
+    reward_models = {}
+    for i, (name, (cls, args, kwargs)) in enumerate(spec.reward_models.items()):
+        s = config.reward.sources[name]
+        reward_models[name] = ray.remote(cls).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)) \
+            .remote(*args, **kwargs)
+    return Fleet(group.rank0, reference, [], pg, launcher, reward_models, group)
+
+
+def connect_core(fleet: Fleet, timeout: float) -> None:
+    """Wait (up to `timeout` s) until the reference and reward models are up, then the learner's ranks, joined in
+    their process group when there are several."""
+    names = (["reference"] if fleet.reference else []) + [f"reward model '{name}'" for name in fleet.reward_models]
+    actors = ([fleet.reference] if fleet.reference else []) + list(fleet.reward_models.values())
+    get([a.__ray_ready__.remote() for a in actors], timeout, names, "start")
+    fleet.learner_group.connect()
+
+
 def with_default_threads(config: RunConfig, model_path: str) -> RunConfig:
     """`config` with an unset `learner.num_threads` or `reference.num_threads` set by the policy's size
-    (`learner.device.default_threads`), so that the actors' environment, the fleet's shape and the actors agree."""
-    from learner.device import count_parameters, default_threads
+    (`learner.passes.device.default_threads`), so that the actors' environment, the fleet's shape and the actors agree."""
+    from learner.passes.device import count_parameters, default_threads
 
     lc, rc = config.learner, config.reference
     if lc.num_threads is not None and rc.num_threads is not None:
@@ -405,114 +395,6 @@ def with_default_threads(config: RunConfig, model_path: str) -> RunConfig:
     threads = default_threads(count_parameters(model_path))
     return config.model_copy(update={"learner": lc.model_copy(update={"num_threads": lc.num_threads or threads}),
                                      "reference": rc.model_copy(update={"num_threads": rc.num_threads or threads})})
-
-
-@dataclass(frozen=True)
-class FleetShape:
-    """What a fleet's processes and placement groups are made of (`fleet_shape`). Two runs of one `core` can share
-    the learner, reference and reward-model processes; of one `rollout` too, the rollout workers (as many as both
-    have: the worker count is not part of it)."""
-
-    core: tuple
-    rollout: tuple
-
-
-def fleet_shape(config: RunConfig, launcher: RolloutLauncher, reward_classes: dict[str, type]) -> FleetShape | None:
-    """The shape a `FleetPool` matches fleets by; None for a fleet that cannot be re-initialised in place (several
-    learner ranks: their process group; sharded engines; the collective transport's groups)."""
-    lc, rc, ro = config.learner, config.reference, config.rollout
-    if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
-        return None
-
-    def place(section: Any) -> tuple:
-        return (section.num_cpus, section.num_gpus, section.num_threads,
-                tuple(sorted((getattr(section, "resources", None) or {}).items())))
-
-    where = (tuple(sorted(_env(0).items())), ray.get_runtime_context().get_job_id())
-    return FleetShape(
-        core=(place(lc), config.uses_reference, place(rc),
-              tuple((name, cls, place(config.reward.sources[name])) for name, cls in reward_classes.items()), where),
-        rollout=(launcher.actor_cls, ro.in_flight_updates, ro.placement, place(ro),
-                 tuple(sorted(ro.node_labels.items())), where))
-
-
-def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
-    """Run inside an actor (`__ray_call__`): release what its object holds outside Python's memory (its `shutdown`,
-    if any: an engine, a shared-memory buffer), drop its state and run its constructor again with these
-    arguments, as if the process had just started it."""
-    shutdown = getattr(instance, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    instance.__dict__.clear()
-    type(instance).__init__(instance, *args, **kwargs)
-
-
-class FleetPool:
-    """Keeps the fleet of a run that ended, so that the next run in this process whose fleet has the same shape
-    (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`): the processes'
-    imports and the engines' start-up, most of a run's start, are skipped (docs/benchmarks.md), with
-    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
-    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
-    their class (a pooled fleet's rollout actors can be re-initialised as any RolloutWorker subclass:
-    cluster/fleet/rehost.py); a different core stops the parked learner, reference and reward models first (and
-    the rollout workers too unless their shape matches). The parked fleet holds its resources
-    until taken or `clear`ed: use one pool for runs made one after the other (tests, sweeps, benchmarks), and
-    `clear` it before anything else needs the cluster."""
-
-    HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
-    STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to answer (to be kept), then to shut down
-
-    def __init__(self) -> None:
-        self.parked: Fleet | None = None
-
-    def take(self, shape: FleetShape | None) -> Fleet | None:
-        """The parked fleet if its core has this shape (no longer parked); else None (any parked fleet stays: see
-        `take_rollout`)."""
-        if self.parked is not None and shape is not None and self.parked.shape.core == shape.core:
-            fleet, self.parked = self.parked, None
-            return fleet
-        return None
-
-    def take_rollout(self, shape: FleetShape | None, count: int) -> list[RolloutSlot]:
-        """Up to `count` of the parked fleet's rollout workers if theirs is this shape's rollout side (no longer
-        parked); everything else parked is stopped."""
-        parked, slots = self.parked, []
-        if parked is not None and shape is not None and parked.shape.rollout == shape.rollout:
-            slots, parked.rollout = parked.rollout[:count], parked.rollout[count:]
-        self.clear()
-        return slots
-
-    def park(self, fleet: Fleet, failed: bool = False) -> bool:
-        """Keep `fleet` (replacing any parked one) if its shape allows; returns whether it was kept. Workers still on
-        their way in are stopped. After a run that `failed`, a rollout worker is kept only if it answers within
-        `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its engine down, then is
-        killed; whatever state a kept one's fault left, re-initialising it replaces), and the other actors only if
-        they answer within `HEALTH_TIMEOUT`."""
-        self.clear()
-        if fleet.shape is None:
-            return False
-        stale, fleet.pending = list(fleet.pending), []
-        if failed:
-            # Answering a no-op call in time: alive, and not busy with another call.
-            idle = [outcome.ok for outcome in wait_all([slot.actor.__ray_ready__.remote() for slot in fleet.rollout],
-                                                       self.STUCK_TIMEOUT, "park")]
-            stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
-            fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
-        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
-        if failed:
-            actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
-            try:
-                ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
-            except Exception:  # dead, or still busy with a call of the failed run
-                return False
-        self.parked = fleet
-        return True
-
-    def clear(self) -> None:
-        """Stop the parked fleet, if any, releasing its resources."""
-        parked, self.parked = self.parked, None
-        if parked is not None:
-            stop_fleet(parked)
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:

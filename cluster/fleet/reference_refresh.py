@@ -18,7 +18,7 @@ from typing import Any
 
 from cluster.config import RunConfig
 from sync.calls import get
-from sync.verify import PROBE_TOLERANCE_MIN, SyncError, check_loaded
+from sync.verify import PROBE_TOLERANCE_MIN, SyncError, check_loaded, probe_gap
 
 REFERENCE_DIR = "reference"  # in a checkpoint: the refreshed reference's weights
 
@@ -67,7 +67,7 @@ class ReferenceRefresh:
         [theirs] = get([self.fleet.reference.compute_logprobs.remote([prompt], [response])],
                        self.config.timeouts.sync, ["reference"], "sync")[0]
         [ours] = self.fleet.learner_group.compute_logprobs([prompt], [response])
-        gap = max(abs(a - b) for a, b in zip(theirs, ours))
+        gap = probe_gap(theirs, ours)
         tolerance = self.pool.tolerance or PROBE_TOLERANCE_MIN
         if not gap <= tolerance:
             raise SyncError(f"reference refresh check failed: the reference (version {self.version}) gives probe "

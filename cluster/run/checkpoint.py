@@ -7,7 +7,7 @@ earlier checkpoint intact and never a half-written one under a `step_<N>` name; 
 Does not own: what the learner writes (`Learner.save_checkpoint`: `policy/`, `critic/`, `learner_state.pt`), the
 reference (`reference/`, cluster/fleet/reference_refresh.py), the replay buffer (`replay.npz`, cluster/run/replay.py)
 or the fine-tuned reward models (`reward_models/`, `RewardModelWorker.save_state`), when
-to checkpoint (cluster/run/driver.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
+to checkpoint (cluster/run/trainer.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
 imports neither Ray nor torch.
 
 Layout of a complete checkpoint:

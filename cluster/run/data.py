@@ -1,14 +1,15 @@
 """Prompt sources for the driver: seeded, resumable iterators of (prompt, label) problems.
 
 Owns: which problems step k trains on, and reading a user's prompt dataset (JSONL, Parquet or a `datasets`
-directory) into problems: field checks, labels (JSON text decoded with `data.label_format=json`), the chat template,
-the prompt-length filter, the tokenizer round trip (a prompt whose token ids do not say its text is refused or
-filtered: `data.untokenizable`), and the prompts' token ids (tokenised once, when the dataset loads; the engines get
-these ids); and `write_prompts`, the writer of that label convention. A batch depends only on (seed, cursor), so a
+directory) into problems: field checks, labels (JSON text decoded with `data.label_format=json`), the prompt-length
+filter, the tokenizer round trip (a prompt whose token ids do not say its text is refused or filtered:
+`data.untokenizable`), and the prompts' token ids (tokenised once, when the dataset loads; the engines get these
+ids). A batch depends only on (seed, cursor), so a
 resumed run draws exactly the batches an uninterrupted one would.
 Does not own: the demo tasks, arithmetic, chain_sum and calc (cluster/demo/task.py; their prompts go to the engines
-as text, which they tokenise), generating reasoning-gym's tasks (cluster/run/reasoning_gym.py; kept, tokenised and
-batched here like a file's rows) or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use
+as text, which they tokenise), the chat template and the prompt file format (cluster/run/prompt_format.py),
+generating reasoning-gym's tasks (cluster/run/reasoning_gym.py; kept, tokenised and batched here like a file's rows)
+or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use
 only.
 """
 
@@ -24,13 +25,10 @@ import numpy as np
 
 from cluster.config import DataConfig
 from cluster.demo.task import Problem, make_calc_problems, make_chain_problems, make_problems
+from cluster.run.prompt_format import DataError, _checked_messages, _json_kind, apply_chat_template
 
 SUPPORTED_FORMATS = "a .jsonl or .parquet file, or a directory written by datasets' save_to_disk"
 _TOKENIZE_CHUNK = 1024  # prompts tokenized per call
-
-
-class DataError(ValueError):
-    """A prompt dataset cannot be used; the message is one line naming the file, the row, the field and the fix."""
 
 
 class PromptSource(Protocol):
@@ -325,47 +323,6 @@ def _render_prompt(config: DataConfig, tokenizer: Any, where: str, row: dict[str
     return apply_chat_template(config, tokenizer, where, messages)
 
 
-def _checked_messages(value: list, where: str, field: str) -> list[dict[str, Any]]:
-    if not value:
-        raise DataError(f"{where}: field '{field}' is an empty message list; give at least one "
-                        '{"role": "user", "content": ...} message')
-    for i, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and message["role"]
-                and isinstance(message.get("content"), str)):
-            shown = json.dumps(message, default=str)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise DataError(f"{where}: field '{field}' message {i} is {shown}; each message must be an object "
-                            'with a string "role" and a string "content"')
-    return [dict(message) for message in value]
-
-
-def apply_chat_template(config: DataConfig, tokenizer: Any, where: str, messages: list[dict[str, Any]]) -> str:
-    """Render with the tokenizer's template and a generation prompt, and `config.tools`' schemas; `config.system_prompt`
-    goes first unless the row brings its own system message (two system messages break most templates)."""
-    if not getattr(tokenizer, "chat_template", None):
-        why = "data.chat_template=true" if config.chat_template else "its prompt is a list of chat messages"
-        raise DataError(
-            f"{where}: needs a chat template ({why}) but the tokenizer of "
-            f"'{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}' has none; set "
-            "data.chat_template=false and give string prompts, or use a model whose tokenizer has a chat template")
-    if config.system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": config.system_prompt}, *messages]
-    tools = {}
-    if config.tools:
-        from rewards.environments.tools import tool_schemas
-
-        try:
-            tools = {"tools": tool_schemas(config.tools)}
-        except ValueError as err:
-            raise DataError(f"data.tools: {err}") from None
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
-    except Exception as err:  # a template may raise on the row's content (e.g. roles must alternate)
-        raise DataError(f"{where}: the chat template of the tokenizer failed on field '{config.prompt_field}': "
-                        f"{' '.join(str(err).split())}; fix the messages or the template") from err
-    return text
-
-
 def _label(config: DataConfig, where: str, row: dict[str, Any]) -> Any:
     field = config.label_field
     if field is None:
@@ -453,38 +410,6 @@ def _first_difference(text: str, decoded: str) -> int:
         if i == len(text) or j == len(decoded) or text[i] != decoded[j]:
             return min(i, len(text))
         i, j = i + 1, j + 1
-
-
-def write_prompts(path: str | Path, rows: list[dict[str, Any]], label_field: str = "label") -> None:
-    """Writes `rows` ({prompt field: ..., `label_field`: any JSON value, ...}) where `data.path` reads them: JSONL
-    (`.jsonl`, labels as JSON values), Parquet (`.parquet`) or a `datasets` directory (any other path), whose
-    label column holds each label as JSON text, since a columnar file would merge labels of different shapes into
-    one type and fill the gaps with nulls. Read back with `data.label_format=json`: every format gives the labels
-    `json.loads(json.dumps(label))`."""
-    if not rows:
-        raise ValueError(f"write_prompts: no rows to write to {path}")
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-        return
-    encoded = [{**row, label_field: json.dumps(row[label_field], ensure_ascii=False)} for row in rows]
-    columns = {key: [row[key] for row in encoded] for key in encoded[0]}
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.table(columns), path)
-        return
-    import datasets
-
-    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
-
-
-def _json_kind(value: Any) -> str:
-    """What a value is, in JSON's words, for messages: "null", "a number", "an array"."""
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-             dict: "an object"}
-    return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
 
 
 def _count(state: Mapping[str, Any], key: str) -> int:

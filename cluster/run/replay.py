@@ -4,13 +4,15 @@ Owns: `ReplayBuffer`, the most recent `data.replay_buffer_size` fresh groups a r
 rollouts, their rewards, the weights version that sampled them and the step that first trained on them); `mix`, which
 draws a step's replayed groups reproducibly (from (seed, step) alone, so a resumed run draws the same ones) before
 adding that step's fresh groups, and reports `replay/*`; and saving the buffer into a checkpoint (`replay.npz`: flat
-arrays, no pickle) and loading it back exactly. Does not own: sampling or scoring (the driver), the off-policy
-correction of replayed groups (the learner's `learner.rollout_correction`, `tis` by default with replay), or where
-checkpoints live (cluster/run/checkpoint.py).
+arrays and JSON, no pickle) and loading it back exactly: every field of a rollout that the learner or the metrics
+read, a multi-turn episode's `EpisodeInfo` too (`env/*` count the replayed episodes). Does not own: sampling or
+scoring (the driver), the off-policy correction of replayed groups (the learner's `learner.rollout_correction`, `tis`
+by default with replay), or where checkpoints live (cluster/run/checkpoint.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.rollout_types import Rollout
+from actors.rollout_types import EpisodeInfo, Rollout
 from cluster.config import replayed_groups
 
 REPLAY_FILE = "replay.npz"
@@ -84,6 +86,9 @@ class ReplayBuffer:
             "texts": np.array(json.dumps([r.text for r in rollouts])),
             "finish_reasons": np.array(json.dumps([r.finish_reason for r in rollouts])),
         }
+        if any(r.episode is not None for r in rollouts):  # multi-turn episodes: what each did (`env/*`)
+            arrays["episodes"] = np.array(json.dumps([None if r.episode is None else dataclasses.asdict(r.episode)
+                                                      for r in rollouts]))
         if tagged:
             arrays.update(_packed("versions", [r.versions for r in rollouts], np.int64))
         if masked:
@@ -108,6 +113,7 @@ class ReplayBuffer:
             masks = _unpacked(data, "model_mask") if "model_mask_lengths" in data else None
             ends = _unpacked(data, "step_ends") if "step_ends_lengths" in data else None
             step_rewards = _unpacked(data, "step_rewards") if ends is not None else None
+            episodes = json.loads(str(data["episodes"])) if "episodes" in data else [None] * len(texts)
             rollouts = []
             for k in range(len(texts)):
                 rollout = Rollout(prompts[k].tolist(), responses[k], logprobs[k], texts[k], reasons[k],
@@ -116,6 +122,8 @@ class ReplayBuffer:
                     rollout.step_ends, rollout.step_rewards = ends[k], step_rewards[k]
                 if masks is not None:
                     rollout.model_mask = masks[k]
+                if episodes[k] is not None:
+                    rollout.episode = EpisodeInfo(**episodes[k])
                 rollouts.append(rollout)
             rewards = data["rewards"].tolist()
             start = 0

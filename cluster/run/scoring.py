@@ -105,12 +105,10 @@ class Scorer:
     def score(self, problems: list[Any], groups: list[list[Any]]) -> RoundScores:
         """Every source scores every completion (or each of its steps); returns combined rewards, dropped groups and
         metrics."""
-        from rewards.remote import RemoteVerifierError, VerifierSample
-
         flat = [(i, problem, rollout) for i, (problem, group) in enumerate(zip(problems, groups)) for rollout in group]
         prompts = [problem.prompt for _, problem, _ in flat]
         completions = [rollout.text for _, _, rollout in flat]
-        steps = None
+        steps = texts = None
         if self.config.scores_steps:
             if self.splitter is None:
                 raise RuntimeError("Scorer.attach must give the policy's tokenizer before steps can be scored")
@@ -123,43 +121,13 @@ class Scorer:
                    for name, actor in self.reward_models.items()}
         scores: dict[str, list[Any]] = {}  # name -> per sample: a float (outcome) or a list (steps); None: dropped
         metrics = {"verifier/failures": 0.0, "verifier/retries": 0.0}
-        samples: dict[str, list[Any]] = {}  # one list per level, shared by the remote sources of that level
-        queries = self._queries(flat) if self.remotes and self.query_tokenizer is not None else None
-        for name, client in self.remotes.items():
-            level = self.level(name)
-            if level not in samples:
-                samples[level] = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label,
-                                                 steps=texts[k] if level == "steps" else None,
-                                                 query=queries[k] if queries is not None else None)
-                                  for k, (_, p, r) in enumerate(flat)]
-            try:
-                result = client.score(samples[level])
-            except RemoteVerifierError as err:  # on_failure=fail: the run stops with the client's one-line reason
-                raise RunError(str(err)) from err
-            scores[name] = result.rewards
-            metrics["verifier/failures"] += result.metrics["failures"]
-            metrics["verifier/retries"] += result.metrics["retries"]
-            metrics[f"verifier/{name}/latency_mean_s"] = result.metrics["latency_mean_s"]
-            metrics[f"verifier/{name}/latency_max_s"] = result.metrics["latency_max_s"]
+        self._score_remotes(flat, texts, scores, metrics)
         for name, verifier in self.rules.items():
             if self.level(name) == "steps":
                 scores[name] = [self._step_rule(name, verifier, p, texts[k]) for k, (_, p, _) in enumerate(flat)]
             else:
                 scores[name] = [self._rule(name, verifier, p, r) for _, p, r in flat]
-        for name, ref in pending.items():
-            (values,) = get([ref], self.reward_timeout, [f"reward model '{name}'"], "reward")
-            source = self.config.sources[name]
-            if source.level == "steps":
-                if [len(v) for v in values] != [len(t) for t in texts] or \
-                        not all(math.isfinite(x) for v in values for x in v):
-                    raise RunError(f"process reward model '{name}' returned scores that are not one finite number "
-                                   f"per step; check the model at {source.path}")
-                scores[name] = _split_like(self._normalised(source, [x for v in values for x in v]), values)
-            else:
-                if not all(math.isfinite(v) for v in values):
-                    raise RunError(f"reward model '{name}' returned a non-finite score; check the model at "
-                                   f"{source.path}")
-                scores[name] = self._normalised(source, values)
+        self._collect_models(pending, texts, scores)
 
         dropped = [False] * len(groups)
         for values in scores.values():
@@ -181,28 +149,72 @@ class Scorer:
             per_source[name] = kept if self.level(name) == "outcome" else [statistics.fmean(v) for v in kept if v]
         if self.env is not None:  # an episode's total environment reward (unweighted)
             per_source["env"] = [sum(r.episode.turn_rewards) for i, _, r in flat if not dropped[i]]
-        scored_steps = None
-        if self.env is not None and self.env.turn_rewards == "steps":
-            scored_steps = self._turn_steps(flat, len(groups[0]) if groups else 0)
-        if steps is not None:
-            stepped = [name for name in scores if self.level(name) == "steps"]
-            flat_steps = []
-            for k, ((i, _, _), split) in enumerate(zip(flat, steps)):
-                total = np.zeros(len(split.ends))
-                for name in stepped:
-                    values = scores[name][k]  # None where the group is dropped (never trained on)
-                    total += self.config.sources[name].weight * np.asarray(values if values is not None else 0.0)
-                flat_steps.append(ScoredSteps(split.ends, total.astype(np.float32)))
-            scored_steps = [flat_steps[g * size:(g + 1) * size] for g in range(len(groups))]
-        fit = {}
-        for name in self.reward_models:
-            training = getattr(self.config.sources[name], "train", None)
-            if training is not None:
-                kept = [k for k, (i, _, _) in enumerate(flat) if not dropped[i]]
-                targets = scores[training.label_source]
-                fit[name] = ([prompts[k] for k in kept], [completions[k] for k in kept], [targets[k] for k in kept])
+        scored_steps = self._scored_steps(flat, steps, scores, size, len(groups))
+        kept = [k for k, (i, _, _) in enumerate(flat) if not dropped[i]]
+        fit = {name: ([prompts[k] for k in kept], [completions[k] for k in kept],
+                      [scores[self.config.sources[name].train.label_source][k] for k in kept])
+               for name in self.reward_models if getattr(self.config.sources[name], "train", None) is not None}
         grouped = [combined[g * size:(g + 1) * size] for g in range(len(groups))]
         return RoundScores(grouped, dropped, per_source, metrics, scored_steps, fit)
+
+    def _score_remotes(self, flat: list[tuple], texts: list[list[str]] | None, scores: dict[str, list[Any]],
+                       metrics: dict[str, float]) -> None:
+        """Every remote verifier service scores every sample (one list of samples per level, shared by that level's
+        sources); their scores go into `scores`, their failures, retries and latencies into `metrics`."""
+        from rewards.remote import RemoteVerifierError, VerifierSample
+
+        samples: dict[str, list[Any]] = {}
+        queries = self._queries(flat) if self.remotes and self.query_tokenizer is not None else None
+        for name, client in self.remotes.items():
+            level = self.level(name)
+            if level not in samples:
+                samples[level] = [VerifierSample(id=str(k), prompt=p.prompt, completion=r.text, label=p.label,
+                                                 steps=texts[k] if level == "steps" else None,
+                                                 query=queries[k] if queries is not None else None)
+                                  for k, (_, p, r) in enumerate(flat)]
+            try:
+                result = client.score(samples[level])
+            except RemoteVerifierError as err:  # on_failure=fail: the run stops with the client's one-line reason
+                raise RunError(str(err)) from err
+            scores[name] = result.rewards
+            metrics["verifier/failures"] += result.metrics["failures"]
+            metrics["verifier/retries"] += result.metrics["retries"]
+            metrics[f"verifier/{name}/latency_mean_s"] = result.metrics["latency_mean_s"]
+            metrics[f"verifier/{name}/latency_max_s"] = result.metrics["latency_max_s"]
+
+    def _collect_models(self, pending: dict[str, Any], texts: list[list[str]] | None,
+                        scores: dict[str, list[Any]]) -> None:
+        """The reward models' scores (`timeouts.reward`), checked finite and shaped like the samples, normalised."""
+        for name, ref in pending.items():
+            (values,) = get([ref], self.reward_timeout, [f"reward model '{name}'"], "reward")
+            source = self.config.sources[name]
+            if source.level == "steps":
+                if [len(v) for v in values] != [len(t) for t in texts] or \
+                        not all(math.isfinite(x) for v in values for x in v):
+                    raise RunError(f"process reward model '{name}' returned scores that are not one finite number "
+                                   f"per step; check the model at {source.path}")
+                scores[name] = _split_like(self._normalised(source, [x for v in values for x in v]), values)
+            else:
+                if not all(math.isfinite(v) for v in values):
+                    raise RunError(f"reward model '{name}' returned a non-finite score; check the model at "
+                                   f"{source.path}")
+                scores[name] = self._normalised(source, values)
+
+    def _scored_steps(self, flat: list[tuple], steps: list[Any] | None, scores: dict[str, list[Any]], size: int,
+                      num_groups: int) -> list[list[ScoredSteps]] | None:
+        """Process supervision: each completion's steps with the weighted sum of the step sources' rewards (or an
+        episode's turns as its steps, `env.turn_rewards=steps`), grouped; None without steps."""
+        if steps is None:
+            return self._turn_steps(flat, size) if self.env is not None and self.env.turn_rewards == "steps" else None
+        stepped = [name for name in scores if self.level(name) == "steps"]
+        flat_steps = []
+        for k, split in enumerate(steps):
+            total = np.zeros(len(split.ends))
+            for name in stepped:
+                values = scores[name][k]  # None where the group is dropped (never trained on)
+                total += self.config.sources[name].weight * np.asarray(values if values is not None else 0.0)
+            flat_steps.append(ScoredSteps(split.ends, total.astype(np.float32)))
+        return [flat_steps[g * size:(g + 1) * size] for g in range(num_groups)]
 
     def _queries(self, flat: list[tuple[int, Any, Any]]) -> list[str]:
         """Each completion's prompt and response decoded together with their special tokens (EOS included), as

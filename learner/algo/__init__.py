@@ -2,5 +2,6 @@
 
 Every module here imports only torch and the standard library and holds pure functions over tensors, looked up
 by the config's names through a plain dict at the bottom of each module. It owns no model, optimiser, batch type
-or device placement; those live in `learner/` and above.
+or device placement: running models over token rows is `learner.passes` (above this), training the rest of
+`learner/`. Importable without transformers or any model.
 """

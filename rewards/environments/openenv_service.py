@@ -6,8 +6,9 @@ Owns: `OpenEnvRoutes`: the WebSocket `/ws` (one environment session per connecti
 the stateless `POST /reset` / `POST /step` that service.py's routes hand over for bodies of OpenEnv's shape
 (`is_openenv_reset`, `is_openenv_step`). Text actions are `{"message": text}`, observations `{"text": ..., "info":
 {...}}` with `reward` and `done` beside them, as OpenEnv's `serialize_observation` places them.
-Does not own: sessions, deadlines, limits, the health check and relay's own protocol (service.py, whose `_Sessions`
-runs every call here too), nor the clients (rewards/environments/remote.py, openenv_client.py).
+Does not own: sessions, deadlines and limits (sessions.py, whose `Sessions` runs every call here and in relay's
+protocol), the health check and relay's own protocol (service.py), nor the clients (rewards/environments/remote.py,
+openenv_client.py).
 
 Decisions:
 - Both protocols share `/reset` and `/step`, told apart by the body: relay's reset carries `prompt` or `label` and
@@ -15,8 +16,8 @@ Decisions:
   body (none, `{}`, `{"seed": 1}`, `{"prompt": ..., "episode_id": ...}`) is OpenEnv's; every other step body stays
   relay's. What relay's client sends is answered as before; only a reset body without `prompt` and `label` (a 422
   before) changed owner.
-- One pool of sessions: a WebSocket holds one of service.py's sessions from its connection on, and each stateless
-  reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted, answered
+- One pool of sessions: a WebSocket holds one of the service's sessions (sessions.py) from its connection on, and
+  each stateless reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted, answered
   `CAPACITY_REACHED` and closed, as OpenEnv's server does; a stateless call gets relay's 503. A reset on an open
   WebSocket starts a new episode on a new environment object (relay's environments are one per episode).
 - Calls keep relay's rules: `step_timeout` (past it: `EXECUTION_ERROR`), an environment that raises gives a generic
@@ -44,7 +45,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rewards.environments.interface import Environment, StepResult
-from rewards.environments.service import _Reply, _Session, _Sessions, step_blocker
+from rewards.environments.sessions import ErrorReply, Session, Sessions, step_blocker
 from rewards.http import authorized
 
 log = logging.getLogger(__name__)
@@ -169,15 +170,15 @@ class _Closed(Exception):
 class _Connection:
     """One WebSocket: its session (a new one per reset after the first) and its episode's state."""
 
-    session: _Session
+    session: Session
     episode_id: str | None = None
     step_count: int = 0
 
 
 class OpenEnvRoutes:
-    """OpenEnv's routes on a service whose sessions are `sessions` (service.py); `factory` makes its environments."""
+    """OpenEnv's routes on a service whose sessions are `sessions` (sessions.py); `factory` makes its environments."""
 
-    def __init__(self, sessions: _Sessions, factory: Callable[[], Environment], *, token: str | None,
+    def __init__(self, sessions: Sessions, factory: Callable[[], Environment], *, token: str | None,
                  max_body_bytes: int):
         self.sessions, self.factory = sessions, factory
         self.token, self.max_body_bytes = token, max_body_bytes
@@ -239,7 +240,7 @@ class OpenEnvRoutes:
             self.sessions.end(session, "stateless step answered")
         return JSONResponse(_observation(result.observation, result.info, result.reward, result.done))
 
-    async def _call(self, session: _Session, coro, what: str) -> Any:
+    async def _call(self, session: Session, coro, what: str) -> Any:
         self.sessions.start(session, coro)
         return await self.sessions.reply(session, what)
 
@@ -271,10 +272,10 @@ class OpenEnvRoutes:
                 self.sessions.end(connection.session, "websocket closed")
             await _close(websocket)
 
-    def _new_session(self) -> _Session:
+    def _new_session(self) -> Session:
         try:
             return self.sessions.new()
-        except _Reply as reply:
+        except ErrorReply as reply:
             raise _Closed(_error(reply.detail, CAPACITY_REACHED, active_sessions=len(self.sessions.open),
                                  max_sessions=self.sessions.max_sessions)) from None
 
@@ -297,7 +298,7 @@ class OpenEnvRoutes:
         except ValidationError as error:
             errors = error.errors(include_url=False, include_input=False, include_context=False)
             return _error("Invalid message", VALIDATION_ERROR, errors=json.loads(json.dumps(errors, default=str)))
-        except _Reply as reply:
+        except ErrorReply as reply:
             return _error(reply.detail, EXECUTION_ERROR)
 
     async def _dispatch(self, connection: _Connection, kind: str, message: dict[str, Any]) -> dict[str, Any] | None:
@@ -361,12 +362,12 @@ class OpenEnvRoutes:
         return self._tools
 
 
-async def _reset_then_step(session: _Session, request: _StepBody, action: str) -> StepResult:
+async def _reset_then_step(session: Session, request: _StepBody, action: str) -> StepResult:
     await session.episode.reset(request.prompt, request.label)
     return await session.episode.step(action)
 
 
-def _cannot_step(session: _Session) -> str | None:
+def _cannot_step(session: Session) -> str | None:
     """Why the session cannot take a step now, or None."""
     if session.task is None:
         return "step before reset: send a reset first"

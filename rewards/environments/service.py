@@ -4,7 +4,8 @@ Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET
 `POST /step`, `POST /close`; sessions, idempotent steps, deadlines, limits, optional bearer token) and
 `app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
 rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service; the bearer-token check, FastAPI's
-pages behind it and body reading are rewards/http.py's, shared with it too.
+pages behind it and body reading are rewards/http.py's, shared with it too; the pool of sessions, their deadlines and
+expiry and the error reply are rewards/environments/sessions.py's, shared with OpenEnv's protocol.
 Does not own: OpenEnv's protocol on the same app (rewards/environments/openenv_service.py: `/ws`, `/state`,
 `/schema`, `/metadata`, `/mcp`, and the `/reset` / `/step` bodies of OpenEnv's shape, which the routes here hand
 over), environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
@@ -37,12 +38,8 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,19 +47,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rewards.environments.interface import (
-    Environment,
-    EpisodeError,
-    EpisodeSession,
-    InProcessEnvironments,
-    StepResult,
-)
+from rewards.environments.interface import Environment, InProcessEnvironments
+from rewards.environments.openenv_service import OpenEnvRoutes, is_openenv_reset, is_openenv_step
+from rewards.environments.sessions import ErrorReply, Session, Sessions, step_blocker
 from rewards.http import UNAUTHORIZED, authorized, guard_docs, read_body, token_from_env
-
-log = logging.getLogger(__name__)
-
-ENVIRONMENT_FAILED = "the environment raised an exception or returned an invalid result; see the service's log"
-"""The `detail` of a 500 reply: the environment failed."""
 
 
 class ResetRequest(BaseModel):
@@ -107,133 +95,6 @@ class CloseRequest(BaseModel):
     session_id: str
 
 
-class _Reply(Exception):
-    """An error reply: status and detail."""
-
-    def __init__(self, status: int, detail: str, retryable: bool = True):
-        super().__init__(detail)
-        self.status, self.detail, self.retryable = status, detail, retryable
-
-
-@dataclass(eq=False)
-class _Session:
-    id: str
-    episode: EpisodeSession
-    last_used: float  # monotonic time of the last request's arrival or reply
-    next_turn: int = 0
-    task: asyncio.Task | None = None  # the last call: the reset, then the step of turn next_turn - 1
-
-    def idle_since(self) -> float | None:
-        """When the session went idle, or None while its last call runs."""
-        return self.last_used if self.task is None or self.task.done() else None
-
-
-class _Sessions:
-    """The service's sessions, its calls past their deadline and its background closes; used on the event loop."""
-
-    def __init__(self, environments: InProcessEnvironments, max_sessions: int, session_ttl: float,
-                 step_timeout: float):
-        self.environments, self.max_sessions = environments, max_sessions
-        self.session_ttl, self.step_timeout = session_ttl, step_timeout
-        self.open: dict[str, _Session] = {}
-        self.overdue: set[asyncio.Task] = set()  # calls whose reply gave up on them, until they finish
-        self._closing: set[asyncio.Task] = set()
-
-    def new(self) -> _Session:
-        if len(self.open) >= self.max_sessions:
-            self.expire_idle()
-        if len(self.open) >= self.max_sessions:
-            raise _Reply(503, f"max_sessions={self.max_sessions} sessions are open; retry later")
-        session = _Session(uuid.uuid4().hex, self.environments.open(), time.monotonic())
-        self.open[session.id] = session
-        return session
-
-    def get(self, session_id: str) -> _Session:
-        session = self.open.get(session_id)
-        if session is not None and self._expired(session, time.monotonic()):
-            self.end(session, "expired")
-            session = None
-        if session is None:
-            raise _Reply(404, f"unknown session {session_id[:64]!r}: closed, expired after session_ttl="
-                              f"{self.session_ttl:g}s idle, or never created; reset a new one")
-        return session
-
-    def _expired(self, session: _Session, now: float) -> bool:
-        since = session.idle_since()
-        return since is not None and now - since > self.session_ttl
-
-    def expire_idle(self) -> None:
-        now = time.monotonic()
-        for session in [s for s in self.open.values() if self._expired(s, now)]:
-            self.end(session, "expired")
-
-    def end(self, session: _Session, why: str, cancel: bool = False) -> None:
-        """Forget the session and close its environment in the background, once its last call has finished (or, with
-        `cancel`, at once: a call in a thread still runs on, and the environment is closed after it)."""
-        if self.open.pop(session.id, None) is None:
-            return
-        log.debug("session %s %s", session.id, why)
-        if cancel and session.task is not None:
-            session.task.cancel()
-        closing = asyncio.create_task(self._close(session))
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
-
-    @staticmethod
-    async def _close(session: _Session) -> None:
-        if session.task is not None:  # its outcome went to a reply or the log; waiting keeps `overdue` true
-            await asyncio.wait([session.task])
-        await session.episode.close()
-
-    def start(self, session: _Session, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        task.add_done_callback(lambda done: _log_failure(session.id, done))
-        session.task = task
-        return task
-
-    async def reply(self, session: _Session, what: str) -> Any:
-        """The result of the session's last call, waiting at most `step_timeout`; else raise `_Reply`."""
-        task = session.task
-        session.last_used = time.monotonic()
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self.step_timeout)
-        except TimeoutError:
-            if task not in self.overdue:
-                self.overdue.add(task)
-                task.add_done_callback(self.overdue.discard)
-            raise _Reply(504, f"{what} took longer than step_timeout={self.step_timeout:g}s") from None
-        except EpisodeError:
-            raise _Reply(500, ENVIRONMENT_FAILED, retryable=False) from None
-        except asyncio.CancelledError:
-            if task.cancelled():  # the service is shutting down
-                raise _Reply(503, f"the service shut down during {what}") from None
-            raise
-        finally:
-            session.last_used = time.monotonic()
-
-    async def sweep(self) -> None:
-        """Expire idle sessions every so often, for ever (cancelled at shutdown)."""
-        while True:
-            await asyncio.sleep(max(0.05, min(self.session_ttl / 2, 30.0)))
-            self.expire_idle()
-
-    async def shutdown(self) -> None:
-        for session in list(self.open.values()):
-            self.end(session, "closed at shutdown", cancel=True)
-        if self._closing:
-            await asyncio.wait(self._closing, timeout=5)
-
-
-def _log_failure(session_id: str, task: asyncio.Task) -> None:
-    if task.cancelled() or task.exception() is None:
-        return
-    error = task.exception()
-    if isinstance(error, EpisodeError):
-        log.error("session %s: %s", session_id, error, exc_info=error)
-    else:  # a bug of this service, not of the environment
-        log.error("session %s: unexpected error", session_id, exc_info=error)
-
-
 def create_app(factory: Callable[[], Environment], *, token: str | None = None, max_sessions: int = 1024,
                session_ttl: float = 600.0, step_timeout: float = 30.0, workers: int = 8,
                max_body_bytes: int = 8 * 2**20) -> FastAPI:
@@ -244,13 +105,13 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     included (None: no authentication). max_sessions: sessions open at once (more: 503). session_ttl: seconds a
     session may stay idle before it expires. step_timeout: seconds a reply waits for its call (reset or step; longer:
     504). workers: threads running environment calls. max_body_bytes: largest request body (more: 413).
-    """
-    from rewards.environments.openenv_service import OpenEnvRoutes, is_openenv_reset, is_openenv_step  # imports us
 
+    Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
+    each a few lines, written where FastAPI registers them."""
     if min(max_sessions, workers, max_body_bytes) < 1 or not (session_ttl > 0 and step_timeout > 0):
         raise ValueError("max_sessions, session_ttl, step_timeout, workers and max_body_bytes must be positive")
     environments = InProcessEnvironments(factory, max_concurrency=workers, timeout=None)  # deadlines: `reply`
-    sessions = _Sessions(environments, max_sessions, session_ttl, step_timeout)
+    sessions = Sessions(environments, max_sessions, session_ttl, step_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -268,17 +129,17 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
 
     async def read(request: Request) -> bytes:
         if token is not None and not authorized(request, token):
-            raise _Reply(401, UNAUTHORIZED)
+            raise ErrorReply(401, UNAUTHORIZED)
         body = await read_body(request, max_body_bytes)
         if body is None:
-            raise _Reply(413, f"request body exceeds max_body_bytes={max_body_bytes}")
+            raise ErrorReply(413, f"request body exceeds max_body_bytes={max_body_bytes}")
         return body
 
     openenv = OpenEnvRoutes(sessions, factory, token=token, max_body_bytes=max_body_bytes)
     openenv.add_routes(app, read)
 
-    @app.exception_handler(_Reply)
-    async def error_reply(_: Request, reply: _Reply):
+    @app.exception_handler(ErrorReply)
+    async def error_reply(_: Request, reply: ErrorReply):
         headers = {"WWW-Authenticate": "Bearer"} if reply.status == 401 else None
         body = {"detail": reply.detail} if reply.retryable else {"detail": reply.detail, "retryable": False}
         return JSONResponse(body, status_code=reply.status, headers=headers)
@@ -305,7 +166,7 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
         sessions.start(session, session.episode.reset(body.prompt, body.label))
         try:
             observation = await sessions.reply(session, "reset")
-        except _Reply:
+        except ErrorReply:
             sessions.end(session, "discarded: its reset failed")
             raise
         return ResetResponse(session_id=session.id, observation=observation)
@@ -322,7 +183,7 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
             sessions.start(session, session.episode.step(body.action))
             session.next_turn += 1
         elif body.turn != session.next_turn - 1 or session.next_turn == 0:
-            raise _Reply(409, f"turn {body.turn} is out of order: the session's next turn is {session.next_turn}")
+            raise ErrorReply(409, f"turn {body.turn} is out of order: the session's next turn is {session.next_turn}")
         result = await sessions.reply(session, f"step {body.turn}")
         return StepResponse(observation=result.observation, reward=result.reward, done=result.done, info=result.info)
 
@@ -350,32 +211,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def step_blocker(session: _Session) -> str | None:
-    """What in the session's last call keeps it from a new turn: `running` (not finished), `failed`, or `done` (it
-    answered done=true, whether or not a reply carried it); None when it may step or has had no call. Both protocols'
-    step checks (`_check_can_step`, openenv_service.py's `_cannot_step`) word it their way."""
-    last = session.task
-    if last is None:
-        return None
-    if not last.done():
-        return "running"
-    if last.cancelled() or last.exception() is not None:
-        return "failed"
-    if isinstance(last.result(), StepResult) and last.result().done:
-        return "done"
-    return None
-
-
-def _check_can_step(session: _Session, turn: int) -> None:
+def _check_can_step(session: Session, turn: int) -> None:
     """Raise 409 unless the session can take a new turn: its last call finished, succeeded, and was not done."""
     previous = "the reset" if turn == 0 else f"turn {turn - 1}"
     blocker = step_blocker(session)
     if blocker == "running":
-        raise _Reply(409, f"{previous} is still running: send it again for its reply, then turn {turn}")
+        raise ErrorReply(409, f"{previous} is still running: send it again for its reply, then turn {turn}")
     if blocker == "failed":
-        raise _Reply(409, f"{previous} failed: the session takes no further turn; close it")
+        raise ErrorReply(409, f"{previous} failed: the session takes no further turn; close it")
     if blocker == "done":
-        raise _Reply(409, f"the episode is done ({previous} answered done=true); close the session")
+        raise ErrorReply(409, f"the episode is done ({previous} answered done=true); close the session")
 
 
 def app_from_spec(spec: str, *, params: Mapping[str, Any] | None = None, token_env: str | None = None,

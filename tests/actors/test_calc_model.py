@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import DataConfig
-from cluster.demo.cache import DEMO_TASKS, demo_model_dir
+from cluster.demo.cache import demo_model_dir
 from cluster.demo.calc import (
     calc_segments,
     call_probabilities,
@@ -25,6 +25,7 @@ from cluster.demo.calc import (
     run_calc_episodes,
     summarize_episodes,
 )
+from cluster.demo.catalog import DEMO_TASKS
 from cluster.demo.model import (
     CALC_CHARACTERS,
     CALC_RECIPE,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.demo.cache import DEMO_TASKS, demo_model_dir, ensure_demo_model, shipped_demo_model
+from cluster.demo.cache import demo_model_dir, ensure_demo_model, shipped_demo_model
+from cluster.demo.catalog import DEMO_TASKS
 from cluster.demo.model import (
     CHAIN_RECIPE,
     REPORT_FILE,

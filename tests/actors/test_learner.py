@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
-from learner.algo.sequences import pad_sequences
 from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner, NonFiniteError, TrainBatch
+from learner.passes.sequences import pad_sequences
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)
 RESPONSES = [[12, 2, 1], [4, 4, 1], [5, 1], [9, 1]]
@@ -295,7 +295,7 @@ def test_bfloat16_with_float32_master_weights_learns_like_float32_at_a_small_lea
 
 
 def test_mixed_precision_keeps_float32_master_weights_and_hands_engines_bfloat16(tiny_model_dir):
-    from learner.algo.sequences import sequence_logprobs
+    from learner.passes.sequences import sequence_logprobs
     from sync.shared_memory import read_shared
 
     # Whole rows (no shared prompts): the forward compared bitwise below runs the same matmul shapes.

@@ -1,4 +1,4 @@
-"""Passes cut by a token budget over length-sorted rows, packed passes (`learner.algo.packing`), prompts shared by a
+"""Passes cut by a token budget over length-sorted rows, packed passes (`learner.passes.packing`), prompts shared by a
 group's rows computed once (`SharedPrompts`), and the single-update path that takes old logprobs from the training
 forward: the Learner's update (every gradient and metric, and with PPO the value model's) equals the one-pass
 computation over whole padded rows, in every aggregation mode, on ragged lengths, in float32 and under bfloat16
@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
-from learner.algo.packing import IMPLEMENTATION, packable
-from learner.algo.sequences import (
+from learner.config import CriticConfig, LearnerConfig
+from learner.learner import Learner, TrainBatch
+from learner.passes.packing import IMPLEMENTATION, packable
+from learner.passes.sequences import (
     MicroBatching,
     SharedPrompts,
     pad_sequences,
@@ -24,8 +26,6 @@ from learner.algo.sequences import (
     sequence_logprobs_and_entropy,
     tail_lengths,
 )
-from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, TrainBatch
 
 # Four groups of two; prompts of 2 to 6 tokens, responses of 1 to 7: sequences of 3 to 12 tokens.
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 15]] * 2 + [[9, 12, 9, 15]] * 2 + [[4, 12, 15]] * 2

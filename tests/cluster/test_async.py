@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -116,6 +116,57 @@ def test_a_worker_killed_with_requests_queued_is_replaced_and_the_run_is_unchang
     assert all((weights[name] == clean_weights[name]).all() for name in weights)
     metrics = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["time/recovery"] > 0 for r in metrics) == 1
+
+
+SLOW_UPDATES = ["learner.ppo_epochs=60", "learner.num_minibatches=4"]  # updates of several seconds
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_updates_longer_than_the_deadlines_cost_no_healthy_worker_and_a_death_during_one_is_the_workers(
+        ray_local, tmp_path, demo_model_dir, dtype):
+    """Updates slower than `timeouts.generate` and `timeouts.sync`: a request's generate deadline counts from when the
+    weights it loads were exported (after the update), so no healthy worker is declared late; a worker killed while
+    the learner trains is replaced and its requests run again, without waiting for the update or blaming the
+    learner (its export, queued behind the update, is not waited for)."""
+    worker_cls = type("Killed", (KilledWithQueueWorker,), {"marker": str(tmp_path / "killed.marker")})
+    records, _ = run(tmp_path, demo_model_dir, "slow", dtype, worker_cls, *SLOW_UPDATES, "timeouts.generate=4",
+                     "timeouts.sync=3")
+    assert (tmp_path / "killed.marker").exists()  # the fault happened
+    assert max(r["time/train"] for r in records) > 4, "the updates did not outlast the deadlines: nothing was tested"
+    assert records[-1]["rollout/restarts"] == 1  # the killed worker only
+    assert [r["rollout/version"] for r in records] == VERSIONS
+
+
+class ProbeLogWorker(RolloutWorker):
+    """Logs each probe whose gap the driver checks: sampled by the engine ("probe") or by the learner and scored by the
+    engine ("score_probe")."""
+
+    log = ""
+
+    def _probe_sample(self, prompt_ids, completion):
+        with open(self.log, "a") as out:
+            out.write("probe\n")
+        return super()._probe_sample(prompt_ids, completion)
+
+    def score_probe(self, *args, **kwargs):
+        with open(self.log, "a") as out:
+            out.write("score_probe\n")
+        return super().score_probe(*args, **kwargs)
+
+
+def test_every_probe_of_an_asynchronous_run_is_compared_at_one_temperature(ray_local, tmp_path, demo_model_dir):
+    """The noise floor the tolerance comes from is measured with the probes the steps check: the learner's sample,
+    scored by the engines at temperature 1 (not an engine's sample at the sampling temperature)."""
+    log = tmp_path / "probes.log"
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={demo_model_dir}", "max_steps=3",
+                                "data.prompts_per_step=8", "rollout.num_workers=2", "rollout.max_staleness=1",
+                                "rollout.temperature=0.7"])
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                           rollout_cls=type("Logged", (ProbeLogWorker,), {"log": str(log)}))
+    kinds = log.read_text().split()
+    assert kinds[:2] == ["score_probe"] * 2  # the noise floor, one per worker, before step 1
+    assert set(kinds) == {"score_probe"}, kinds  # and every load's probe, and the last step's
+    assert all(r["sync/probe_max_diff"] < 1e-4 for r in records if r["sync/probe_max_diff"] == r["sync/probe_max_diff"])
 
 
 class PacedWorker(RolloutWorker):

@@ -12,7 +12,7 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)

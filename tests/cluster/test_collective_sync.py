@@ -15,7 +15,7 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the fault-injecting workers travel by value

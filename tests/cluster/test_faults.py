@@ -18,7 +18,7 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from sync.calls import RunError
 from tests.fleets import POOL
 

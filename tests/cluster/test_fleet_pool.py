@@ -1,8 +1,8 @@
-"""`FleetPool`: a run leaves its fleet parked; the next run of the same shape re-initialises those actor processes in
-place and trains exactly as on a fresh fleet. Rollout workers beyond a run's number are stopped, missing ones added,
-and kept ones re-initialised as the run's rollout class, while the learner and reference are kept; a failed run parks
-the rollout workers that answer; another learner or reference shape starts those afresh (and keeps the rollout
-workers), a parked actor that died a fresh fleet."""
+"""`ParkingPool` (tests/fleets.py): a run leaves its fleet parked; the next run of the same shape re-initialises those
+actor processes in place and trains exactly as on a fresh fleet. Rollout workers beyond a run's number are stopped,
+missing ones added, and kept ones re-initialised as the run's rollout class, while the learner and reference are kept;
+a failed run parks the rollout workers that answer; another learner or reference shape starts those afresh (and keeps
+the rollout workers), a parked actor that died a fresh fleet."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import ray
 from safetensors.torch import load_file
 
 from cluster.config import load_config
-from cluster.fleet.placement import FleetPool
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from sync.verify import SyncError
+from tests.fleets import ParkingPool
 
 pytestmark = pytest.mark.slow
 VOLATILE = ("time/", "throughput/", "memory/")  # wall clock, and the processes' peak memory
@@ -27,16 +27,16 @@ def train(tmp_path, model_dir, name, pool, *overrides, **kwargs):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records], weights
 
 
-def parked_actors(pool: FleetPool) -> list:
+def parked_actors(pool: ParkingPool) -> list:
     fleet = pool.parked
     return [a for a in (fleet.learner, fleet.reference, *fleet.rollout_workers) if a is not None]
 
 
-def actor_ids(pool: FleetPool) -> set[str]:
+def actor_ids(pool: ParkingPool) -> set[str]:
     return {actor._actor_id.hex() for actor in parked_actors(pool)}
 
 
-def worker_ids(pool: FleetPool) -> set[str]:
+def worker_ids(pool: ParkingPool) -> set[str]:
     return {actor._actor_id.hex() for actor in pool.parked.rollout_workers}
 
 
@@ -54,7 +54,7 @@ def assert_stopped(actors):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_reused_fleet_trains_exactly_as_a_fresh_one(ray_local, tmp_path, demo_model_dir, dtype):
-    pool = FleetPool()
+    pool = ParkingPool()
     try:
         fresh = train(tmp_path, demo_model_dir, "fresh", pool, f"model.dtype={dtype}")
         first = actor_ids(pool)

@@ -244,7 +244,7 @@ def test_a_run_with_two_learner_ranks_trains_and_keeps_the_engines_in_sync(ray_l
     """Through the driver: placement reserves a bundle per rank, the probe asks every rank, checkpoints come from
     rank 0 and the weights reach the engines from rank 0 after each step."""
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={demo_model_dir}", "max_steps=3",
                                 "data.prompts_per_step=8", "rollout.num_workers=1", "learner.num_ranks=2",

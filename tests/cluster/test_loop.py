@@ -15,11 +15,12 @@ import ray
 from actors.rollout import RolloutWorker
 from bench import step_breakdown
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from learner.config import LearnerConfig
 from sync.calls import RunError
 from sync.receive import Loaded
 from sync.verify import SyncError
+from sync.verify import PROBE_NOISE_SEEDS
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -138,7 +139,7 @@ def test_each_worker_loads_and_probes_inside_its_next_request(ray_local, tmp_pat
         calls.setdefault(worker, []).append(call)
     in_request = ["generate load=True probe=True", "load {}", "probe"]
     assert len(calls) == 2 and all(c == [
-        "probe",  # before step 1: the noise floor, on the weights both started from
+        *["probe"] * len(PROBE_NOISE_SEEDS),  # before step 1: the noise floor, on the weights both started from
         "generate load=False probe=False",  # step 1
         *(line.format(1) for line in in_request),  # step 2 loads version 1
         *(line.format(2) for line in in_request),  # step 3 loads version 2

@@ -16,7 +16,7 @@ import pytest
 from openenv.core.env_server.http_server import create_app
 
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from rewards.service import run_in_thread
 from sync.calls import RunError
 from tests.fleets import POOL

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -26,11 +26,10 @@ def run(tmp_path, model_dir, name, steps, *overrides):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_refreshed_reference_brings_the_kl_back_to_the_floor(ray_local, tmp_path, demo_model_dir, dtype):
-    # lr 2e-3 saturates the demo model's logits within a few steps, where bfloat16's engine-learner gap outgrows 5x
-    # its first floor (an AVX2 CPU: 0.11 at version 4 against 0.055): such a run sets the tolerance
-    # (docs/operations.md); float32's stays derived.
-    tolerance = ["sync.probe_tolerance=0.25"] if dtype == "bfloat16" else []
-    records = run(tmp_path, demo_model_dir, "refresh", 4, f"model.dtype={dtype}", *tolerance)
+    # lr 2e-3 saturates the demo model's logits within a few steps, where bfloat16's engine-learner gap outgrows
+    # several times its floor before the first update: the tolerance is still derived, bfloat16's minimum (one ulp of
+    # a logit of 16 to 32, sync/verify.py) covers it.
+    records = run(tmp_path, demo_model_dir, "refresh", 4, f"model.dtype={dtype}")
     assert [r["reference/version"] for r in records] == [0, 1, 1, 3]
     kl = [r["kl/mean"] for r in records]
     # Step 1 (the policy is the reference) and the refresh steps 2 and 4 (the reference is the policy that sampled

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from sync.calls import RunError
 from tests.fleets import POOL
 

@@ -17,7 +17,8 @@ import ray
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
 from cluster.fleet.control import NAMESPACE, control_name
-from cluster.run.driver import Trainer, run_training
+from cluster.run.launch import run_training
+from cluster.run.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
@@ -64,7 +65,7 @@ def hold_near_the_end(monkeypatch, run_dir, steps: int, workers: int, failures: 
         pool, step = trainer.rollouts, len(read(run_dir)) + 1
         deadline = time.monotonic() + 240
         while (step > steps - 5 and time.monotonic() < deadline
-               and (len(pool.workers) < workers or pool.scale_failures < failures)):
+               and (len(pool.fleet.rollout) < workers or trainer.scaling.failures < failures)):
             if step not in held:
                 held.append(step)
             time.sleep(0.5)

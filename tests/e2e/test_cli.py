@@ -128,7 +128,7 @@ def test_demo_learns_in_bfloat16(tmp_path, demo_model_dir, fleets, capsys):
     import torch
 
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     run_dir = tmp_path / "run"
     config = load_config(None, ["model.dtype=bfloat16", "max_steps=60", f"run_dir={run_dir}"])

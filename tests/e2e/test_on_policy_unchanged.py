@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from cluster.config import load_config
 from cluster.fleet.placement import with_default_threads
-from cluster.run.driver import overlaps_reference, run_training
-from learner.device import CPU_BFLOAT16_MATMULS
+from cluster.run.launch import run_training
+from cluster.run.trainer import overlaps_reference
+from learner.passes.device import CPU_BFLOAT16_MATMULS
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def stable(records: list[dict]) -> list[dict]:
 def test_max_staleness_zero_trains_exactly_as_before_asynchronous_training(tmp_path, demo_model_dir, fleets, dtype,
                                                                             monkeypatch):
     # torch's own bfloat16 matmuls, as the old code's, also on a CPU without bfloat16 instructions (where relay now
-    # computes them in float32: learner.device.matmuls_in, tested in tests/unit/test_device.py)
+    # computes them in float32: learner.passes.device.matmuls_in, tested in tests/unit/test_device.py)
     monkeypatch.setenv(CPU_BFLOAT16_MATMULS, "torch")
     before = tmp_path / "before"
     before.mkdir()

@@ -34,7 +34,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from rewards.environments.examples import GuessNumber
-from rewards.environments.service import ENVIRONMENT_FAILED, create_app
+from rewards.environments.service import create_app
+from rewards.environments.sessions import ENVIRONMENT_FAILED
 from rewards.environments.tools import ToolEnvironment
 from rewards.service import run_in_thread
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from cluster.config import load_config
 from cluster.run import checkpoint
-from cluster.run.driver import run_training
+from cluster.run.launch import run_training
 from tests.fleets import POOL
 
 pytestmark = pytest.mark.slow
@@ -108,6 +108,9 @@ def test_killed_mid_checkpoint_and_resumed_equals_the_uninterrupted_run(tmp_path
         assert (ours[name] == theirs[name]).all(), f"{name} differs after resume"
     kept = sorted(p.name for p in (run_dir / checkpoint.CHECKPOINTS_DIR).iterdir())
     assert kept == ["step_4", "step_6"]  # checkpoint.keep=2, and no temporary directory left behind
+    # The workers' measured speeds split the first resumed batch as they would have split it uninterrupted.
+    state = checkpoint.read_driver_state(run_dir / checkpoint.CHECKPOINTS_DIR / "step_4")
+    assert set(state["rollout_speeds"]) == {"0"} and state["rollout_speeds"]["0"] > 0
 
 
 def test_resuming_a_finished_run_says_so_and_exits_0(uninterrupted):

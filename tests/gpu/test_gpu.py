@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 
 def gpu_run(tmp_path, model_dir, *overrides):
     from cluster.config import load_config
-    from cluster.run.driver import run_training
+    from cluster.run.launch import run_training
 
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "max_steps=3",
                                 "model.dtype=bfloat16", "sync.probe_tolerance=0.05", "data.prompts_per_step=16",
@@ -112,7 +112,7 @@ def test_reference_and_reward_model_on_cuda_match_the_cpu(tiny_model_dir, tiny_r
                                                           dtype):
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
-    from learner.algo.sequences import MicroBatching
+    from learner.passes.sequences import MicroBatching
 
     texts = (["37+45=", "1+2=", "99+99="], ["82", "3", "198 and some more"])
     gpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, batching=MicroBatching(3))

@@ -236,7 +236,7 @@ def test_an_unset_thread_count_follows_the_models_size(tiny_model_dir, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from cluster.fleet.placement import with_default_threads
-    from learner.device import count_parameters, default_threads
+    from learner.passes.device import count_parameters, default_threads
 
     count = count_parameters(str(tiny_model_dir))
     assert count == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())

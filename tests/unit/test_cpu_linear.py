@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from actors.engine import EngineSettings, wants_torch_linear
 from cluster.config import ConfigError, load_config
 from cluster.fleet.placement import with_default_threads
-from cluster.run.driver import overlaps_reference
-from learner.device import SMALL_MODEL_PARAMETERS
+from cluster.run.trainer import overlaps_reference
+from learner.passes.device import SMALL_MODEL_PARAMETERS
 
 
 def _model(tmp_path, parameters: int) -> str:

@@ -21,8 +21,8 @@ from learner.algo.losses import (
     micro_batch_weight,
     value_loss,
 )
-from learner.algo.sequences import pad_per_token, pad_sequences, unpad_per_token
-from learner.device import pick_device, to_cpu
+from learner.passes.device import pick_device, to_cpu
+from learner.passes.sequences import pad_per_token, pad_sequences, unpad_per_token
 
 
 def test_pick_device_is_the_visible_gpu_else_the_cpu(monkeypatch):
@@ -108,7 +108,7 @@ def test_bfloat16_matmuls_in_float32_are_torchs_bfloat16_kernel_at_float32_speed
     on the bfloat16 inputs, rounded once, as torch's own kernel there (which sums in float32 too, in another
     order): the same values to a bfloat16 ulp, bit for bit on nearly all elements. On a CPU with them, or in float32:
     nothing."""
-    from learner import device
+    from learner.passes import device
 
     monkeypatch.setattr(device, "_native_bfloat16", lambda: False)
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from learner.algo.sequences import MicroBatching
 from learner.distributed import DataParallel, _buckets, tied_names
+from learner.passes.sequences import MicroBatching
 
 EVEN = torch.ones(8, dtype=torch.long)  # every row one token: the passes are cut by the row limit alone
 

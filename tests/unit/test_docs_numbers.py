@@ -47,7 +47,7 @@ def one_digit(value: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
+def test_operations_states_the_probe_limits_the_probe_limits_table_measured():
     rows = table_after((ROOT / "docs" / "benchmarks.md").read_text(), "## The sync probe's limits", "dtype")
     f32 = [r for r in rows if r["dtype"] == "float32"]
     mixed = {float(r["lr"]): r for r in rows if (r["dtype"], r["master"]) == ("bfloat16", "float32")}
@@ -63,8 +63,8 @@ def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
     assert mixed[1e-6]["repeat rule: never-loading engine caught at step"] == "1"  # "at the first step"
     assert sum(int(r["repeat rule: false alarms"]) for r in rows) == 0  # "no false alarm"
     loads = sum(int(r[one_step].split("/")[1]) for r in rows)
-    readme = (ROOT / "README.md").read_text()
-    claim = " ".join(readme.split("**Its limits**", 1)[1].split("\n\n", 1)[0].split())
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    claim = " ".join(operations.split("**Its limits**", 1)[1].split("\n\n", 1)[0].split())
     stale_at_1e6 = next(float(r["stale gap (min)"]) for r in f32 if float(r["lr"]) == 1e-6)
     quotes = {
         "float32 noise": f"noise ~{one_digit(max(float(r['fresh gap (max)']) for r in f32))}",
@@ -76,7 +76,7 @@ def test_readme_states_the_probe_limits_the_probe_limits_table_measured():
         "correct loads": f"no false alarm in {loads} correct loads",
     }
     for what, quote in quotes.items():
-        assert quote in claim, f"README's probe limits should quote {what} as '{quote}'"
+        assert quote in claim, f"docs/operations.md's probe limits should quote {what} as '{quote}'"
 
 
 def test_the_asynchronous_thread_claims_quote_the_threads_tables_step_column():

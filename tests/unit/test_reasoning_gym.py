@@ -18,7 +18,8 @@ from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSp
 from reasoning_gym.utils import SYSTEM_PROMPTS  # noqa: E402
 
 from cluster.config import ConfigError, DataConfig, load_config  # noqa: E402
-from cluster.run.data import DataError, PromptDataset, make_prompt_source, write_prompts  # noqa: E402
+from cluster.run.data import PromptDataset, make_prompt_source  # noqa: E402
+from cluster.run.prompt_format import DataError, write_prompts  # noqa: E402
 from cluster.run.reasoning_gym import export, main, reasoning_gym_prompts  # noqa: E402
 from rewards.config import RuleSource  # noqa: E402
 from rewards.registry import load_verifier  # noqa: E402

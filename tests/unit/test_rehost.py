@@ -1,4 +1,4 @@
-"""cluster.fleet.rehost without Ray: a pooled rollout actor's methods are the instance's class's, chosen at call
+"""tests/rehost.py without Ray: a pooled rollout actor's methods are the instance's class's, chosen at call
 time, with RolloutWorker's signatures (Ray checks a call's arguments against them)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from actors.rollout import RolloutWorker
-from cluster.fleet.rehost import PooledRolloutWorker, reinit_as
+from tests.rehost import PooledRolloutWorker, reinit_as
 
 
 class Quiet(RolloutWorker):

@@ -3,14 +3,17 @@ steps only, the oldest evicted first, and saved into a checkpoint and loaded bac
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from actors.rollout_types import Rollout
+from actors.rollout_types import EpisodeInfo, Rollout
 from cluster.run.replay import REPLAY_FILE, ReplayBuffer
 
 
-def group(step: int, prompt: int, size: int = 2, steps: bool = False, tagged: bool = False) -> list[Rollout]:
+def group(step: int, prompt: int, size: int = 2, steps: bool = False, tagged: bool = False,
+          episodes: bool = False) -> list[Rollout]:
     rollouts = []
     for j in range(size):
         n = 1 + (prompt + j) % 3
@@ -19,6 +22,12 @@ def group(step: int, prompt: int, size: int = 2, steps: bool = False, tagged: bo
                           np.full(n, step - 1, np.int32) if tagged else None)
         if steps:
             rollout.step_ends, rollout.step_rewards = np.array([n - 1]), np.array([0.5 * j], np.float32)
+        if episodes:  # a multi-turn episode: the environment added the first token; 0.1 is not exact in binary
+            rollout.model_mask = np.array([0] + [1] * (n - 1), np.uint8)
+            rollout.episode = EpisodeInfo(turns=1 + j, turn_ends=[n - 1], turn_rewards=[0.1 * (step + prompt)],
+                                          calls=2 + j, invalid_calls=j, truncated_observations=prompt % 2,
+                                          env_seconds=0.001 * (step + prompt + j) / 3,
+                                          error=None if j else f"step {step} failed")
         rollouts.append(rollout)
     return rollouts
 
@@ -67,7 +76,7 @@ def test_the_oldest_groups_leave_first():
     assert len(buffer.groups) == 6 and [g.step for g in buffer.groups] == [1, 1, 2, 2, 2, 2]
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"steps": True, "tagged": True}])
+@pytest.mark.parametrize("kwargs", [{}, {"steps": True, "tagged": True, "episodes": True}])
 def test_saved_and_loaded_exactly(tmp_path, kwargs):
     buffer = ReplayBuffer(0.5, 100, seed=1, prompts_per_step=4)
     for step in (1, 2):
@@ -79,18 +88,22 @@ def test_saved_and_loaded_exactly(tmp_path, kwargs):
     for a, b in zip(buffer.groups, loaded.groups):
         assert (a.rewards, a.version, a.step) == (b.rewards, b.version, b.step)
         for x, y in zip(a.rollouts, b.rollouts):
-            assert x.prompt_ids == y.prompt_ids and x.text == y.text and x.finish_reason == y.finish_reason
-            assert x.weights_version == y.weights_version
-            assert np.array_equal(x.response_ids, y.response_ids)
-            assert np.array_equal(x.behavior_logprobs, y.behavior_logprobs) and y.behavior_logprobs.dtype == np.float32
-            for name in ("versions", "step_ends", "step_rewards"):
-                assert (getattr(x, name) is None) == (getattr(y, name) is None)
-                if getattr(x, name) is not None:
-                    assert np.array_equal(getattr(x, name), getattr(y, name))
-    # The next step draws the same groups from either.
-    texts = [[r.text for g in b.mix(3, *batch(3, **kwargs), version=2, stats={})[0] for r in g]
-             for b in (buffer, loaded)]
-    assert texts[0] == texts[1]
+            # Every field of a rollout, so that one added to `Rollout` and not to replay.npz fails here.
+            for field in dataclasses.fields(Rollout):
+                ours, theirs = getattr(x, field.name), getattr(y, field.name)
+                if kwargs:  # the episodes' case sets every optional field too
+                    assert ours is not None, f"the test does not set Rollout.{field.name}: add it to group()"
+                assert (ours is None) == (theirs is None), field.name
+                if isinstance(ours, np.ndarray):
+                    assert np.array_equal(ours, theirs) and ours.dtype.kind == theirs.dtype.kind, field.name
+                else:
+                    assert ours == theirs, field.name
+            assert y.behavior_logprobs.dtype == np.float32  # vLLM's logprobs: nothing lost or widened
+    # The next step draws the same groups from either, with the same episodes (the `env/*` metrics count them).
+    mixed = [b.mix(3, *batch(3, **kwargs), version=2, stats={})[0] for b in (buffer, loaded)]
+    assert [[r.text for r in g] for g in mixed[0]] == [[r.text for r in g] for g in mixed[1]]
+    replayed = [[r.episode for g in m[4:] for r in g] for m in mixed]
+    assert replayed[0] == replayed[1] and all((e is not None) == bool(kwargs) for e in replayed[1])
 
 
 def test_without_replay_nothing_is_written(tmp_path):

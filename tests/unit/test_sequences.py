@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algo.sequences import (
+from learner.passes.sequences import (
     MicroBatching,
     Rows,
     flat_per_token,

@@ -8,11 +8,15 @@ Tensors are built in host memory and moved to the consumer's device in one copy;
 stays on the batch's device, and results for Python lists come back through the CPU. Also how a batch is cut
 into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget, so compute
 follows the real tokens, not the batch's longest: a pass's rows packed into one sequence of their real tokens
-(`learner.algo.packing`: no padding but in attention), or padded to the pass's own longest; and prompts shared by
+(`learner.passes.packing`: no padding but in attention), or padded to the pass's own longest; and prompts shared by
 several rows (a group's G completions) computed once (`SharedPrompts`), each row's pass running only its own tokens
 on the prompt's cached key/value states.
-Does not own: models, optimizers, or choosing the device. Imports only torch and numpy (and transformers' cache
-class, when prompts are shared; its attention interface, when passes are packed).
+`Rows` is here, beside `pad_sequences`, which takes it: the wire form of a batch's token rows, sent by the driver
+(cluster/) to the Learner and the ReferenceWorker, each of which pads what arrives here; `actors/` and `learner/`
+both import this package, and `cluster/` may import anything.
+Does not own: models, optimizers, choosing the device (`learner.passes.device`), or the math on what a pass returns
+(`learner.algo`). Imports only torch, numpy and `learner.algo.logprobs` (and transformers' cache class, when prompts
+are shared; its attention interface, when passes are packed).
 
 Why packed passes gather each row's attention into a padded row of its own rather than use transformers' packed
 format (position ids that restart): on CPU, transformers keeps packed sequences apart with a dense block-diagonal
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from learner.algo.packing import packable, packed_logits
+from learner.passes.packing import packable, packed_logits
 
 
 class Rows(list):
@@ -62,7 +66,7 @@ class MicroBatching:
     # Each distinct prompt computed once for the rows that share it (`SharedPrompts`); the budgets then count each
     # row's own tokens (its prompt's last token and its response: `tail_lengths`).
     share_prompts: bool = False
-    # Each pass's rows run as one packed sequence of their real tokens (`learner.algo.packing`), where the model
+    # Each pass's rows run as one packed sequence of their real tokens (`learner.passes.packing`), where the model
     # allows it (`packable`; else padded passes); the budget then counts real tokens.
     pack: bool = False
 
@@ -236,7 +240,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: SequenceBatch, temperature:
     """log pi(token j+1 | tokens 0..j) for every position: [B, L-1]; gradients flow if enabled by the caller. With
     `prompts` (covering the batch's rows), only each row's own tokens are run, on its prompt's cached states: the
     response positions hold the same values, the prompt positions 0. `pack`: whole rows run as one packed pass
-    where the model allows it (`learner.algo.packing`; with `prompts`, they decide)."""
+    where the model allows it (`learner.passes.packing`; with `prompts`, they decide)."""
     logits, labels, place = pass_logits(model, batch, prompts, pack)
     return place(logprobs_from_logits(logits, labels, temperature))
 

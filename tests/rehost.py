@@ -1,7 +1,8 @@
-"""Rollout actors that a `FleetPool` can re-initialise as another kind of rollout worker.
+"""Rollout actors that the tests' pool (`ParkingPool`, tests/fleets.py) can re-initialise as another kind of rollout
+worker.
 
 Owns: `PooledRolloutWorker`, the class a pooled run's rollout actors are started with, and `reinit_as`.
-Does not own: when a fleet is reused (`FleetPool`, cluster/fleet/placement.py).
+Does not own: when a fleet is reused (`ParkingPool`), or starting actors (cluster/fleet/placement.py).
 
 Ray dispatches each call to the function the actor's class had when the actor started, so an actor started for one
 subclass of `RolloutWorker` could only ever run that subclass's methods, and a run with another subclass (the tests'

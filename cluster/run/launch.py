@@ -1,0 +1,247 @@
+"""Starting and ending a run: every input checked first, Ray, the control actor and the fleet started, the step loop,
+checkpoints written, and everything cleaned up however the run ends (`run_training`).
+
+Owns: the checks made before anything starts or is written (`check_inputs`: model and dataset paths, datasets read and
+validated, logging, reward sources, the environment, the CPUs asked of a local Ray), the run directory, joining or
+starting Ray, and the loop over `Trainer.step` with its checkpoints.
+Does not own: the step (cluster/run/trainer.py), placement (cluster/fleet/placement.py), checkpoint files
+(cluster/run/checkpoint.py), which checkpoint to resume from (cluster/run/resume.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.config import ConfigError, RunConfig, dump_config
+from cluster.fleet.control import start_control
+from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, FleetPool, check_reachable, start_fleet, stop_fleet
+from cluster.run import checkpoint, resume
+from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
+from cluster.run.scoring import Scorer
+from cluster.run.trainer import Trainer
+from rewards.config import ModelSource
+from sync.calls import RunError
+
+
+class RunFinished(Exception):
+    """`resume` named a run that already reached `max_steps`: nothing to do (not an error)."""
+
+
+def resolve_run_dir(config: RunConfig) -> Path:
+    """The run directory. A new run refuses one that already holds a run; `resume` needs the run's directory
+    (nothing is written here)."""
+    if config.resume == "auto" and not config.run_dir:
+        raise ConfigError("resume=auto continues the run in run_dir: pass run_dir=PATH of that run")
+    if config.run_dir:
+        run_dir = Path(config.run_dir)
+    else:
+        run_dir = resume.run_dir_for(config) or Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if not config.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()):
+        raise ConfigError(f"run_dir '{run_dir}' already holds a run; pass a new run_dir=PATH, remove it, or continue "
+                          "it with resume=auto")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir '{run_dir}' is a file; pass run_dir=PATH naming a directory")
+    return run_dir
+
+
+def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer]:
+    """Check every user input that can be checked before anything starts or is built, and load what the driver
+    itself needs: the prompt source (dataset files are read and validated here) and the reward sources (verifiers
+    imported, remote clients configured). `model_path` None is the demo model, not built yet: datasets are checked with
+    its tokenizer, made in memory. Raises ConfigError (one line, nothing written) on bad input."""
+    from cluster.run.data import make_prompt_source
+    from cluster.run.prompt_format import DataError
+
+    if model_path is not None and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
+                          "pass model.path=DIR or leave it empty for the demo model")
+    for name, source in config.reward.sources.items():
+        if isinstance(source, ModelSource) and source.path is not None and \
+                not (Path(source.path) / "config.json").is_file():
+            raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
+                              "(no config.json)")
+    ro = config.rollout
+    max_prompt_tokens = config.data.max_prompt_tokens or max(1, ro.max_model_len - ro.max_new_tokens)
+    try:
+        data = make_prompt_source(config.data, config.seed, config.data.prompts_per_step, model_path,
+                                  max_prompt_tokens)
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        check_logging(config.logging)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        scorer = Scorer(config.reward, config.timeouts.reward, config.env)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    check_environment(config)
+    local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
+    cpus, asked = config.ray.num_cpus or os.cpu_count() or 1, cpus_asked(config)
+    if local and not ray.is_initialized() and sum(asked.values()) > cpus + 1e-9:
+        parts = " + ".join(f"{name} {value:g}" for name, value in asked.items() if value)
+        raise ConfigError(f"the run asks Ray for {sum(asked.values()):g} CPUs ({parts}) but the local Ray instance has "
+                          f"{cpus}: lower those num_cpus (fractions are fine: they only book Ray's CPUs, the threads "
+                          "are set by num_threads) or set ray.num_cpus")
+    # Asynchronously the engines, the learner and the reference compute at once: more threads than cores makes the
+    # step slower than the synchronous loop's (docs/operations.md). (Asynchronously every learner and reference
+    # thread count is set: `RunConfig._threads_for_overlap`.)
+    if ro.max_staleness and local:
+        threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
+                   + (config.reference.num_threads if config.uses_reference else 0))
+        if threads > 2 * (os.cpu_count() or 1):
+            print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines, the reference and the "
+                  f"learner at once, and this local run gives them {threads} threads on {os.cpu_count()} cores: they "
+                  "will slow each other down more than the overlap gains; lower learner/rollout/reference.num_threads "
+                  "(docs/operations.md)", file=sys.stderr, flush=True)
+    if ro.top_p < 1:
+        print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
+              "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
+              "(docs/operations.md)", file=sys.stderr, flush=True)
+    return data, scorer
+
+
+def check_environment(config: RunConfig) -> None:
+    """The `env` section's class imports and takes its params (the workers load it again); raises ConfigError (one
+    line, naming the key) before anything starts."""
+    env = config.env
+    if env.spec is not None:
+        from rewards.environments.interface import load_environment
+
+        try:
+            load_environment(env.spec, env.params)
+        except ValueError as err:
+            raise ConfigError(f"env.spec: {err}") from None
+    if env.urls and env.token_env and not os.environ.get(env.token_env):
+        print(f"relay: warning: env.token_env={env.token_env} is not set here; the rollout workers read it from their "
+              "own environment (set it on every node, or in the job's runtime_env)", file=sys.stderr, flush=True)
+
+
+def cpus_asked(config: RunConfig) -> dict[str, float]:
+    """The CPUs the run's actors book in Ray at the start (placement groups), by the config keys that set them."""
+    lc, rc, ro = config.learner, config.reference, config.rollout
+    engines = ro.num_cpus * ro.num_workers * ro.tensor_parallel_size
+    return {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
+            "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
+            "rollout.num_cpus x num_workers x tensor_parallel_size": engines,
+            **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
+               if isinstance(s, ModelSource)}}
+
+
+def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,
+                 rollout_cls: type | None = None, pool: FleetPool | None = None) -> list[dict[str, Any]]:
+    """Check the inputs, start Ray (unless connected already), ensure the demo model (shipped copy) if `model_path` and
+    `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
+    any), write checkpoints, and clean up; returns this attempt's records. With `pool` (`FleetPool`), the fleet is the
+    one the pool gives, if any, and is offered back to it when the run ends (not when this call started Ray, which it
+    then shuts down).
+
+    Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
+    when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
+    point = resume.find(config, run_dir)
+    if point is not None and point.step >= config.max_steps:
+        raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
+                          f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
+    model_path = model_path or config.model.path
+    data, scorer = check_inputs(config, model_path)
+    records: list[dict[str, Any]] = []
+    finished = False
+    with ExitStack() as cleanup:  # undoes whatever was started, in reverse order, however the run ends
+        cleanup.callback(scorer.close)
+        started_ray = _init_ray(config)
+        if started_ray:
+            cleanup.callback(ray.shutdown)
+        model_path = model_path or _demo_model(config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
+        resolved = dump_config(resolved_config)
+        (run_dir / "config.yaml").write_text(resolved)
+        recorder = MetricsRecorder(run_dir, config.logging, resolved_config.model_dump(mode="json"),
+                                   resume_step=point.step if point else None)
+        cleanup.callback(lambda: recorder.close(failed=not finished))
+        try:
+            control = start_control(str(run_dir))
+            cleanup.callback(ray.kill, control)
+            fleet = start_fleet(config, model_path, rollout_cls, pool)
+
+            def release(fleet: Fleet) -> None:  # parked for the next run only if this run joined a Ray it did not start
+                if pool is None or started_ray or not pool.park(fleet, failed=not finished):
+                    stop_fleet(fleet)
+
+            cleanup.callback(release, fleet)
+            trainer = Trainer(config, fleet, data, scorer, control)
+            cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
+            if config.sync.probe:
+                # Engines and learner agree on the weights they start from (the model's, also when resuming: before
+                # the checkpoint loads), which is where the probe's noise floor and tolerance come from.
+                trainer.rollouts.weights.verify(fleet.rollout)
+            first = trainer.restore(point) + 1 if point else 1
+            records = train(trainer, recorder, run_dir, resolved, first, display)
+            finished = True
+        except RunError as err:
+            latest = checkpoint.latest(run_dir)
+            hint = (f"; resume from {latest.name} with: relay train run_dir={run_dir} resume=auto" if latest
+                    else "; no checkpoint was written yet")
+            raise type(err)(f"{err}{hint}") from err
+    return records
+
+
+def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: str, first: int, display: bool
+          ) -> list[dict[str, Any]]:
+    """The steps from `first` to `max_steps`, each recorded and published, checkpoints written; their records."""
+    config, records = trainer.config, []
+    trainer.publish({"step": first - 1})
+    progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
+    with progress or nullcontext():
+        for step in range(first, config.max_steps + 1):
+            record = trainer.step(step)
+            recorder.write(record)
+            records.append(record)
+            trainer.publish(record)
+            if progress:
+                progress.update(record)
+            every = config.checkpoint.every
+            if step == config.max_steps or (every and step % every == 0):
+                trainer.save_checkpoint(run_dir, step, resolved)
+    if progress:
+        progress.summary()
+    return records
+
+
+def _demo_model(config: RunConfig) -> str:
+    """The demo model's directory for `data.task` (the shipped copy, else built now)."""
+    from cluster.demo.cache import ensure_demo_model
+
+    return str(ensure_demo_model(log=lambda line: print(f"relay: {line}", file=sys.stderr), task=config.data.task))
+
+
+def _init_ray(config: RunConfig) -> bool:
+    """Start a local Ray instance or join the cluster at `ray.address` (or $RAY_ADDRESS, as in a Ray job); returns
+    whether this call did (so the run shuts it down). A malformed address is a ConfigError; a cluster that cannot be
+    reached a RunError, found within seconds (Ray itself would retry a closed GCS port for minutes)."""
+    if ray.is_initialized():
+        return False
+    rc = config.ray
+    starts = rc.address is None and not os.environ.get("RAY_ADDRESS")  # else it joins a cluster (relay submit)
+    address = rc.address or os.environ.get("RAY_ADDRESS")
+    try:
+        check_reachable(address)
+        context = ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
+                           include_dashboard=rc.dashboard, dashboard_host="127.0.0.1", log_to_driver=rc.log_to_driver,
+                           configure_logging=True, logging_level="WARNING",
+                           **({"_system_config": RAY_SYSTEM_CONFIG} if starts else {}))
+    except ValueError as err:  # Ray's own check of the address's form
+        raise ConfigError(f"ray.address={address!r}: {str(err).splitlines()[0]}") from None
+    except ConnectionError as err:
+        raise RunError(f"cannot reach a Ray cluster at ray.address={address}: {str(err).splitlines()[0]}") from None
+    line = dashboard_line(context)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return True

@@ -1,0 +1,456 @@
+"""The training step: one pipeline for on-policy and asynchronous training.
+
+Owns: `Trainer.step` (docs/architecture.md, one step: take `relay scale` requests -> keep k + 1 batches in flight ->
+collect, score and reference-score this step's batch -> learn -> export the new weights -> record), where on-policy
+training is the case `rollout.max_staleness` = 0: the batch of step t is sampled with weights version exactly
+max(c, t - 1 - k), c the latest step where the pipeline drained (a checkpoint step, or where the run or its resume
+started); iterative GRPO's schedule (replayed groups mixed into a batch, reward models fine-tuned on a step's
+completions after its update, the reference refreshed); and writing and restoring checkpoints through the fleet.
+Does not own: starting and ending a run (cluster/run/launch.py), choosing a step's groups (cluster/run/sampling.py),
+the requests and the weights' checks (cluster/fleet/), prompts (cluster/run/data.py), combining rewards
+(cluster/run/scoring.py), the replay buffer (cluster/run/replay.py), metrics (cluster/run/metrics.py), checkpoint files
+(cluster/run/checkpoint.py), the math (learner/).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.config import RunConfig
+from cluster.demo.task import Problem
+from cluster.fleet.placement import Fleet, node_of, with_default_threads
+from cluster.fleet.reference_refresh import ReferenceRefresh
+from cluster.fleet.rollout_pool import Batch, RolloutPool
+from cluster.fleet.scaling import Scaling
+from cluster.run import checkpoint, resume
+from cluster.run.data import sampling_seeds
+from cluster.run.replay import ReplayBuffer
+from cluster.run.sampling import Tally, add_round, choose
+from cluster.run.scoring import Scorer
+from rewards.steps import token_step_rewards
+from sync.calls import Later, RunError, get
+
+REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
+
+
+@dataclass
+class Prepared:
+    """One step's batch, collected and scored, its reference logprobs asked for."""
+
+    version: int  # the weights version that sampled it
+    groups: list[list[Any]]
+    rewards: list[float]
+    stats: dict[str, Any]
+    reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
+    timings: dict[str, float]  # its time/generate and time/score
+    fresh: int  # groups sampled for this step: the first ones of `groups` (replayed groups follow)
+
+
+@dataclass
+class Update:
+    """One update sent to the learner (`Trainer.submit_train`)."""
+
+    refs: list[Any]  # every rank's
+    submitted: float  # time.monotonic() when it was sent
+    done: list[float] = field(default_factory=list)  # gets the time.monotonic() when it was done
+
+
+def overlaps_reference(config: RunConfig) -> bool:
+    """Whether on-policy steps send the update before the reference's logprobs arrive (`learner.overlap_reference`),
+    for a config whose thread counts are resolved (`with_default_threads`)."""
+    lc, rc = config.learner, config.reference
+    if lc.overlap_reference != "auto":
+        return lc.overlap_reference
+    return not (lc.num_gpus == 0 and rc.num_gpus == 0 and max(lc.num_threads, rc.num_threads) > 1)
+
+
+class Trainer:
+    """Runs steps over a started fleet; each `step` returns that step's metrics record."""
+
+    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer, control: Any = None):
+        from actors.rollout import SamplingSettings
+
+        self.config = config
+        self.fleet = fleet
+        self.data = data  # a prompt source (cluster/run/data.py): next_batch() -> list[Problem]
+        ro = config.rollout
+        self.sampling = SamplingSettings(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p)
+        self.scorer = scorer
+        scorer.attach(fleet.reward_models, fleet.launcher.settings.model_path)
+        self.rollouts = RolloutPool(config, fleet)
+        self.scaling = Scaling(self.rollouts)
+        self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts.weights)  # `reference.refresh_every`
+        dc = config.data
+        self.replay = ReplayBuffer(dc.replay_fraction, dc.replay_buffer_size, config.seed, dc.prompts_per_step)
+        self.fit_data: dict[int, dict[str, tuple[list, list, list]]] = {}  # step -> reward model -> its examples
+        self.weights_version = 0
+        self.timings: dict[str, float] = {}
+        self.control = control  # the run's RunControl actor (`relay scale`), if any
+        self.request = None  # its pending `relay scale` request, asked for after the last step (`publish`)
+        # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
+        self.learner_node = node_of(fleet.placement) if control is not None else None
+        self.updated: float | None = None  # time.monotonic() when the learner's last update was done
+        self.staleness = ro.max_staleness
+        # On-policy, the update may go out before the reference's logprobs arrive (asynchronously they were asked for
+        # a step earlier, and the update waits for them as it always did: its results stay the same bits).
+        self.overlap_reference = not self.staleness and overlaps_reference(
+            with_default_threads(config, fleet.launcher.settings.model_path))
+        self.in_flight: dict[int, tuple[Batch, list[Problem]]] = {}  # batches sent out, by step
+        self.prepared: dict[int, Prepared] = {}  # batches collected and scored ahead of their step
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One step. The weights of step t's batch are exactly version max(c, t - 1 - k) (`rollout.max_staleness`
+        = k; on-policy k = 0: the latest). While the learner trains on it, the engines sample the next k batches
+        (each worker loads a new version between its requests), and the driver collects, scores and asks the
+        reference for the next one; after the update, the next batch goes out carrying the new weights, which each
+        worker loads (and probes) at the start of its request. The last step loads and verifies them everywhere at
+        once: the run ends with every engine on the final weights."""
+        self.timings = {"time/sync": 0.0}
+        started = time.perf_counter()
+        recovering = self.rollouts.recovery_seconds
+        with self.timed("scale"):
+            self.apply_scale_request()
+        self.fill(step)
+        ready = self.prepared.pop(step, None) or self.prepare(step)
+        self.timings.update(ready.timings)  # its generate and score times: overlapped with the last update if early
+        rollouts = [r for group in ready.groups for r in group]
+        with self.timed("reference"):
+            # Overlapping, the update goes out now with the reference's logprobs on their way (`later`): the learner
+            # runs its training forward while the reference computes, and waits for them before its first loss.
+            reference = self.later(ready.reference) if self.overlap_reference else self.reference_result(
+                ready.reference)
+            update = self.submit_train(rollouts, ready.rewards, reference)
+            if self.overlap_reference:
+                self.reference_result(ready.reference)  # its failure or missed deadline is the reference's, named here
+        version = self.weights_version + 1
+        if step < self.config.max_steps:
+            with self.timed("sync"):
+                self.rollouts.export(version)  # queued behind the update on the learner
+        if self.staleness and step != self.boundary(step):
+            if step + 1 + self.staleness <= self.boundary(step):
+                self.dispatch(step + 1 + self.staleness, version)
+            self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
+        learner_metrics = self.finish_train(update)
+        self.timings["time/train"] = self.updated - update.submitted  # the update itself, whatever overlapped it
+        if self.weights_version != version:
+            raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
+                           f"{version}: its updates and the driver's steps are out of step")
+        self.fit_reward_models(step, ready.stats)
+        if step == self.config.max_steps:
+            with self.timed("sync"):
+                self.rollouts.sync_now(version)
+        self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
+        self.timings["time/rollout_idle"] = self.rollouts.take_idle()
+        ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
+        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's (fresh groups)
+            tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in ready.groups[:ready.fresh] for r in g])
+            ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
+                                "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
+        return self.record(step, rollouts, learner_metrics, self.rollouts.weights.take_gap(),
+                           time.perf_counter() - started, ready.stats)
+
+    def boundary(self, step: int) -> int:
+        """The first step from `step` on where the pipeline drains: a checkpoint step, or the last. No batch after
+        it is sampled before its update, so a checkpoint there holds everything the run's continuation needs."""
+        every = self.config.checkpoint.every
+        return min(self.config.max_steps, -(-step // every) * every) if every else self.config.max_steps
+
+    def fill(self, step: int) -> None:
+        """Send out the batches of steps `step` .. `step + k` (up to the next drain) not yet in flight: at the start
+        and after a drain, all sampled with the current weights."""
+        if self.weights_version not in self.rollouts.weights.exports:
+            self.rollouts.export(self.weights_version)  # what a replaced worker loads for these batches
+        for s in range(step, min(step + self.staleness, self.boundary(step)) + 1):
+            if s not in self.in_flight and s not in self.prepared:
+                self.dispatch(s, self.weights_version)
+
+    def dispatch(self, step: int, version: int) -> None:
+        """Draw step `step`'s prompts and queue them on the workers, to be sampled with weights version `version`."""
+        problems = self.data.next_batch()
+        seeds = sampling_seeds(self.config.seed, step, len(problems))
+        self.in_flight[step] = (self.rollouts.dispatch(self.prompts_of(problems), seeds, self.sampling, version),
+                                problems)
+
+    def prepare(self, step: int) -> Prepared:
+        """Step `step`'s batch, collected and scored, its reference logprobs asked for (not waited for). With
+        dynamic sampling, the extra rounds are sampled with the batch's version too (queued behind the requests the
+        workers already hold)."""
+        batch, problems = self.in_flight.pop(step)
+
+        def collect(round_: int) -> tuple[list[Problem], list[list[Any]]]:
+            nonlocal batch, problems
+            if round_:
+                problems = self.data.next_batch()
+                seeds = sampling_seeds(self.config.seed, step, len(problems), round_)
+                batch = self.rollouts.dispatch(self.prompts_of(problems), seeds, self.sampling, batch.version)
+            return problems, self.rollouts.collect(batch)
+
+        outer, self.timings = self.timings, {}
+        try:
+            groups, rewards, stats = self.sample(step, collect)
+            fresh = len(groups)
+            groups, rewards = self.replay.mix(step, groups, rewards, batch.version, stats)
+            rollouts = [r for group in groups for r in group]
+            with self.timed("reference"):
+                self.refresh_reference(step, stats)
+            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings,
+                            fresh)
+        finally:
+            self.timings = outer
+
+    def sample(self, step: int, rounds_from: Callable[[int], tuple[list[Problem], list[list[Any]]]]
+               ) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
+        """Score generation rounds (`rounds_from(round)`: a round's problems and their groups) into
+        `prompts_per_step` groups (cluster/run/sampling.py); returns [prompts][G] rollouts, their rewards, and stats.
+        Groups a remote verifier or environment lost under `on_failure=drop` are left out (counted). With
+        `rollout.dynamic_sampling` (DAPO), uninformative groups are set aside and fresh prompts are drawn until enough
+        groups are kept or `max_sampling_rounds` rounds ran, after which set-aside groups top the batch up (counted,
+        never hidden)."""
+        ro, want = self.config.rollout, self.config.data.prompts_per_step
+        tally = Tally([*self.config.reward.sources, *(["env"] if self.config.env.enabled else [])])
+        rounds = 0
+        while len(tally.kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
+            with self.timed("generate"):
+                problems, groups = rounds_from(rounds)
+            with self.timed("score"):
+                result = self.scorer.score(problems, groups)
+            for name, (prompts, completions, targets) in result.fit.items():  # reward models fine-tuned in the run
+                data = self.fit_data.setdefault(step, {}).setdefault(name, ([], [], []))
+                for kept, new in zip(data, (prompts, completions, targets)):
+                    kept += new
+            add_round(self.config, tally, groups, result)
+            rounds += 1
+        return choose(self.config, step, tally, rounds)
+
+    def prompts_of(self, problems: list[Problem]) -> list[Any]:
+        """What the engines get for each problem: its token ids when the data source tokenised it once, else text;
+        for multi-turn episodes (`env`), an `EpisodePrompt` with its text and label too (for the environment)."""
+        if self.config.env.enabled:
+            from actors.rollout_types import EpisodePrompt
+
+            return [EpisodePrompt(p.prompt, p.label, p.prompt_ids) for p in problems]
+        return [p.prompt if p.prompt_ids is None else p.prompt_ids for p in problems]
+
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the block's wall time to `time/<phase>` (a phase may run several times per step)."""
+        start = time.perf_counter()
+        yield
+        key = f"time/{phase}"
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+
+    def fit_reward_models(self, step: int, stats: dict[str, Any]) -> None:
+        """Iterative GRPO: at steps that are multiples of a reward model's `train.every`, fine-tune it on step `step`'s
+        completions labelled by its `train.label_source` (the next scoring uses the new weights); its
+        `reward_model/<name>/*` metrics and `time/reward_fit` go into `stats`. Examples of steps up to `step` are let
+        go."""
+        data = self.fit_data.pop(step, {})
+        for old in [s for s in self.fit_data if s < step]:
+            del self.fit_data[old]
+        due = {name: examples for name, examples in data.items()
+               if step % self.config.reward.sources[name].train.every == 0}
+        if not due:
+            return
+        with self.timed("reward_fit"):
+            refs = [self.fleet.reward_models[name].fit.remote(*examples, self.config.rollout.group_size)
+                    for name, examples in due.items()]
+            results = get(refs, self.config.timeouts.reward, [f"reward model '{name}' fine-tuning" for name in due],
+                          "reward")
+        for name, result in zip(due, results):
+            stats.update({f"reward_model/{name}/{key}": float(value) for key, value in result.items()})
+
+    def refresh_reference(self, step: int, stats: dict[str, Any]) -> None:
+        """Iterative GRPO (`reference.refresh_every`): before step `step`'s reference pass, when due, the reference
+        takes the policy's current weights (the newest version: the one the learner trains from at that step);
+        `reference/version` (and the refresh probe's gap) go into `stats`."""
+        refresh = self.reference_refresh
+        if not refresh.every:
+            return
+        if refresh.due(step):
+            refresh.refresh(self.rollouts.weights_version)
+            stats["sync/reference_probe_diff"] = refresh.last_gap
+        stats["reference/version"] = refresh.version
+
+    def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
+        """Ask the reference for the logprobs of every response token: (the ref of their count, the ref of the
+        flat array, when asked), or None without a reference."""
+        if self.fleet.reference is None:
+            return None
+        from learner.passes.sequences import Rows
+
+        count, logprobs = self.fleet.reference.compute_flat_logprobs.options(num_returns=2).remote(
+            Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
+        return count, logprobs, time.monotonic()
+
+    def reference_result(self, asked: tuple[Any, Any, float] | None) -> Any:
+        """The ref of the reference's logprobs once it has them (`timeouts.reference` from when they were asked
+        for); None without a reference."""
+        if asked is None:
+            return None
+        count, logprobs, since = asked
+        get([count], self.reference_time_left(since), ["reference"], "reference")
+        return logprobs
+
+    def reference_time_left(self, since: float) -> float:
+        """What is left of `timeouts.reference` from `since`, when the reference was asked."""
+        return max(0.0, self.config.timeouts.reference - (time.monotonic() - since))
+
+    def later(self, asked: tuple[Any, Any, float] | None) -> Later | None:
+        """The reference's logprobs for the learner to wait for itself (`sync.calls.Later`), within what is left of
+        `timeouts.reference` from when they were asked for; None without a reference."""
+        if asked is None:
+            return None
+        _, logprobs, since = asked
+        return Later(logprobs, self.reference_time_left(since), "reference", "reference")
+
+    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> Update:
+        """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner
+        waited since its last update was done (`time/learner_wait`)."""
+        from learner.passes.sequences import Rows
+        from learner.learner import TrainBatch
+
+        self.rollouts.weights.check_pending()  # nothing trains on rollouts of weights not checked yet
+        submitted = time.monotonic()
+        self.timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
+
+        batch = TrainBatch(prompt_ids=Rows(r.prompt_ids for r in rollouts),
+                           response_ids=Rows(r.response_ids for r in rollouts),
+                           behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
+                           group_size=self.config.rollout.group_size)  # Rows: packed across Ray
+        if any(r.model_mask is not None for r in rollouts):  # multi-turn episodes: train on the model's tokens only
+            batch.model_masks = Rows(np.ones(len(r.response_ids), np.uint8) if r.model_mask is None
+                                     else np.asarray(r.model_mask, np.uint8) for r in rollouts)
+        if self.config.scores_steps:
+            dense = [token_step_rewards(r.step_ends, r.step_rewards, len(r.response_ids)) for r in rollouts]
+            batch.step_rewards, batch.step_ends = Rows(d[0] for d in dense), Rows(d[1] for d in dense)
+        update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs), submitted)
+        update.refs[0].future().add_done_callback(lambda _: update.done.append(time.monotonic()))
+        return update
+
+    def finish_train(self, update: Update) -> dict:
+        """Wait for `update` (`timeouts.train` from its submission): the learner's metrics; `weights_version` becomes
+        the version it reports it produced, `updated` when it was done."""
+        remaining = self.config.timeouts.train - (time.monotonic() - update.submitted)
+        metrics = self.fleet.learner_group.finish(update.refs, max(0.0, remaining), "train")[0]
+        self.updated = update.done[0] if update.done else time.monotonic()
+        self.weights_version = int(metrics["weights/version"])
+        return metrics
+
+    def save_checkpoint(self, run_dir: Path, step: int, resolved_config: str) -> Path:
+        """Write `checkpoints/step_<step>` atomically: the learner's state, the data cursor, the workers' measured
+        speeds (they split the next batch: engine batches decide the last bits of the behaviour logprobs), the
+        resolved config."""
+        tmp = checkpoint.begin(run_dir, step)
+        self.fleet.learner_group.save_checkpoint(str(tmp))
+        speeds = {str(slot_id): speed for slot_id, speed in self.rollouts.speeds.items()}
+        checkpoint.write_driver_state(tmp, {"step": step, "weights_version": self.weights_version,
+                                            "data": self.data.state(), "rollout_speeds": speeds,
+                                            **self.reference_refresh.save(tmp)})
+        self.replay.save(tmp)
+        self.save_reward_models(tmp)
+        checkpoint.write_config(tmp, resolved_config)
+        return checkpoint.commit(tmp, run_dir, step, self.config.checkpoint.keep)
+
+    def trained_reward_models(self) -> list[str]:
+        return [name for name, source in self.config.reward.sources.items() if getattr(source, "train", None)]
+
+    def save_reward_models(self, directory: Path) -> None:
+        """The fine-tuned reward models' weights and optimizer states, in `reward_models/<name>/`."""
+        names = self.trained_reward_models()
+        refs = [self.fleet.reward_models[name].save_state.remote(str(directory / REWARD_MODELS_DIR / name))
+                for name in names]
+        get(refs, self.config.timeouts.reward, [f"reward model '{name}'" for name in names], "checkpoint")
+
+    def restore_reward_models(self, directory: Path) -> None:
+        names = self.trained_reward_models()
+        refs = [self.fleet.reward_models[name].load_state.remote(str(directory / REWARD_MODELS_DIR / name))
+                for name in names]
+        get(refs, self.config.timeouts.reward, [f"reward model '{name}'" for name in names], "checkpoint")
+
+    def restore(self, point: resume.ResumePoint) -> int:
+        """Load a checkpoint into the learner, the data cursor and every engine (probe-checked); returns its step."""
+        version = self.fleet.learner_group.load_checkpoint(str(point.path))
+        self.data.load_state(point.state["data"])
+        self.reference_refresh.restore(point.path, point.state)
+        self.replay.load(point.path)
+        self.restore_reward_models(point.path)
+        self.weights_version = version
+        self.rollouts.restored(version)  # the first batches load it, as in the run that drained at this checkpoint
+        self.rollouts.speeds = {int(slot_id): speed for slot_id, speed in point.state.get("rollout_speeds", {}).items()}
+        # The start's probe checked the model's weights, not the checkpoint's the next step samples with (that step's
+        # requests probe those): its gap is not that step's, which must match the uninterrupted run's.
+        self.rollouts.weights.take_gap()
+        return point.step
+
+    def apply_scale_request(self) -> None:
+        """Between steps: apply what `relay scale` asked since the last step (removals at once,
+        new workers placed in the background), and let in the new workers whose engines are up."""
+        if self.control is None:
+            return
+        asked, self.request = self.request or self.control.take_request.remote(), None  # answered while we trained
+        request = get([asked], self.config.timeouts.sync, ["run control"], "sync")[0]
+        if request is not None:
+            self.scaling.resize(request["num_workers"], request["remove"])
+        self.scaling.admit()
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Tell the control actor what the fleet is after this step (`relay status` shows it)."""
+        if self.control is None:
+            return
+        self.control.publish.remote({  # fire and forget: the step does not wait for it
+            "step": record["step"], "weights_version": self.weights_version,
+            "learner_node": self.learner_node,
+            "workers": [{"id": s.id, "node_id": s.node_id} for s in self.fleet.rollout],
+            "workers_pending": [{"id": p.id, "state": p.state, "seconds": round(time.monotonic() - p.since, 1)}
+                                for p in self.fleet.pending],
+            "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
+            "scale_failures": self.scaling.failures, "last_scale_error": self.scaling.last_error})
+        # Ask for the next `relay scale` request now: the answer is there when the next step starts (no round trip in
+        # it); a request made after this is taken one step later.
+        self.request = self.control.take_request.remote()
+
+    def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
+               step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:
+        """One metrics line. `reward/*` cover every completion scored this step (dropped groups too: they show how
+        the policy does); the rest cover the completions trained on."""
+        lengths = [len(r.response_ids) for r in rollouts]
+        episodes = {}
+        if self.config.env.enabled:  # multi-turn: what the episodes trained on did (failures: every one scored)
+            infos = [r.episode for r in rollouts if r.episode is not None]
+            episodes = {"env/turns/mean": statistics.fmean(e.turns for e in infos) if infos else 0.0,
+                        "env/calls": float(sum(e.calls for e in infos)),
+                        "env/invalid_calls": float(sum(e.invalid_calls for e in infos)),
+                        "env/truncated_observations": float(sum(e.truncated_observations for e in infos)),
+                        "env/episode_seconds": statistics.fmean(e.env_seconds for e in infos) if infos else 0.0,
+                        "response_length/model_tokens": statistics.fmean(
+                            float(np.sum(r.model_mask)) if r.model_mask is not None else len(r.response_ids)
+                            for r in rollouts),
+                        "time/env": self.rollouts.take_env_wait()}
+        return {
+            "step": step,
+            **sampling,
+            "rollout/completions": len(rollouts),
+            "response_length/mean": statistics.fmean(lengths),
+            "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+            **episodes,
+            **learner_metrics,
+            **self.data.metrics(),
+            "weights/version": self.weights_version,
+            "sync/probe_max_diff": probe_diff,
+            "rollout/workers": len(self.fleet.rollout_workers),
+            "rollout/workers_pending": len(self.fleet.pending),
+            "rollout/scale_events": self.scaling.events,
+            "rollout/scale_failures": self.scaling.failures,
+            "rollout/restarts": self.rollouts.restarts,
+            **self.timings,
+            "time/step": step_seconds,
+            "throughput/tokens_per_s": sum(lengths) / step_seconds,
+        }
