@@ -118,9 +118,12 @@ class Trainer:
         recovering = self.rollouts.recovery_seconds
         with self.timed("scale"):
             self.apply_scale_request()
+        sent = time.perf_counter()
         self.fill(step)
+        sent = time.perf_counter() - sent
         ready = self.prepared.pop(step, None) or self.prepare(step)
         self.timings.update(ready.timings)  # its generate and score times: overlapped with the last update if early
+        self.timings["time/generate"] += sent  # sending the batches out is generation's too
         rollouts = [r for group in ready.groups for r in group]
         with self.timed("reference"):
             # Overlapping, the update goes out now with the reference's logprobs on their way (`later`): the learner
@@ -138,8 +141,10 @@ class Trainer:
             if step + 1 + self.staleness <= self.boundary(step):
                 self.dispatch(step + 1 + self.staleness, version)
             self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
-        learner_metrics = self.finish_train(update)
-        self.timings["time/train"] = self.updated - update.submitted  # the update itself, whatever overlapped it
+        with self.timed("train"):
+            learner_metrics = self.finish_train(update)
+        if self.staleness:  # the phases overlap: the update itself, from its submission to its result
+            self.timings["time/train"] = self.updated - update.submitted
         if self.weights_version != version:
             raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
                            f"{version}: its updates and the driver's steps are out of step")
