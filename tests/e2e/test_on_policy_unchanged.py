@@ -34,6 +34,9 @@ BEFORE_ASYNC = "8e69925"  # the last commit before issue 17 (asynchronous traini
 STEPS = 3
 # Keys the asynchronous work added (to every record, on-policy too), and what differs between any two runs.
 NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rollout_idle")
+# Keys measured another way since: the probe's gap is the root mean square of its token gaps (issue 43), not the
+# largest one. The probe checks the run; it takes no part in what the run computes.
+REDEFINED = ("sync/probe_max_diff",)
 VOLATILE = ("time/", "throughput/", "memory/")
 OLD_WAYS = ["learner.share_prompts=false", "reference.share_prompts=false",  # settings the old code did not have
             "learner.pack_sequences=false", "reference.pack_sequences=false", "rollout.cpu_linear=onednn"]
@@ -62,8 +65,8 @@ def results(run_dir: Path) -> tuple[list[dict], dict]:
 
 def stable(records: list[dict]) -> list[dict]:
     """What the two runs must agree on (NaN as None: NaN != NaN)."""
-    return [{k: None if v != v else v for k, v in r.items() if k not in NEW_KEYS and not k.startswith(VOLATILE)}
-            for r in records]
+    return [{k: None if v != v else v for k, v in r.items()
+             if k not in NEW_KEYS + REDEFINED and not k.startswith(VOLATILE)} for r in records]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
