@@ -10,8 +10,9 @@ broadcasts the weights in flat buckets, and re-forms the group when the fleet ch
 itself lives in sync/group.py).
 A transport gets what it needs and no more: the learner's rank-0 actor (the publisher, sync/publisher.py), the
 workers to load (anything with an `actor` and the `node_id` it runs on), the version, the sync config and deadline.
-Does not own: which workers exist, replacing failed ones, or the probe (cluster/fleet/rollout_pool.py); the version
-and fingerprint checks of what a worker reports (sync/verify.py, for every transport alike).
+Does not own: which workers exist or replacing failed ones (cluster/fleet/rollout_pool.py), the probe
+(cluster/fleet/weight_sync.py); the version and fingerprint checks of what a worker reports (sync/verify.py, for every
+transport alike).
 """
 
 from __future__ import annotations
@@ -47,11 +48,6 @@ class WeightTransport(Protocol):
         """The arguments that let each worker load the learner's current weights itself at the start of its next
         `generate` call, by key (RolloutWorker.generate's `version, *buckets`), or None when this transport cannot
         do that (both ends of a collective must take part at once)."""
-        ...
-
-    def check_learner(self) -> None:
-        """After requests that carried deferred loads failed: raise a RunError if the learner's side failed (only
-        called for transports whose `defer` gives loads)."""
         ...
 
     def fleet_changed(self, actors: Sequence[Any]) -> None:
@@ -170,9 +166,6 @@ class CollectiveTransport:
 
     def defer(self, workers: Mapping[int, Worker], version: int) -> None:
         return None
-
-    def check_learner(self) -> None:
-        pass  # never called: this transport defers no loads
 
     def fleet_changed(self, actors: Sequence[Any]) -> None:
         self.alive = set(map(_id, actors))

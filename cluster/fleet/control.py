@@ -5,7 +5,7 @@ on their way in; `relay scale` leaves a request that the driver takes at the sta
 (`relay/<run_dir name>` in Ray namespace `relay`), starting it as a named actor (`start_control`), and the client
 functions that find a run on a cluster and talk to it. Requests are checked here, against the fleet the driver last
 published, so a bad request fails in the user's terminal, not in the run.
-Does not own: applying a request (`RolloutPool.resize` and `admit`, cluster/fleet/rollout_pool.py, called by the
+Does not own: applying a request (`Scaling.resize` and `admit`, cluster/fleet/scaling.py, called by the
 driver between steps).
 """
 

@@ -50,8 +50,8 @@ class RolloutSlot:
 @dataclass(eq=False)
 class PendingWorker:
     """A rollout worker on its way into the fleet: its placement group waits for room (Ray's autoscaler may be adding
-    a node), then its engine starts; it joins at a step boundary once it is up (`RolloutPool.admit`,
-    cluster/fleet/rollout_pool.py)."""
+    a node), then its engine starts; it joins at a step boundary once it is up (`Scaling.admit`,
+    cluster/fleet/scaling.py)."""
 
     id: int
     placement: PlacementGroup

@@ -8,7 +8,7 @@ learner's (`sync.probe`, the engines' tolerance), the version the reference hold
 reference's weights with a checkpoint (a refreshed reference cannot be rebuilt from anything else a checkpoint
 holds).
 Does not own: the KL (learner/), the reference actor (actors/reference.py), the rules of the checks
-(sync/verify.py) or the learner's fingerprints (cluster/fleet/rollout_pool.py).
+(sync/verify.py) or the learner's fingerprints (cluster/fleet/weight_sync.py).
 """
 
 from __future__ import annotations

@@ -136,8 +136,8 @@ class WeightSync:
         else:
             loads, default, probe = {}, self.transport.export(version), None
             if cfg.sync.probe and self.probe_prompt is not None:
-                args = (self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, PROBE_SEED)
-                probe = self.fleet.learner_group.submit("probe_sample", args)[0]  # rank 0's (every rank must join)
+                # rank 0's ref (every rank must join)
+                probe = self.fleet.learner_group.submit("probe_sample", self._learner_probe_args(PROBE_SEED))[0]
         refs = {id(ref): ref for args in [*loads.values(), default or []] for ref in args[1:]}
         export = Export(version, loads, default, fingerprints, probe, self.shared and cfg.sync.probe,
                         Ready(list(refs.values())), asked)
@@ -246,14 +246,13 @@ class WeightSync:
         tolerance from it (`probe_tolerance_from`), from `PROBE_NOISE_SEEDS` draws (the rules then check the first,
         `PROBE_SEED`'s, as every later probe uses that seed)."""
         seeds = PROBE_NOISE_SEEDS if self.noise is None else (PROBE_SEED,)  # PROBE_SEED's first: the cache check's
-        draws = [self._engine_probes(slots, seed) for seed in seeds] if self.shared else \
-            [self._learner_probes(slots, seed) for seed in seeds]
+        if self.shared:  # every engine samples first, then the learner scores them all
+            asked = [self.score_probes(slots, self._engine_probes(slots, seed)) for seed in seeds]
+            draws = [self.scored(probes) for probes in asked]
+        else:
+            draws = [self._learner_probes(slots, seed) for seed in seeds]
         if self.noise is None:
-            scored = [s for samples in draws for s in (self.scored(self.score_probes(slots, samples)) if self.shared
-                                                        else samples)]
-            self.noise = probe_noise([(s.logprobs, s.learner_logprobs) for s in scored])
-        if self.shared:
-            return self.check_probes(self.score_probes(slots, draws[0]))
+            self.noise = probe_noise([(s.logprobs, s.learner_logprobs) for samples in draws for s in samples])
         weights = self.weights_digest()
         return self._check_probes([(slot, probe_gap(s.logprobs, s.learner_logprobs), s, weights)
                                    for slot, s in zip(slots, draws[0])])
@@ -272,10 +271,14 @@ class WeightSync:
         if self.probe_prompt is None:
             [self.probe_prompt] = get([slots[0].actor.tokenize.remote(cfg.sync.probe_prompt)], cfg.timeouts.sync,
                                       [slots[0].name], "sync")
-        args = (self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed)
-        probe = group.finish(group.submit("probe_sample", args), cfg.timeouts.sync, "sync")[0]
+        probe = group.finish(group.submit("probe_sample", self._learner_probe_args(seed)), cfg.timeouts.sync, "sync")[0]
         return values(call_all([slot.actor for slot in slots], "score_probe", (*probe, seed == PROBE_SEED),
                                cfg.timeouts.sync, "sync", stop_on_failure=True), [slot.name for slot in slots], "sync")
+
+    def _learner_probe_args(self, seed: int) -> tuple:
+        """The arguments of `Learner.probe_sample`: the probe prompt's tokens, sampled as the engines sample it."""
+        cfg = self.config
+        return self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed
 
     def score_probes(self, slots: list[RolloutSlot], samples: list[ProbeSample]) -> Probes:
         """Send the engines' probe samples to the learner to score, not waited for (`check_probes` finishes)."""
