@@ -19,6 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ class Request:
     top_p: float
     max_tokens: int
     seed: int | None
+    cache_salt: str | None = None  # its own prefix-cache space: it neither reads nor writes another salt's entries
 
 
 @dataclass(frozen=True)
@@ -214,28 +216,28 @@ class VllmEngine:
         vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
         would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
         batched call of the tokenizer instead, the same text (tests/actors/test_rollout_worker.py)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
         params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=False,
                                  flat_logprobs=True)
                   for r in requests]
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        prompts = [_tokens_prompt(ids, r.cache_salt) for ids, r in zip(prompt_ids, requests)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         texts = iter(self.tokenizer.batch_decode([c.token_ids for out in outputs for c in out.outputs],
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
     def generate_stepwise(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
-                          max_tokens: int, seeds: Sequence[int | None], before_step: Callable[[], int]
-                          ) -> list[list[SampledCompletion]]:
+                          max_tokens: int, seeds: Sequence[int | None], before_step: Callable[[], int],
+                          cache_salt: str | None = None) -> list[list[SampledCompletion]]:
         """`generate`, one engine step at a time: `before_step()` runs before every step (it may load new weights:
         `load_weights(..., running=True)`) and returns the weights version the step samples with, which tags each
         token. Without loads, the same tokens and logprobs as `generate` (tests/actors/test_rollout_worker.py).
 
         The requests are added as `LLM.generate` adds them (its rendering), but stream their new tokens
         (`RequestOutputKind.DELTA`): each step's tokens are tagged when they arrive."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
@@ -244,8 +246,8 @@ class VllmEngine:
             params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                                     seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True,
                                     output_kind=RequestOutputKind.DELTA)
-            engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(
-                TokensPrompt(prompt_token_ids=list(ids)), None), params)
+            engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(_tokens_prompt(ids, cache_salt), None),
+                               params)
         tokens = [[([], [], []) for _ in range(n)] for _ in prompt_ids]  # [prompt][index] -> ids, logprobs, versions
         ends: dict[tuple[int, int], tuple[str, int | None]] = {}
         while engine.has_unfinished_requests():
@@ -275,12 +277,12 @@ class VllmEngine:
     # Multi-turn episodes (actors/episodes.py): one request per model turn, added and stepped one at a time, so that
     # turns of many episodes share the engine's batches while other episodes wait for their environment.
     def add_turn(self, prompt_ids: Sequence[int], temperature: float, top_p: float, max_tokens: int, seed: int,
-                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> str:
+                 stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), cache_salt: str | None = None) -> str:
         """Queue one completion of `prompt_ids` (an episode so far: the prompt and every earlier turn's tokens, as
         they are); returns its request id, which `step_turns` reports when it finishes. It ends at EOS, at a token
         of `stop_token_ids`, after the token that completes one of `stop` (kept in the completion), or at
         `max_tokens`. Stop strings need the engine to detokenize; token ids do not."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         request_id = f"relay-turn-{next(self._requests)}"
@@ -289,7 +291,7 @@ class VllmEngine:
                                 stop_token_ids=list(stop_token_ids) or None, skip_special_tokens=True,
                                 detokenize=bool(stop), flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, self.llm._preprocess_cmpl_one(
-            TokensPrompt(prompt_token_ids=list(prompt_ids)), None), params)
+            _tokens_prompt(prompt_ids, cache_salt), None), params)
         return request_id
 
     def step_turns(self) -> list[tuple[str, SampledCompletion]]:
@@ -378,6 +380,17 @@ class VllmEngine:
             destroy_model_parallel()
             destroy_distributed_environment()
             del self.llm
+
+
+def _tokens_prompt(ids: Sequence[int], cache_salt: str | None) -> Any:
+    """vLLM's prompt of token ids; with `cache_salt`, in that salt's own prefix-cache space (evaluation requests: they
+    leave the entries training requests find as they were)."""
+    from vllm import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(ids))
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def _completion(output, text: str, cached_prompt_tokens: int | None) -> SampledCompletion:

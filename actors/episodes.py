@@ -97,7 +97,7 @@ class _Turns:
     async def sample(self, ids: list[int], seed: int, max_tokens: int) -> Any:
         """One turn from the episode so far (`ids`): the engine's `SampledCompletion`."""
         request_id = self.engine.add_turn(ids, self.sampling.temperature, self.sampling.top_p, max_tokens, seed,
-                                          self.stop, self.stop_token_ids)
+                                          self.stop, self.stop_token_ids, self.sampling.cache_salt)
         future = asyncio.get_running_loop().create_future()
         self.waiting[request_id] = future
         self.added.set()

@@ -4,7 +4,7 @@ Owns: a transformers `AutoModelForTokenClassification` (one output: the score is
 probability of label 1, as Qwen2.5-Math-PRM reads its step tokens) in eval mode with gradients off, on the actor's GPU
 when it has one (`learner.passes.device.pick_device`), its own fast tokenizer (offset mappings find each step's end
 token), and batched scoring of right-padded text (texts sorted by token count and cut into passes by a token budget,
-`learner.passes.sequences.MicroBatching`, each padded to its own longest). A sample's text is the prompt, then every
+`learner.passes.micro_batches.MicroBatching`, each padded to its own longest). A sample's text is the prompt, then every
 step followed by the separator; step j is scored at the token holding the first character of its separator.
 Does not own: splitting completions into steps, or turning step scores into rewards or advantages (the driver,
 `cluster/run/scoring.py`). A plain class: Ray wraps it in `cluster/`.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from learner.passes.device import pick_device
-from learner.passes.sequences import MicroBatching
+from learner.passes.micro_batches import MicroBatching
 
 
 class ProcessRewardModelWorker:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from learner.passes.device import count_parameters, default_threads, matmuls_in, pick_device
-from learner.passes.sequences import MicroBatching, batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
+from learner.passes.micro_batches import MicroBatching
+from learner.passes.sequences import batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from sync.receive import Loaded, Weights, fingerprints, received
 
 

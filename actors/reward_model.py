@@ -3,7 +3,7 @@
 Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode (no dropout, ever),
 on the actor's GPU when it has one (`learner.passes.device.pick_device`), its own tokenizer (a reward model need not
 share the policy's), and batched scoring of right-padded text (texts sorted by token count and cut into passes by a
-token budget, `learner.passes.sequences.MicroBatching`, each padded to its own longest).
+token budget, `learner.passes.micro_batches.MicroBatching`, each padded to its own longest).
 Frozen (no `training` settings): gradients off, parameters in `dtype`. Trained (iterative reward modelling): float32
 master parameters computed in `dtype` (autocast when narrower, `learner.passes.device.compute_in`), AdamW, `fit` on
 verifier-labelled completions with the Bradley-Terry pair loss or a regression loss (looked up by the config's name
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from learner.passes.device import compute_in, matmuls_in, pick_device, to_cpu
-from learner.passes.sequences import MicroBatching
+from learner.passes.micro_batches import MicroBatching
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the Hugging Face files that `save_state` writes: AdamW state, update count
 OPTIMIZER_STATE_FORMAT = 1

@@ -86,7 +86,7 @@ class RolloutWorker:
             result.env_wait_s = env_wait_s
         else:
             requests = [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                                seed) for seed in seeds]
+                                seed, sampling.cache_salt) for seed in seeds]
             if in_batch:
                 probe_ids, probe_request = self._probe_request(*probe)
                 [[c], *groups] = self.engine.sample([probe_ids, *prompt_ids], [probe_request, *requests])
@@ -136,7 +136,8 @@ class RolloutWorker:
 
         prompt_ids = self._prompt_ids(prompts)
         groups = self.engine.generate_stepwise(prompt_ids, sampling.group_size, sampling.temperature,
-                                               sampling.top_p, sampling.max_new_tokens, list(seeds), before_step)
+                                               sampling.top_p, sampling.max_new_tokens, list(seeds), before_step,
+                                               cache_salt=sampling.cache_salt)
         if last and last[0].probe is not None:  # the engine still serves it: nothing loads between requests
             loads[-1] = (loads[-1][0], self.score_probe(*last[0].probe, cache_check=False), True)
         result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))

@@ -27,6 +27,7 @@ class SamplingSettings:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    cache_salt: str | None = None  # the requests' own prefix-cache space (evaluation: training's entries stay as they were)
 
 
 class EpisodePrompt(NamedTuple):

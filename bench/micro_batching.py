@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.demo.model import tiny_qwen2_config  # noqa: E402
+from learner.passes.micro_batches import MicroBatching  # noqa: E402
 from learner.passes.sequences import (  # noqa: E402
-    MicroBatching,
     SharedPrompts,
     pad_sequences,
     sequence_logprobs,

@@ -68,8 +68,9 @@ def progress(steps: int, lr: float) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from cluster.demo.cache import ensure_demo_model
+    from learner.batch import TrainBatch
     from learner.config import LearnerConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.learner import Learner
 
     model_path = str(ensure_demo_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)

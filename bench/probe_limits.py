@@ -54,8 +54,9 @@ def main() -> int:
     from actors.engine import EngineSettings
     from actors.rollout import RolloutWorker, SamplingSettings
     from cluster.demo.cache import ensure_demo_model
+    from learner.batch import TrainBatch
     from learner.config import LearnerConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.learner import Learner
     from sync.config import SyncConfig
     from sync.verify import (
         PROBE_NOISE_SEEDS,

@@ -91,8 +91,9 @@ def measure(model_path: str, dtype: str, lrs: list[float], seeds: list[int], pro
     one step, from the engine that did not load it and from the engine that did."""
     from actors.engine import EngineSettings
     from actors.rollout import RolloutWorker, SamplingSettings
+    from learner.batch import TrainBatch
     from learner.config import LearnerConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.learner import Learner
     from sync.config import SyncConfig
 
     sync = SyncConfig()

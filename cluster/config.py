@@ -11,7 +11,6 @@ and config validation are instant and need neither torch nor vLLM.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.config import ReferenceConfig, RolloutConfig
+from cluster.data_config import DataConfig, EvalConfig, ReasoningGymConfig, ReasoningGymDataset  # noqa: F401
 from learner.config import CriticConfig, LearnerConfig
 from rewards.config import SOURCE_TYPES, EnvironmentConfig, RewardConfig
 from sync.config import SyncConfig
@@ -38,106 +38,6 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: the engines' and the reference's weights, the learner's forward and backward (autocast when its
     parameters are float32: `learner.master_dtype`), and the saved policy's."""
-
-
-class ReasoningGymDataset(_Section):
-    weight: float = Field(1.0, gt=0, le=1_000_000)
-    """Relative weight: each entry comes from this dataset with probability weight / (sum of the weights)."""
-    config: dict[str, Any] = {}
-    """The dataset's own settings, the fields of its config class in reasoning-gym (e.g. `{min_terms: 2, max_terms:
-    3}` for `basic_arithmetic`); empty: its defaults. Unset `seed` and `size` follow `data.reasoning_gym`'s, as
-    reasoning-gym's composite dataset sets them."""
-
-
-class ReasoningGymConfig(_Section):
-    datasets: dict[str, ReasoningGymDataset] = {}
-    """reasoning-gym datasets by their registered names (`basic_arithmetic`, `leg_counting`, ...), mixed by weight
-    in reasoning-gym's composite dataset; needed with `data.task=reasoning_gym`. A name reasoning-gym does not know
-    stops the run before anything starts, with the closest names."""
-    size: int = Field(1000, ge=1, le=10_000_000)
-    """Entries generated when the run starts (all at once, before any actor): the prompts of one epoch, cycled and
-    shuffled like a dataset file's."""
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
-    """Seed reasoning-gym generates the entries from (the same seed, datasets and reasoning-gym version give the same
-    entries); empty: the run's `seed`."""
-
-    @model_validator(mode="after")
-    def _names(self) -> ReasoningGymConfig:
-        for name in self.datasets:
-            if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "composite":
-                raise ValueError(f"datasets: {name!r} is not a reasoning-gym dataset name (lower-case, like "
-                                 "basic_arithmetic; list several names instead of 'composite')")
-        return self
-
-
-class DataConfig(_Section):
-    task: Literal["arithmetic", "chain_sum", "calc", "dataset", "reasoning_gym"] = "arithmetic"
-    """Prompt source: `arithmetic` draws `a+b=` prompts whose label is the sum; `chain_sum` draws `12+34+56=` prompts
-    whose label is the partial sums, one step each, separated by single spaces (`46 102`); `dataset` reads
-    `data.path`; `calc` draws `37*48=` prompts whose label is the product, for multi-turn episodes with the
-    calculator tool (`env.spec: rewards.environments.examples:Calculator`); `reasoning_gym` generates
-    `data.reasoning_gym`'s tasks (needs `pip install 'relay-rl[reasoning-gym]'`), each labelled with its whole entry,
-    and, unless `reward.sources` is given, scores them with the `reasoning_gym` verifier. With an empty `model.path`,
-    `chain_sum` and `calc` run on their own demo models, the others on the arithmetic one."""
-    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
-    """The reasoning-gym tasks of `task=reasoning_gym` (docs/verifiers.md, reasoning-gym)."""
-    path: str | None = None
-    """Prompt file for `task=dataset`: JSONL (`.jsonl`), Parquet (`.parquet`) or a Hugging Face `datasets`
-    directory (written by `save_to_disk`)."""
-    split: str = Field("train", min_length=1)
-    """Split to read when `data.path` is a `datasets` directory holding several splits."""
-    prompt_field: str = Field("prompt", min_length=1)
-    """Row field holding the prompt: a string, or chat messages (a list of {role, content})."""
-    label_field: str | None = "label"
-    """Row field holding the label the verifiers compare with (any JSON value); empty: no label."""
-    label_format: Literal["value", "json"] = "value"
-    """`value`: a label is used as the file holds it; `json`: a label that is a string is JSON text and is decoded
-    when the file loads (other values are kept), the lossless way to store labels of different shapes in Parquet or
-    `datasets` columns, as the reasoning-gym export writes them."""
-    chat_template: bool = False
-    """Wrap string prompts as one user message and apply the tokenizer's chat template (message prompts always
-    get it)."""
-    system_prompt: str | None = None
-    """System message put before every prompt when the chat template is applied. With `task=reasoning_gym` it
-    replaces reasoning-gym's instruction (a system message, or a prefix without the chat template): unset, that
-    instruction is reasoning-gym's default system prompt, which asks for the answer in `<answer>` tags; `''`, none
-    (with the chat template, an empty system message)."""
-    tools: list[str] = []
-    """Functions offered to a chat model as tools (`package.module:function`, typed, with a Google-style docstring):
-    their JSON schemas go into the chat template (`tools=`) of every prompt it renders; run them with
-    `env.spec: rewards.environments.tools:ToolEnvironment` and `env.params.tools` (docs/environments.md)."""
-    max_prompt_tokens: int | None = Field(None, ge=1, le=1_048_576)
-    """Longer prompts are skipped and counted (`data/filtered_prompts`); empty: `rollout.max_model_len -
-    rollout.max_new_tokens`."""
-    untokenizable: Literal["refuse", "filter"] = "refuse"
-    """A dataset or reasoning-gym prompt the model's tokenizer cannot hold (its token ids decode to other text, spaces
-    aside, or hold the unknown token): `refuse` stops before anything starts, naming the row and the character;
-    `filter` skips it, counted in `data/filtered_prompts`."""
-    shuffle: bool = True
-    """Shuffle the dataset with `seed`, a new order each epoch."""
-    min_operand: int = Field(0, ge=0, le=10**6)
-    """Smallest operand of the arithmetic and chain_sum tasks (their demo models learned operands 0 to 99)."""
-    max_operand: int = Field(99, ge=0, le=10**6)
-    """Largest operand of the arithmetic and chain_sum tasks."""
-    num_terms: int = Field(3, ge=2, le=8)
-    """Terms of the chain_sum task (its demo model learned 3; its answers then fit `rollout.max_new_tokens=8`)."""
-    prompts_per_step: int = Field(32, ge=1, le=1_000_000)
-    """Prompts drawn per step (B); each gets `rollout.group_size` completions."""
-    replay_fraction: float = Field(0.0, ge=0, le=0.5)
-    """Iterative GRPO's replay: the share of each step's batch made of past scored groups (prompt, completions,
-    rewards, behaviour logprobs, the version that sampled them) drawn from a buffer, reproducibly, on top of the
-    `prompts_per_step` fresh groups: round(prompts_per_step x f / (1 - f)) groups (e.g. 0.1 with 32 prompts: 4).
-    Replayed groups are off-policy: an unset `learner.rollout_correction` becomes `tis`. 0 turns it off."""
-    replay_buffer_size: int = Field(256, ge=1, le=1_000_000)
-    """Groups the replay buffer keeps (the most recent fresh ones; older ones leave first)."""
-
-    @model_validator(mode="after")
-    def _operands_ordered(self) -> DataConfig:
-        if self.min_operand > self.max_operand:
-            raise ValueError(
-                f"min_operand ({self.min_operand}) must not exceed max_operand ({self.max_operand}); swap them"
-            )
-        return self
 
 
 class CheckpointConfig(_Section):
@@ -224,6 +124,8 @@ class RunConfig(_Section):
     """The initial policy (also the reference)."""
     data: DataConfig = DataConfig()
     """Where prompts come from and how many per step."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation on held-out prompts while training (and `relay eval`)."""
     rollout: RolloutConfig = RolloutConfig()
     """The rollout fleet (vLLM engines) and sampling."""
     reference: ReferenceConfig = ReferenceConfig()
@@ -397,6 +299,20 @@ def _inconsistencies(config: RunConfig):
         yield (f"rollout.top_p={rollout.top_p:g} with learner.rollout_correction={learner.rollout_correction} "
                "(" + why + "the learner's logprobs are not renormalised over the nucleus as the engines' are, so the "
                "importance weights would be biased below 1): set rollout.top_p=1, or learner.rollout_correction=none")
+    ev = config.eval
+    if ev.every and ev.data is None and not config.data.held_out:
+        yield ("eval.every > 0 evaluates on the training data's held-out problems, and data.held_out is 0: set "
+               "data.held_out (e.g. 0.1: training then skips those problems) or give eval.data")
+    for name in ev.sources or []:
+        if name not in config.reward.sources:
+            yield (f"eval.sources names '{name}', which is not in reward.sources ({', '.join(config.reward.sources)})"
+                   "; name training sources, or leave eval.sources empty for all of them")
+    if ev.every and rollout.in_flight_updates:
+        yield ("eval.every > 0 with rollout.in_flight_updates: an evaluation samples with one weights version, and "
+               "in-flight updates change an engine's weights during its requests; set one of them off")
+    if ev.max_new_tokens is not None and ev.max_new_tokens >= rollout.max_model_len:
+        yield (f"eval.max_new_tokens ({ev.max_new_tokens}) must be below rollout.max_model_len "
+               f"({rollout.max_model_len}), which holds the prompt and the completion")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
 

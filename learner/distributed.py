@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from learner.passes.device import pick_device
-from learner.passes.sequences import MicroBatching, SequenceBatch
+from learner.passes.micro_batches import MicroBatching
+from learner.passes.sequences import SequenceBatch
 
 GRADIENT_BUCKET_BYTES = 64 * 2**20  # gradients are all-reduced in flat buckets of about this size
 STRATEGIES = ("ddp", "fsdp2")

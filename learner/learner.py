@@ -1,19 +1,19 @@
 """Learner: the trained policy (and, for PPO, the value model), their optimizers, and one update per step.
 
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
-`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from
-the training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
-(the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the reward);
-advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.model_masks`): only the model's
-tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each
-row's model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
+`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from the
+training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
+(`learner.batch`: the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the
+reward); advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.model_masks`): only the model's
+tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each row's
+model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
 (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
-(`learner.passes.sequences.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
-non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the
-updates it made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed
-precision: parameters, gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and
-backward in `model.dtype` (autocast when the two differ); whatever leaves for an engine or the Hugging Face policy
-directory is cast to `model.dtype`, once per sync.
+(`learner.passes.micro_batches.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
+non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the updates it
+made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters,
+gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
+(autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
+`model.dtype`, once per sync.
 With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
 gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
 optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
@@ -28,27 +28,21 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from learner.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    carry_to_model_tokens,
-    last_token_rewards,
-    on_model_tokens,
-)
+from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, on_model_tokens
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
+from learner.batch import StepTensors, TrainBatch, per_token_rewards
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.distributed import DataParallel, clip_grad_norm
 from learner.passes.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
+from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import (
-    MicroBatching,
     SequenceBatch,
     SharedPrompts,
     pad_per_token,
@@ -65,48 +59,6 @@ from sync.publisher import WeightPublisher, cast_to_engine
 
 if TYPE_CHECKING:
     from learner.config import CriticConfig, LearnerConfig
-
-
-@dataclass
-class TrainBatch:
-    """One step's completions, B = prompts x G, grouped: completions of one prompt are consecutive."""
-
-    prompt_ids: list[list[int]]  # [B][T_prompt_i]
-    response_ids: list[list[int]]  # [B][T_resp_i]
-    behavior_logprobs: list[list[float]]  # [B][T_resp_i] from the engine that sampled
-    rewards: list[float]  # [B] outcome reward of each completion
-    group_size: int  # G
-    # [B][T_resp_i] from the frozen reference, when KL is on (or `train_step`'s `ref_logprobs`: one flat array)
-    ref_logprobs: list[list[float]] | None = None
-    # Process supervision: [B][T_resp_i] each step's reward at the step's last token (0 elsewhere), and 1 at the
-    # tokens that end a step (the last response token always does), 0 elsewhere.
-    step_rewards: list[list[float]] | None = None
-    step_ends: list[list[float]] | None = None
-    # Multi-turn episodes: [B][T_resp_i] 1 (any value > 0) at the response tokens the model sampled, 0 at those the
-    # environment added (trained on by nothing: no loss, KL, entropy, mismatch or correction, no value target, no
-    # token counted); `Rows` of any numeric dtype travel packed. None: every response token is the model's. Every
-    # other per-token array still covers every response token (behaviour logprobs 0 at the environment's).
-    model_masks: list[list[float]] | None = None
-
-
-@dataclass
-class StepTensors:
-    """What every minibatch of one step reads, padded to the step's [B, L-1] token layout."""
-
-    batch: SequenceBatch
-    old_logprobs: torch.Tensor | None  # [B, L-1] learner, before this step's update; None: the training forward's
-    advantages: torch.Tensor  # [B, L-1]
-    behavior: torch.Tensor  # [B, L-1] the engines' logprobs of the sampled tokens
-    ref_logprobs: torch.Tensor | Callable[[], torch.Tensor] | None  # [B, L-1] when the KL is in the loss: `reference`
-    old_values: torch.Tensor | None = None  # [B, L-1] critic, before this step's update (gae)
-    returns: torch.Tensor | None = None  # [B, L-1] value targets (gae)
-    correction: torch.Tensor | None = None  # [B, L-1] rollout-correction weights (learner.rollout_correction)
-
-    def reference(self) -> torch.Tensor:
-        """`ref_logprobs`, waited for at the first call when they were still on their way (a callable)."""
-        if callable(self.ref_logprobs):
-            self.ref_logprobs = self.ref_logprobs()
-        return self.ref_logprobs
 
 
 def _peak_rss_mb() -> float:
@@ -280,7 +232,7 @@ class Learner(WeightPublisher):
         else:
             ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
         metrics: dict[str, float] = {}
-        token_rewards, step_ends = self._token_rewards(data, batch, old_logprobs, ref, metrics)
+        token_rewards, step_ends = per_token_rewards(data, batch, old_logprobs, ref, cfg, self.device, metrics)
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
         inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values,
                                  gamma=cfg.gamma, lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline,
@@ -321,29 +273,6 @@ class Learner(WeightPublisher):
         metrics["weights/version"] = self.weights_version
         self._gathered = self.dp.gather_weights(self.model)
         return metrics
-
-    def _token_rewards(self, data: TrainBatch, batch: SequenceBatch, old_logprobs: torch.Tensor | None,
-                       ref: torch.Tensor | None, metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token rewards [B, L-1], on the model's tokens only: the outcome reward on each row's last one, plus
-        the step rewards (process supervision), minus the KL penalty when it goes in the reward (its mean into
-        `metrics`); and the step ends ([B, L-1] bool, or None)."""
-        cfg = self.config
-        mask = batch.loss_mask
-        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=self.device)  # [B]
-        token_rewards = last_token_rewards(rewards, mask)
-        step_ends = None
-        if data.step_rewards is not None:  # process supervision: step rewards at their steps' last tokens
-            step_rewards, step_ends = pad_per_token(data.step_rewards, batch), pad_per_token(data.step_ends, batch)
-            if batch.has_env_tokens:  # steps ending on environment tokens end at the model token before them
-                step_rewards = carry_to_model_tokens(step_rewards, batch.response_mask, mask)
-                step_ends = carry_to_model_tokens(step_ends, batch.response_mask, mask)
-            token_rewards = token_rewards + step_rewards
-            step_ends = step_ends > 0
-        if cfg.kl_reward_coef > 0:  # PPO style: a per-token penalty on the reward, from the pre-update policy
-            token_kl = kl(old_logprobs, ref, cfg.kl_estimator, mask)
-            token_rewards = token_rewards - cfg.kl_reward_coef * token_kl
-            metrics["kl/mean"] = float(aggregate(token_kl, mask, "token-mean"))
-        return token_rewards, step_ends
 
     def _rounds(self, batch: SequenceBatch, rows: torch.Tensor
                 ) -> Iterator[tuple[SharedPrompts | None, list[tuple[torch.Tensor, bool]]]]:

@@ -1,4 +1,4 @@
-"""The `relay` command line: train, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
+"""The `relay` command line: train, eval, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
 build-demo-model, verifier serve, env serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
@@ -32,6 +32,16 @@ Charts of a run:  relay plot RUN_DIR        (docs/operations.md)
 """
 
 
+EVAL_HELP = """\
+Evaluate a checkpoint, or the base model, on held-out prompts with the run's evaluation (the `eval` section: eval.data,
+eval.num_samples, eval.temperature, eval.max_prompts, eval.sources; docs/operations.md). With checkpoint=PATH and no
+CONFIG, the checkpoint's own config is used, so the numbers are those the run logged at that step.
+Prints a table and writes DIR/eval.json (run_dir=DIR; default runs/eval-<time>) with the metrics' own keys.
+  relay eval checkpoint=runs/demo/checkpoints/step_40
+  relay eval data.held_out=0.1                  (the demo's base model on the demo task's held-out problems)
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relay", description="relay: RL fine-tuning of language models on Ray.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -40,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--quiet", action="store_true", help="no progress display (metrics.jsonl is still written)")
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint or the base model on held-out prompts",
+                                   description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    evaluate.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [checkpoint=PATH] [run_dir=DIR] [key=value ...]",
+                          help="an optional YAML config file, the checkpoint, the output directory, then overrides")
     build = commands.add_parser("build-demo-model", help="build the demo's base model into the cache (once)",
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
                                             "supervised warm-up) from its recipe into $RELAY_CACHE_DIR or "
@@ -69,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)
+        if args.command == "eval":
+            return _eval(args.items)
         if args.command == "verifier":
             return _verifier_serve(args)
         if args.command == "env":
@@ -104,6 +120,40 @@ def _train(items: list[str], quiet: bool) -> int:
         print(f"relay: run stopped: {err}", file=sys.stderr)
         return 1
     print(f"relay: run finished; metrics in {run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def _eval(items: list[str]) -> int:
+    """`relay eval`: the checkpoint's own config (its config.yaml) unless a CONFIG is given, then the overrides."""
+    import datetime
+
+    named = {key: value for key, _, value in (item.partition("=") for item in items)
+             if key in ("checkpoint", "run_dir")}
+    rest = [item for item in items if item.partition("=")[0] not in named]
+    path = rest[0] if rest and "=" not in rest[0] else None
+    checkpoint = Path(named["checkpoint"]) if named.get("checkpoint") else None
+    if path is None and checkpoint is not None and (checkpoint / "config.yaml").is_file():
+        path = str(checkpoint / "config.yaml")
+    config = load_config(path, rest[1:] if rest and rest[0] == path else rest)
+    out_dir = Path(named.get("run_dir") or Path("runs") / datetime.datetime.now().strftime("eval-%Y%m%d-%H%M%S"))
+    if (out_dir / "eval.json").exists():
+        raise ConfigError(f"run_dir '{out_dir}' already holds an eval.json; pass another run_dir=DIR or remove it")
+    from cluster.run.launch import run_evaluation
+    from sync.calls import RunError
+
+    try:
+        metrics = run_evaluation(config, out_dir, checkpoint)
+    except RunError as err:
+        print(f"relay: evaluation stopped: {err}", file=sys.stderr)
+        return 1
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"relay eval: {checkpoint or 'the base model'}", show_header=False)
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    print(f"relay: metrics in {out_dir / 'eval.json'}")
     return 0
 
 

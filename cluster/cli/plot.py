@@ -96,6 +96,11 @@ def _reward(ax, steps, records, style) -> None:
     sources = sorted({k for r in records for k in r if k.startswith("reward/") and k not in _REWARD_STATS})
     for key in sources:
         ax.plot(steps, _series(records, key), label=key, linestyle="--", **style)
+    evaluated = [r for r in records if r.get("eval/reward/mean") is not None]  # held-out evaluations (`eval.every`)
+    for key, color in (("eval/reward/mean", "C3"), ("eval/pass@1", "C4")):
+        points = [(r["eval/step"], r[key]) for r in evaluated if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), label=key, color=color, marker="s", markersize=4, linestyle=":")
     ax.set_ylabel("reward")
     ax.legend(loc="best", fontsize="small")
 

@@ -2,11 +2,11 @@
 
 Owns building and saving (atomically) the model directories that the demo's engines and learner load
 (one per task: `arithmetic`, `a+b=`; `chain_sum`, `12+34+56=` -> `46 102`; `calc`, `37*48=` -> `1776` with a
-calculator tool), and the transformers-based accuracy checks used to tune them. Does not own the RL loop, the tasks
-and their reward (`cluster.demo.task`, which re-exports `rewards.verifiers.exact_match`), the calc task's episodes
-(`cluster.demo.calc`), where the models are cached and shipped (`cluster.demo.cache`, whose `ensure_demo_model`
-calls `build_demo_model` here only when a model must be built) or any engine: the directory is a plain Hugging Face
-model dir, read like any other.
+calculator tool). Does not own the transformers-based accuracy checks that tune and report them
+(`cluster.demo.accuracy`), the RL loop, the tasks and their reward (`cluster.demo.task`, which re-exports
+`rewards.verifiers.exact_match`), the calc task's episodes (`cluster.demo.calc`), where the models are cached and
+shipped (`cluster.demo.cache`, whose `ensure_demo_model` calls `build_demo_model` here only when a model must be
+built) or any engine: the directory is a plain Hugging Face model dir, read like any other.
 
 Each one-turn model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only
 ~25% when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from cluster.demo.accuracy import evaluate_accuracy, exact_match_rate, generate_completions, step_accuracy
 from cluster.demo.calc import (
     call_probabilities,
     draw_calc_sequences,
@@ -38,7 +39,7 @@ from cluster.demo.calc import (
     summarize_episodes,
 )
 from cluster.demo.catalog import MODEL_NAMES, atomic_dir, demo_task
-from cluster.demo.task import Problem, exact_match, make_calc_problems, make_chain_problems, make_problems
+from cluster.demo.task import Problem, make_calc_problems, make_chain_problems, make_problems
 from cluster.demo.tokenizer import CALC_CHARACTERS, CHARACTERS, build_char_tokenizer
 
 REPORT_FILE = "relay_demo_report.json"
@@ -379,80 +380,6 @@ def _fold_output_gain(model: Qwen2ForCausalLM, gain: float) -> None:
     model.lm_head.weight.div_(gain)
 
 
-@torch.no_grad()
-def evaluate_accuracy(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    problems: Sequence[Problem],
-    temperature: float,
-    max_new_tokens: int = 5,
-    batch_size: int = 256,
-    seed: int = 0,
-) -> float:
-    """Mean `exact_match` reward of one completion per problem: greedy if `temperature == 0`, else sampled.
-
-    Completions as `generate_completions` makes them.
-    """
-    completions = generate_completions(model, tokenizer, problems, temperature, max_new_tokens, batch_size, seed)
-    return _exact_match_rate(problems, completions)
-
-
-def _exact_match_rate(problems: Sequence[Problem], completions: Sequence[str]) -> float:
-    return sum(exact_match(c, p.label) for p, c in zip(problems, completions, strict=True)) / len(problems)
-
-
-def step_accuracy(problems: Sequence[Problem], completions: Sequence[str]) -> float:
-    """Fraction of the labels' steps (space-separated partial sums) that the completions have right in place.
-
-    Step i of a completion is its i-th space-separated field; a missing field is wrong. "46 103" for "46 102"
-    has 1 of 2 steps right. For one-step labels (arithmetic) this is the exact-match accuracy.
-    """
-    right = total = 0
-    for problem, completion in zip(problems, completions, strict=True):
-        expected, got = problem.label.split(" "), completion.split(" ")
-        right += sum(i < len(got) and got[i] == step for i, step in enumerate(expected))
-        total += len(expected)
-    return right / total
-
-
-@torch.no_grad()
-def generate_completions(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    problems: Sequence[Problem],
-    temperature: float,
-    max_new_tokens: int = 5,
-    batch_size: int = 256,
-    seed: int = 0,
-) -> list[str]:
-    """One completion per problem: greedy if `temperature == 0`, else sampled.
-
-    The completion is the generated text before the first `<eos>` (all of it if none came), decoded without
-    special tokens as vLLM does by default. Sampling uses the full distribution (no top-k/top-p) and a seeded
-    RNG of its own, leaving the global torch RNG untouched.
-    """
-    model.eval()
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sampling: dict[str, object] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-    completions = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            batch = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left")
-            output = model.generate(
-                **batch, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, **sampling
-            )
-            for ids in output[:, batch["input_ids"].shape[1] :].tolist():
-                completion_ids = ids[: ids.index(eos_id)] if eos_id in ids else ids
-                completions.append(tokenizer.decode(completion_ids, skip_special_tokens=True))
-    return completions
-
-
 def build_demo_model(
     out_dir: str | os.PathLike[str], seed: int = 0, recipe: WarmupRecipe | None = None, task: str = "arithmetic"
 ) -> dict[str, object]:
@@ -506,8 +433,8 @@ def build_demo_model(
             _fold_output_gain(model, recipe.output_gain)
             greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
             sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
-            report["greedy_accuracy"] = _exact_match_rate(held_out, greedy)
-            report["sampled_accuracy"] = _exact_match_rate(held_out, sampled)
+            report["greedy_accuracy"] = exact_match_rate(held_out, greedy)
+            report["sampled_accuracy"] = exact_match_rate(held_out, sampled)
             report["greedy_step_accuracy"] = step_accuracy(held_out, greedy)
             report["sampled_step_accuracy"] = step_accuracy(held_out, sampled)
         report["recipe"] = asdict(recipe)

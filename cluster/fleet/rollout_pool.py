@@ -58,6 +58,7 @@ class Batch:
     sampling: Any
     version: int
     requests: list[Request] = field(default_factory=list)
+    measured: bool = True  # its requests' speeds count for `rollout.balance` (evaluation's do not)
 
 
 class RolloutPool:
@@ -146,13 +147,16 @@ class RolloutPool:
         self.weights.check_pending()
         return groups
 
-    def dispatch(self, prompts: list[str | Any], seeds: list[int], sampling: Any, version: int) -> Batch:
+    def dispatch(self, prompts: list[str | Any], seeds: list[int], sampling: Any, version: int,
+                 evaluation: bool = False) -> Batch:
         """Queue a batch on the workers, to be sampled with weights version `version` (exported by `export`; a worker
         whose previous request sampled another version loads it first, and probes it). Each prompt has its own seed,
-        so the result does not depend on which worker serves it. Returns at once; `collect` waits for it."""
-        shares = self._shares(len(prompts))
+        so the result does not depend on which worker serves it. Returns at once; `collect` waits for it. An
+        `evaluation` batch is split evenly over the workers in order (the same engine batches in every run of the
+        fleet's size) and its speeds are not measured (the training batches' split stays what it would be)."""
+        shares = self._shares(len(prompts), even=evaluation)
         starts = [sum(shares[:i]) for i in range(len(shares) + 1)]
-        batch = Batch(prompts, seeds, sampling, version)
+        batch = Batch(prompts, seeds, sampling, version, measured=not evaluation)
         for i, slot in enumerate(self.fleet.rollout):
             if shares[i]:
                 batch.requests.append(Request(batch, slot, (starts[i], starts[i + 1])))
@@ -251,7 +255,8 @@ class RolloutPool:
                     break
                 queue.popleft()
                 a, b = request.chunk
-                self._record_speed(slot_id, b - a, now - request.started)
+                if request.batch.measured:
+                    self._record_speed(slot_id, b - a, now - request.started)
                 self._note_clock(slot_id, request.result.value)
                 if queue:
                     queue[0].started = now
@@ -334,15 +339,16 @@ class RolloutPool:
 
     # ------------------------------------------------------------------------------------------------ balancing
 
-    def _shares(self, count: int) -> list[int]:
-        """Prompts per worker (by index): in proportion to each worker's speed (`balance=speed`; workers not yet
-        measured count as the mean), at least one each while there are enough prompts to keep speeds measured.
+    def _shares(self, count: int, even: bool = False) -> list[int]:
+        """Prompts per worker (by index): in proportion to each worker's speed (`balance=speed`, unless `even`;
+        workers not yet measured count as the mean), at least one each while there are enough prompts to keep speeds
+        measured.
         Speeds within SPEED_BAND of the fleet's median count as the median: a one-prompt shift that measurement noise
         would cause costs more than it gains (a worker given 9 prompts instead of 8 takes ~10% longer, and sets the
         step's pace)."""
         ids = [slot.id for slot in self.fleet.rollout]
         known = [self.speeds[i] for i in ids if i in self.speeds]
-        if self.config.rollout.balance == "even" or not known:
+        if self.config.rollout.balance == "even" or even or not known:
             weights = [1.0] * len(ids)
         else:
             weights = [self.speeds.get(i, sum(known) / len(known)) for i in ids]

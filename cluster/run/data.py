@@ -15,6 +15,7 @@ only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cluster.config import DataConfig
+from cluster.data_config import DataConfig
 from cluster.demo.task import Problem, make_calc_problems, make_chain_problems, make_problems
 from cluster.run.prompt_format import DataError, _checked_messages, _json_kind, apply_chat_template
 
@@ -58,8 +59,18 @@ class ArithmeticPrompts:
         return self.draw(rng)
 
     def draw(self, rng: random.Random) -> list[Problem]:
-        """One batch of the task's problems from `rng`."""
-        return make_problems(rng, self.batch_size, self.config.min_operand, self.config.max_operand)
+        """One batch of the task's problems from `rng`, each drawn again while it is held out (`data.held_out`;
+        drawing them one by one is drawing them at once: nothing held out, the stream is the same)."""
+        batch: list[Problem] = []
+        while len(batch) < self.batch_size:
+            problem = self.draw_one(rng)
+            if not is_held_out(problem.prompt, self.config.held_out):
+                batch.append(problem)
+        return batch
+
+    def draw_one(self, rng: random.Random) -> Problem:
+        """One of the task's problems from `rng`."""
+        return make_problems(rng, 1, self.config.min_operand, self.config.max_operand)[0]
 
     def state(self) -> dict[str, int]:
         """The cursor, JSON-able; `load_state` of it on a fresh source continues the same stream."""
@@ -77,9 +88,8 @@ class ChainSumPrompts(ArithmeticPrompts):
     """`12+34+56=` problems (`config.num_terms` terms) labelled with their partial sums (`46 102`); otherwise as
     `ArithmeticPrompts`: the same (seed, cursor) stream and state."""
 
-    def draw(self, rng: random.Random) -> list[Problem]:
-        return make_chain_problems(
-            rng, self.batch_size, self.config.num_terms, self.config.min_operand, self.config.max_operand)
+    def draw_one(self, rng: random.Random) -> Problem:
+        return make_chain_problems(rng, 1, self.config.num_terms, self.config.min_operand, self.config.max_operand)[0]
 
 
 class CalcPrompts(ArithmeticPrompts):
@@ -87,8 +97,8 @@ class CalcPrompts(ArithmeticPrompts):
     for episodes with the `Calculator` tool; otherwise as `ArithmeticPrompts`: the same (seed, cursor) stream and
     state."""
 
-    def draw(self, rng: random.Random) -> list[Problem]:
-        return make_calc_problems(rng, self.batch_size, self.config.min_operand, self.config.max_operand)
+    def draw_one(self, rng: random.Random) -> Problem:
+        return make_calc_problems(rng, 1, self.config.min_operand, self.config.max_operand)[0]
 
 
 class PromptDataset:
@@ -103,9 +113,10 @@ class PromptDataset:
     """
 
     def __init__(self, config: DataConfig, seed: int, batch_size: int, tokenizer: Any, max_prompt_tokens: int,
-                 candidates: list[tuple[str, str, Any]] | None = None, name: str | None = None):
+                 candidates: list[tuple[str, str, Any]] | None = None, name: str | None = None,
+                 held_out: bool = False):
         """`candidates`: (where, prompt text, label) rows already rendered, named `name` in messages; None reads
-        `config.path`."""
+        `config.path`. `held_out`: keep the prompts `config.held_out` holds out of training instead of the others."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.seed = seed
@@ -120,13 +131,17 @@ class PromptDataset:
         token_ids, held = _tokenize(tokenizer, [text for _, text, _ in candidates])
         _refuse_untokenizable(config, tokenizer, candidates, token_ids, held)
         lengths = [len(ids) for ids in token_ids]
-        self.problems = [Problem(prompt=text, label=label, prompt_ids=ids)
-                         for (_, text, label), ids, ok in zip(candidates, token_ids, held)
-                         if ok and len(ids) <= max_prompt_tokens]
-        self.filtered = len(candidates) - len(self.problems)
+        kept = [Problem(prompt=text, label=label, prompt_ids=ids)
+                for (_, text, label), ids, ok in zip(candidates, token_ids, held) if ok and len(ids) <= max_prompt_tokens]
+        self.filtered = len(candidates) - len(kept)
+        if not kept:
+            raise DataError(_nothing_kept(self.path, lengths, held, max_prompt_tokens))
+        self.problems = [p for p in kept if is_held_out(p.prompt, config.held_out) == held_out]
         self.num_prompts = len(self.problems)
         if not self.problems:
-            raise DataError(_nothing_kept(self.path, lengths, held, max_prompt_tokens))
+            raise DataError(f"{self.path}: data.held_out={config.held_out:g} leaves no prompt "
+                            f"{'held out' if held_out else 'to train on'} of the {len(kept)} kept; choose another "
+                            "data.held_out")
         self.consumed = 0  # prompts drawn so far, over all epochs
         self._order_epoch = -1
         self._order: list[int] = []
@@ -181,8 +196,10 @@ def _nothing_kept(name: str, lengths: list[int], held: list[bool], max_prompt_to
 
 
 def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
-                       max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
-    """The prompt source `config.task` names; a dataset's or reasoning-gym's templates, lengths and round trip use the
+                       max_prompt_tokens: int, held_out: bool = False
+                       ) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
+    """The prompt source `config.task` names (a dataset's or reasoning-gym's: with `held_out`, the prompts
+    `data.held_out` keeps out of training, which the demo tasks' `evaluation.held_out_problems` draws instead); a dataset's or reasoning-gym's templates, lengths and round trip use the
     model's tokenizer (`model_path` None: the demo model's, made in memory, the same as the one its directory will
     hold). reasoning-gym's tasks are generated here, so an unknown dataset name or a missing package is a DataError
     before anything starts."""
@@ -204,8 +221,18 @@ def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_pat
         from cluster.run.reasoning_gym import reasoning_gym_prompts
 
         candidates = reasoning_gym_prompts(config, seed, tokenizer)
-        return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, candidates, "data.reasoning_gym")
-    return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens)
+        return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, candidates, "data.reasoning_gym",
+                             held_out)
+    return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, held_out=held_out)
+
+
+def is_held_out(prompt: str, share: float) -> bool:
+    """Whether `prompt` is in the share `share` of problems held out of training (`data.held_out`): the first 8 bytes
+    of the SHA-256 of its text, read as a fraction of 2^64, fall below `share`. The same on every machine, Python
+    and seed."""
+    if share <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") < share * 2**64
 
 
 def sampling_seeds(seed: int, step: int, n: int, round_: int = 0) -> list[int]:

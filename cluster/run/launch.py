@@ -11,6 +11,7 @@ Does not own: the step (cluster/run/trainer.py), placement (cluster/fleet/placem
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 from contextlib import ExitStack, nullcontext
@@ -23,6 +24,7 @@ from cluster.config import ConfigError, RunConfig, dump_config
 from cluster.fleet.control import start_control
 from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, FleetPool, check_reachable, start_fleet, stop_fleet
 from cluster.run import checkpoint, resume
+from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.run.scoring import Scorer
 from cluster.run.trainer import Trainer
@@ -151,10 +153,13 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
                           f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
     model_path = model_path or config.model.path
     data, scorer = check_inputs(config, model_path)
+    evaluation = evaluation_inputs(config, model_path, data) if config.eval.every else None
     records: list[dict[str, Any]] = []
     finished = False
     with ExitStack() as cleanup:  # undoes whatever was started, in reverse order, however the run ends
         cleanup.callback(scorer.close)
+        if evaluation is not None:
+            cleanup.callback(evaluation[1].close)
         started_ray = _init_ray(config)
         if started_ray:
             cleanup.callback(ray.shutdown)
@@ -171,12 +176,8 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             cleanup.callback(ray.kill, control)
             fleet = start_fleet(config, model_path, rollout_cls, pool)
 
-            def release(fleet: Fleet) -> None:  # parked for the next run only if this run joined a Ray it did not start
-                if pool is None or started_ray or not pool.park(fleet, failed=not finished):
-                    stop_fleet(fleet)
-
-            cleanup.callback(release, fleet)
-            trainer = Trainer(config, fleet, data, scorer, control)
+            cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))
+            trainer = Trainer(config, fleet, data, scorer, control, evaluation)
             cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
             if config.sync.probe:
                 # Engines and learner agree on the weights they start from (the model's, also when resuming: before
@@ -193,6 +194,59 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     return records
 
 
+def _release(fleet: Fleet, pool: FleetPool | None, started_ray: bool, failed: bool) -> None:
+    """Stop `fleet`, or park it in `pool` for the next run (only when this run joined a Ray it did not start)."""
+    if pool is None or started_ray or not pool.park(fleet, failed=failed):
+        stop_fleet(fleet)
+
+
+def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | None = None,
+                   pool: FleetPool | None = None) -> dict[str, Any]:
+    """`relay eval`: evaluate the weights of a checkpoint (`checkpoint_path`, loaded by the learner and synced to the
+    engines as in the run), or the base model, with the run's evaluation (`eval`, cluster/run/evaluation.py); write
+    `out_dir/eval.json` (the metrics by their own keys, at full precision) and return the metrics. With the run's
+    config and fleet size, a checkpoint gives the numbers the run logged at its step. No reference is started.
+    Raises ConfigError on bad input (nothing written), RunError when the fleet fails."""
+    step = 0
+    if checkpoint_path is not None:
+        try:
+            checkpoint.validate(checkpoint_path)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        step = int(checkpoint.read_driver_state(checkpoint_path)["step"])
+    config = config.model_copy(update={"reference": config.reference.model_copy(update={"enabled": False}),
+                                       "learner": config.learner.model_copy(update={"kl_coef": 0.0,
+                                                                                    "kl_reward_coef": 0.0})})
+    model_path = config.model.path
+    data, scorer = check_inputs(config, model_path)
+    evaluation = evaluation_inputs(config, model_path, data)
+    finished = False
+    with ExitStack() as cleanup:
+        cleanup.callback(scorer.close)
+        cleanup.callback(evaluation[1].close)
+        started_ray = _init_ray(config)
+        if started_ray:
+            cleanup.callback(ray.shutdown)
+        fleet = start_fleet(config, model_path or _demo_model(config), None, pool)
+        cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))
+        trainer = Trainer(config, fleet, data, scorer, None, evaluation)
+        cleanup.callback(trainer.rollouts.transport.close)
+        if config.sync.probe:
+            trainer.rollouts.weights.verify(fleet.rollout)
+        version = 0
+        if checkpoint_path is not None:
+            version = fleet.learner_group.load_checkpoint(str(checkpoint_path))
+            trainer.rollouts.restored(version)
+            trainer.rollouts.export(version)
+        trainer.evaluation.dispatch(step, version)
+        metrics = trainer.evaluation.collect()
+        finished = True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = {"checkpoint": str(checkpoint_path) if checkpoint_path else None, "model": config.model.path}
+    (out_dir / "eval.json").write_text(json.dumps({**source, **metrics}, indent=2) + "\n")
+    return metrics
+
+
 def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: str, first: int, display: bool
           ) -> list[dict[str, Any]]:
     """The steps from `first` to `max_steps`, each recorded and published, checkpoints written; their records."""
@@ -201,12 +255,12 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
     with progress or nullcontext():
         for step in range(first, config.max_steps + 1):
-            record = trainer.step(step)
-            recorder.write(record)
-            records.append(record)
-            trainer.publish(record)
-            if progress:
-                progress.update(record)
+            for record in trainer.step(step):
+                recorder.write(record)
+                records.append(record)
+                trainer.publish(record)
+                if progress:
+                    progress.update(record)
             every = config.checkpoint.every
             if step == config.max_steps or (every and step % every == 0):
                 trainer.save_checkpoint(run_dir, step, resolved)

@@ -240,6 +240,8 @@ class ProgressDisplay:
         self.history.append(record)
         kl = f"kl {record['kl/mean']:.4f}" if "kl/mean" in record else "kl off"
         status = f"reward {record['reward/mean']:.3f}  {kl}  {record['time/step']:.2f} s/step"
+        if record.get("eval/reward/mean") is not None:  # a held-out evaluation of this step's weights
+            status += f"  eval {record['eval/reward/mean']:.3f} pass@1 {record.get('eval/pass@1', math.nan):.3f}"
         self.progress.update(self.task, advance=1, status=status)
         self.progress.console.print(f"step {record['step']:>4}  {status}  "
                                     f"mismatch {record.get('logprob/mismatch', math.nan):.1e}  "
@@ -257,14 +259,19 @@ class ProgressDisplay:
         table.add_row("wall time", f"{time.monotonic() - self.started:.0f} s")
         table.add_row(f"reward, step {first['step']}", f"{first['reward/mean']:.3f}")
         table.add_row(f"reward, mean of last {len(tail)}", f"{_mean([r['reward/mean'] for r in tail]):.3f}")
+        evaluated = [r for r in self.history if r.get("eval/reward/mean") is not None]
+        for record in evaluated[:1] + evaluated[1:][-1:]:  # the first and the last evaluation
+            table.add_row(f"eval reward (pass@1), step {record['eval/step']}",
+                          f"{record['eval/reward/mean']:.3f} ({record.get('eval/pass@1', math.nan):.3f})")
         for key in ("time/step", *PHASES):
-            table.add_row(f"{key} (mean s)", f"{_mean([r.get(key, math.nan) for r in self.history]):.3f}")
+            if any(key in r for r in self.history):  # time/eval: only in the steps that evaluated
+                table.add_row(f"{key} (mean s)", f"{_mean([r.get(key, math.nan) for r in self.history]):.3f}")
         self.console.print(table)
 
 
-PHASES = ("time/generate", "time/score", "time/reference", "time/train", "time/sync")
+PHASES = ("time/generate", "time/score", "time/reference", "time/train", "time/sync", "time/eval")
 _PHASE_LABELS = {"time/generate": "gen", "time/score": "score", "time/reference": "ref", "time/train": "train",
-                 "time/sync": "sync"}
+                 "time/sync": "sync", "time/eval": "eval"}
 
 
 def phase_breakdown(record: dict[str, Any]) -> str:

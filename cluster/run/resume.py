@@ -24,8 +24,9 @@ from cluster.run import checkpoint
 # checkpoint's config is refused, naming the key.
 # Free: no number the run computes depends on them (where and how fast it runs, deadlines, when it gives up, logging,
 # addresses, credentials, the sync's transport and checks). `max_steps`: the steps both runs have are the same.
+# `eval.*`: an evaluation changes nothing the run trains on (tests/cluster/test_evaluation.py), only its own metrics.
 MAY_CHANGE = [
-    "max_steps", "resume", "run_dir", "timeouts.*", "ray.*", "logging.*", "checkpoint.keep", "sync.*",
+    "max_steps", "resume", "run_dir", "timeouts.*", "ray.*", "logging.*", "checkpoint.keep", "sync.*", "eval.*",
     "rollout.num_cpus", "rollout.max_restarts", "rollout.resources*", "rollout.node_labels*", "rollout.placement",
     "learner.num_cpus", "learner.resources*", "learner.max_nonfinite_steps", "reference.num_cpus",
     "reference.resources*", "reward.sources.*.urls", "reward.sources.*.timeout", "reward.sources.*.max_retries",

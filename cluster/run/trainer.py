@@ -32,6 +32,7 @@ from cluster.fleet.rollout_pool import Batch, RolloutPool
 from cluster.fleet.scaling import Scaling
 from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
+from cluster.run.evaluation import Evaluation
 from cluster.run.replay import ReplayBuffer
 from cluster.run.sampling import Tally, add_round, choose
 from cluster.run.scoring import Scorer
@@ -75,7 +76,9 @@ def overlaps_reference(config: RunConfig) -> bool:
 class Trainer:
     """Runs steps over a started fleet; each `step` returns that step's metrics record."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer, control: Any = None):
+    def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer, control: Any = None,
+                 evaluation: tuple[list[Problem], Scorer] | None = None):
+        """`evaluation`: the evaluation prompts and their Scorer (`evaluation.evaluation_inputs`), with `eval.every`."""
         from actors.rollout import SamplingSettings
 
         self.config = config
@@ -105,9 +108,17 @@ class Trainer:
             with_default_threads(config, fleet.launcher.settings.model_path))
         self.in_flight: dict[int, tuple[Batch, list[Problem]]] = {}  # batches sent out, by step
         self.prepared: dict[int, Prepared] = {}  # batches collected and scored ahead of their step
+        self.evaluation: Evaluation | None = None
+        if evaluation is not None:
+            problems, eval_scorer = evaluation
+            eval_scorer.attach({name: actor for name, actor in fleet.reward_models.items()
+                                if name in eval_scorer.config.sources}, fleet.launcher.settings.model_path)
+            self.evaluation = Evaluation(config, self.rollouts, eval_scorer, problems, self.prompts_of(problems))
+        self.held: dict[str, Any] | None = None  # the last step's record, waiting for its evaluation
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One step. The weights of step t's batch are exactly version max(c, t - 1 - k) (`rollout.max_staleness`
+    def step(self, step: int) -> list[dict[str, Any]]:
+        """One step; returns the records it completed: its own, unless its evaluation (`eval`) overlaps the next
+        update (asynchronously, between drains: the next step completes it), and the last step's held that way. The weights of step t's batch are exactly version max(c, t - 1 - k) (`rollout.max_staleness`
         = k; on-policy k = 0: the latest). While the learner trains on it, the engines sample the next k batches
         (each worker loads a new version between its requests), and the driver collects, scores and asks the
         reference for the next one; after the update, the next batch goes out carrying the new weights, which each
@@ -137,10 +148,16 @@ class Trainer:
         if step < self.config.max_steps:
             with self.timed("sync"):
                 self.rollouts.export(version)  # queued behind the update on the learner
-        if self.staleness and step != self.boundary(step):
+        overlapped = self.staleness and step != self.boundary(step)
+        evaluating = self.evaluation is not None and self.evaluation.due(step)
+        if overlapped:
             if step + 1 + self.staleness <= self.boundary(step):
                 self.dispatch(step + 1 + self.staleness, version)
+            if evaluating:  # behind the next batch; collected while the next update runs
+                self.evaluation.dispatch(step, version)
             self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
+        elif evaluating and step < self.config.max_steps:
+            self.evaluation.dispatch(step, version)
         with self.timed("train"):
             learner_metrics = self.finish_train(update)
         if self.staleness:  # the phases overlap: the update itself, from its submission to its result
@@ -148,10 +165,17 @@ class Trainer:
         if self.weights_version != version:
             raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
                            f"{version}: its updates and the driver's steps are out of step")
+        done = []
+        if self.held is not None:  # the last step's evaluation ran beside this step's update
+            done.append({**self.held, **self.evaluation.collect()})
+            self.held = None
         self.fit_reward_models(step, ready.stats)
         if step == self.config.max_steps:
             with self.timed("sync"):
                 self.rollouts.sync_now(version)
+            if evaluating:
+                self.evaluation.dispatch(step, version)
+        evaluated = self.evaluation.collect() if evaluating and not overlapped else {}
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
         self.timings["time/rollout_idle"] = self.rollouts.take_idle()
         ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
@@ -159,8 +183,13 @@ class Trainer:
             tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in ready.groups[:ready.fresh] for r in g])
             ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
                                 "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
-        return self.record(step, rollouts, learner_metrics, self.rollouts.weights.take_gap(),
-                           time.perf_counter() - started, ready.stats)
+        record = self.record(step, rollouts, learner_metrics, self.rollouts.weights.take_gap(),
+                             time.perf_counter() - started, ready.stats)
+        if evaluating and overlapped:
+            self.held = record  # completed by the next step, which collects its evaluation
+        else:
+            done.append({**record, **evaluated})
+        return done
 
     def boundary(self, step: int) -> int:
         """The first step from `step` on where the pipeline drains: a checkpoint step, or the last. No batch after

@@ -1,22 +1,20 @@
 """Turning ragged prompt/response token lists into padded tensors, and scoring them with a causal LM.
 
-Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is
-prompt + response, right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from
-tokens 0..j; `response_mask` marks the response tokens (where per-token values live), `loss_mask` those of them the
-model sampled (what is trained: a multi-turn episode's environment tokens are response tokens, not model ones).
-Tensors are built in host memory and moved to the consumer's device in one copy; everything computed from a batch
-stays on the batch's device, and results for Python lists come back through the CPU. Also how a batch is cut
-into micro-batches (`MicroBatching`): rows sorted by length, each pass holding at most a token budget, so compute
-follows the real tokens, not the batch's longest: a pass's rows packed into one sequence of their real tokens
-(`learner.passes.packing`: no padding but in attention), or padded to the pass's own longest; and prompts shared by
-several rows (a group's G completions) computed once (`SharedPrompts`), each row's pass running only its own tokens
-on the prompt's cached key/value states.
+Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is prompt + response,
+right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from tokens 0..j;
+`response_mask` marks the response tokens (where per-token values live), `loss_mask` those of them the model sampled
+(what is trained: a multi-turn episode's environment tokens are response tokens, not model ones). Tensors are built in
+host memory and moved to the consumer's device in one copy; everything computed from a batch stays on the batch's
+device, and results for Python lists come back through the CPU. Also the passes over a batch, cut by its `MicroBatching`
+(`learner.passes.micro_batches`): a pass's rows packed into one sequence of their real tokens (`learner.passes.packing`:
+no padding but in attention), or padded to its own longest; and prompts shared by several rows (a group's G completions)
+computed once (`SharedPrompts`), each row's pass running only its own tokens on the prompt's cached key/value states.
 `Rows` is here, beside `pad_sequences`, which takes it: the wire form of a batch's token rows, sent by the driver
 (cluster/) to the Learner and the ReferenceWorker, each of which pads what arrives here; `actors/` and `learner/`
 both import this package, and `cluster/` may import anything.
 Does not own: models, optimizers, choosing the device (`learner.passes.device`), or the math on what a pass returns
-(`learner.algo`). Imports only torch, numpy and `learner.algo.logprobs` (and transformers' cache class, when prompts
-are shared; its attention interface, when passes are packed).
+(`learner.algo`). Imports only torch, numpy, `learner.algo.logprobs` and its neighbours here (and transformers' cache
+class, when prompts are shared; its attention interface, when passes are packed).
 
 Why packed passes gather each row's attention into a padded row of its own rather than use transformers' packed
 format (position ids that restart): on CPU, transformers keeps packed sequences apart with a dense block-diagonal
@@ -27,12 +25,13 @@ attention is faster than both (docs/benchmarks.md, "How passes are cut", "Packed
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from learner.passes.micro_batches import MicroBatching
 from learner.passes.packing import packable, packed_logits
 
 
@@ -52,45 +51,6 @@ class Rows(list):
 def _unpack_rows(lengths: np.ndarray, flat: np.ndarray) -> Rows:
     # Zero-copy arrays from Ray's object store are read-only: one copy of the whole, then views of it.
     return Rows(np.split(np.array(flat), np.cumsum(lengths)[:-1]) if len(lengths) else [])
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How rows are cut into forward/backward passes: sorted longest first, a pass closes when one more row would
-    take it over `max_rows` rows or `max_tokens` tokens (padded tokens, rows x its longest sequence; packed, the
-    rows' own tokens; a longer sequence than that is a pass alone). None: no limit of that kind (both None: one
-    pass)."""
-
-    max_rows: int | None = None
-    max_tokens: int | None = None
-    # Each distinct prompt computed once for the rows that share it (`SharedPrompts`); the budgets then count each
-    # row's own tokens (its prompt's last token and its response: `tail_lengths`).
-    share_prompts: bool = False
-    # Each pass's rows run as one packed sequence of their real tokens (`learner.passes.packing`), where the model
-    # allows it (`packable`; else padded passes); the budget then counts real tokens.
-    pack: bool = False
-
-    @property
-    def padded(self) -> MicroBatching:
-        """The same budgets over padded passes (what prompts' prefix passes are cut by)."""
-        return replace(self, pack=False) if self.pack else self
-
-    def split(self, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Passes over rows whose token counts are `lengths` [N]: each a tensor of positions into `lengths` (on its
-        device), every position exactly once, in a fixed order (a stable sort: ties keep their order)."""
-        host = lengths.detach().to("cpu", torch.long)
-        order = torch.sort(host, descending=True, stable=True).indices
-        cuts, rows, longest, tokens = [], 0, 0, 0
-        for position, length in enumerate(host[order].tolist()):
-            longest = max(longest, length)
-            if rows and ((self.max_rows is not None and rows + 1 > self.max_rows)
-                         or (self.max_tokens is not None
-                             and (tokens + length if self.pack else (rows + 1) * longest) > self.max_tokens)):
-                cuts.append(position)
-                rows, longest, tokens = 0, length, 0
-            rows += 1
-            tokens += length
-        return [part.to(lengths.device) for part in order.tensor_split(cuts)] if len(host) else []
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, TrainBatch
+from learner.learner import Learner
 from learner.passes.sequences import pad_sequences, sequence_logprobs
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.demo.accuracy import evaluate_accuracy, generate_completions, step_accuracy
 from cluster.demo.cache import demo_model_dir, ensure_demo_model, shipped_demo_model
 from cluster.demo.catalog import DEMO_TASKS
 from cluster.demo.model import (
@@ -16,11 +17,8 @@ from cluster.demo.model import (
     REPORT_FILE,
     build_char_tokenizer,
     demo_recipe,
-    evaluate_accuracy,
-    generate_completions,
     make_random_model_dir,
     save_model_dir,
-    step_accuracy,
     tiny_qwen2_config,
 )
 from cluster.demo.task import make_chain_problems, make_problems

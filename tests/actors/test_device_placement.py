@@ -20,9 +20,10 @@ import learner.critic
 import learner.learner
 from actors.reference import ReferenceWorker
 from actors.reward_model import RewardModelWorker
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, TrainBatch
-from learner.passes.sequences import MicroBatching
+from learner.learner import Learner
+from learner.passes.micro_batches import MicroBatching
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)
 RESPONSES = [[12, 2, 1], [4, 4, 1], [5, 1], [9, 1]]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, NonFiniteError, TrainBatch
+from learner.learner import Learner, NonFiniteError
 from learner.passes.sequences import pad_sequences
 
 PROMPTS = [[5, 9, 12, 6, 7, 15]] * 2 + [[3, 12, 4, 15]] * 2  # "37+45=" x2, "1+2=" x2 (char ids)

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
 from learner.distributed import DataParallel
-from learner.learner import Learner, TrainBatch
+from learner.learner import Learner
 from learner.passes.sequences import Rows, pad_sequences, sequence_logprobs_and_entropy
 from tests.actors import test_micro_batching as eight  # its 8 rows of 1 to 7 response tokens
 from tests.actors.test_learner import PROMPTS, RESPONSES, use_sgd

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from actors.reference import ReferenceWorker
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, TrainBatch
+from learner.learner import Learner
+from learner.passes.micro_batches import MicroBatching
 from learner.passes.packing import IMPLEMENTATION, packable
 from learner.passes.sequences import (
-    MicroBatching,
     SharedPrompts,
     pad_sequences,
     prompt_lengths,

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from actors.process_reward_model import ProcessRewardModelWorker, separator_tokens
-from learner.passes.sequences import MicroBatching
+from learner.passes.micro_batches import MicroBatching
 
 PROMPTS = ["12+34+56=", "1+2=", "99+99=", "5+5=", "7*8="]
 STEPS = [["46", "102"], ["3"], ["198", "", "1 9 8"], [], ["5", "6", "56", "0"]]

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from actors.reward_model import REWARD_MODEL_LOSSES, RewardModelWorker, bradley_terry_loss, regression_loss
-from learner.passes.sequences import MicroBatching
+from learner.passes.micro_batches import MicroBatching
 
 PROMPTS = ["37+45=", "1+2=", "99+99=", "5+5="]
 COMPLETIONS = ["82", "3", "1", "10 and then some more text"]

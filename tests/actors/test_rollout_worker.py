@@ -230,7 +230,7 @@ def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker,
         probe = (ids, response, hf_logprobs(new, ids, response).tolist(), 1)
         stepwise, calls = w.engine.generate_stepwise, []
 
-        def offer_at_step_four(*args):
+        def offer_at_step_four(*args, **kwargs):
             *head, before_step = args
 
             def before():
@@ -238,7 +238,7 @@ def test_in_flight_update_lands_between_two_engine_steps(tiny_model_dir, worker,
                 if len(calls) == 4:
                     w.offer_weights(2, probe, *buckets_of(new))
                 return before_step()
-            return stepwise(*head, before)
+            return stepwise(*head, before, **kwargs)
 
         w.engine.generate_stepwise = offer_at_step_four
         sampling = SamplingSettings(group_size=2, max_new_tokens=12)

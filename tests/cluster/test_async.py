@@ -121,15 +121,16 @@ def test_a_worker_killed_with_requests_queued_is_replaced_and_the_run_is_unchang
 SLOW_UPDATES = ["learner.ppo_epochs=60", "learner.num_minibatches=4"]  # updates of several seconds
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_updates_longer_than_the_deadlines_cost_no_healthy_worker_and_a_death_during_one_is_the_workers(
-        ray_local, tmp_path, demo_model_dir, dtype):
+        ray_local, tmp_path, demo_model_dir):
     """Updates slower than `timeouts.generate` and `timeouts.sync`: a request's generate deadline counts from when the
     weights it loads were exported (after the update), so no healthy worker is declared late; a worker killed while
     the learner trains is replaced and its requests run again, without waiting for the update or blaming the
-    learner (its export, queued behind the update, is not waited for)."""
+    learner (its export, queued behind the update, is not waited for). Deadlines and who is blamed are clocks and
+    queues, the same in every dtype: float32 only (the replacement's exact bits in bfloat16 are the killed-worker
+    tests' business)."""
     worker_cls = type("Killed", (KilledWithQueueWorker,), {"marker": str(tmp_path / "killed.marker")})
-    records, _ = run(tmp_path, demo_model_dir, "slow", dtype, worker_cls, *SLOW_UPDATES, "timeouts.generate=4",
+    records, _ = run(tmp_path, demo_model_dir, "slow", "float32", worker_cls, *SLOW_UPDATES, "timeouts.generate=4",
                      "timeouts.sync=3")
     assert (tmp_path / "killed.marker").exists()  # the fault happened
     assert max(r["time/train"] for r in records) > 4, "the updates did not outlast the deadlines: nothing was tested"
@@ -236,7 +237,7 @@ class SlowStepsWorker(RolloutWorker):
         super().__init__(*args, **kwargs)
         stepwise = self.engine.generate_stepwise
 
-        def slow(*args):
+        def slow(*args, **kwargs):
             *head, before_step = args
             steps = itertools.count()
 
@@ -247,7 +248,7 @@ class SlowStepsWorker(RolloutWorker):
                     while self._newest_offer() is None and time.monotonic() < deadline:
                         time.sleep(0.01)
                 return before_step()
-            return stepwise(*head, slowed)
+            return stepwise(*head, slowed, **kwargs)
         self.engine.generate_stepwise = slow
 
 

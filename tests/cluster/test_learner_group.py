@@ -15,8 +15,9 @@ import torch
 
 from cluster.config import TimeoutConfig
 from cluster.fleet.learner_group import start_learner_group
+from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
-from learner.learner import Learner, TrainBatch
+from learner.learner import Learner
 from sync.calls import RunError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # SgdLearner travels to the rank actors by value

@@ -55,6 +55,12 @@ CORPUS = [
     (["train", "reward.sources.x.type=judge"], "reward.sources.x.type: must be one of rule, remote, model"),
     (["train", "reward.sources.Bad.verifier=exact_match"], "source name 'Bad' must be lower-case"),
     (["train", "reward.sources.mean.verifier=exact_match"], "would hide the metric reward/mean"),
+    # evaluation: its prompts, and `relay eval`
+    (["train", "eval.every=5"], "data.held_out is 0: set data.held_out"),
+    (["train", "eval.every=5", "data.held_out=0.1", "eval.sources=[judge]"], "eval.sources names 'judge'"),
+    (["train", "eval.every=5", "eval.data.task=arithmetic"], "evaluation prompts are training prompts too"),
+    (["eval", "checkpoint={tmp}/nowhere"], "checkpoint {tmp}/nowhere does not exist"),
+    (["eval", "eval.data.task=arithmetic"], "evaluation prompts are training prompts too"),
     # other commands
     (["verifier", "serve", "--verifier", "nope"], "nope"),
     (["plot", "{tmp}/nowhere"], "nowhere"),

@@ -87,7 +87,7 @@ def make_learner(model_dir, dtype: str, advantage: str, **overrides):
 
 
 def two_steps(learner, ref) -> tuple[list[dict[str, float]], list[list[float]]]:
-    from learner.learner import TrainBatch
+    from learner.batch import TrainBatch
 
     metrics = []
     for rewards in ([1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 0.0]):
@@ -112,7 +112,7 @@ def test_reference_and_reward_model_on_cuda_match_the_cpu(tiny_model_dir, tiny_r
                                                           dtype):
     from actors.reference import ReferenceWorker
     from actors.reward_model import RewardModelWorker
-    from learner.passes.sequences import MicroBatching
+    from learner.passes.micro_batches import MicroBatching
 
     texts = (["37+45=", "1+2=", "99+99="], ["82", "3", "198 and some more"])
     gpu_ref = ReferenceWorker(str(tiny_model_dir), dtype=dtype, batching=MicroBatching(3))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ConfigError, DataConfig, load_config
-from cluster.demo.model import step_accuracy
+from cluster.demo.accuracy import step_accuracy
 from cluster.demo.task import Problem
 from cluster.run.data import ChainSumPrompts, make_prompt_source
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learner.distributed import DataParallel, _buckets, tied_names
-from learner.passes.sequences import MicroBatching
+from learner.passes.micro_batches import MicroBatching
 
 EVEN = torch.ones(8, dtype=torch.long)  # every row one token: the passes are cut by the row limit alone
 

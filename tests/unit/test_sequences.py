@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import (
-    MicroBatching,
     Rows,
     flat_per_token,
     pad_per_token,

@@ -1,0 +1,69 @@
+"""Evaluation during training and `relay eval`, on a real local Ray with real vLLM engines, in float32 (on-policy) and
+bfloat16 (asynchronous, where it overlaps the next update): a run that evaluates trains bit for bit like one that does
+not, every evaluated step is in the records with its own weights, and a checkpoint evaluated afterwards gives the
+numbers the run logged at its step."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from cluster.config import load_config
+from cluster.run.launch import run_evaluation, run_training
+from tests.fleets import POOL
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
+
+MODES = {  # dtype -> the run's regime, and where it evaluates (checkpoints at 2 and 4, or at 4 only)
+    "float32": ["checkpoint.every=2", "eval.every=2"],
+    "bfloat16": ["rollout.max_staleness=1", "checkpoint.every=4", "eval.every=1"],
+}
+NOT_TRAINING = ("time/", "eval/", "throughput/", "memory/")
+
+
+def training_part(record: dict) -> dict:
+    """What the run trained on and computed, not how long it took, what memory it held or what it evaluated. `sync/probe_max_diff` is the
+    check of whichever request loaded the weights first, an evaluation's too, so it may move to another step."""
+    return {k: v for k, v in record.items() if not k.startswith(NOT_TRAINING) and k != "sync/probe_max_diff"}
+
+
+def weights_digest(run_dir) -> str:
+    return hashlib.sha256((run_dir / "checkpoints" / "step_4" / "policy" / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_evaluation_changes_nothing_the_run_trains_and_relay_eval_repeats_it(ray_local, tmp_path, demo_model_dir,
+                                                                              dtype):
+    common = [f"model.path={demo_model_dir}", f"model.dtype={dtype}", "max_steps=4", "data.prompts_per_step=16",
+              "learner.lr=2e-3", "data.held_out=0.1", *MODES[dtype]]
+    evaluated = [*common, "eval.max_prompts=12", "eval.num_samples=4", "eval.temperature=1.0"]
+    runs = {}
+    for name, overrides in [("plain", [o for o in common if not o.startswith("eval.")]), ("evaluated", evaluated)]:
+        config = load_config(None, [f"run_dir={tmp_path / name}", *overrides])
+        runs[name] = run_training(config, tmp_path / name, display=False, pool=POOL)
+
+    plain, records = runs["plain"], runs["evaluated"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [training_part(r) for r in records] == [training_part(r) for r in plain]  # bit for bit
+    assert weights_digest(tmp_path / "plain") == weights_digest(tmp_path / "evaluated")
+    every = int(MODES[dtype][-1].split("=")[1])
+    evaluated_steps = [r["step"] for r in records if "eval/step" in r]
+    assert evaluated_steps == [s for s in range(1, 5) if s % every == 0]
+    for record in records:
+        if "eval/step" in record:
+            assert record["eval/step"] == record["step"]  # its own weights, also when it overlapped the next update
+            assert record["eval/prompts"] == 12 and record["eval/dropped_groups"] == 0
+            assert 0 <= record["eval/pass@1"] <= record["eval/pass@2"] <= record["eval/pass@4"] <= 1
+            assert record["eval/reward/mean"] == record["eval/reward/correct"] == record["eval/mean@4"]
+            assert record["time/eval"] > 0
+    assert not any(k.startswith("eval/") for r in plain for k in r)
+    # Different weights, different evaluations (the same prompts and seeds each time).
+    assert len({r["eval/reward/mean"] for r in records if "eval/step" in r}) > 1 or every == 2
+
+    checkpoint = tmp_path / "evaluated" / "checkpoints" / "step_4"
+    config = load_config(checkpoint / "config.yaml", [])
+    metrics = run_evaluation(config, tmp_path / "eval", checkpoint, pool=POOL)
+    logged = {k: v for k, v in records[-1].items() if k.startswith("eval/")}
+    assert {k: v for k, v in metrics.items() if k.startswith("eval/")} == logged  # the run's numbers, exactly
+    assert (tmp_path / "eval" / "eval.json").is_file()
