@@ -108,7 +108,7 @@ def _train(items: list[str], quiet: bool) -> int:
     from cluster.run.launch import resolve_run_dir
 
     run_dir = resolve_run_dir(config)
-    from cluster.run.launch import RunFinished, run_training
+    from cluster.run.launch import RunFinished, RunInterrupted, run_training
     from sync.calls import RunError
 
     try:
@@ -118,7 +118,7 @@ def _train(items: list[str], quiet: bool) -> int:
         return 0
     except RunError as err:
         print(f"relay: run stopped: {err}", file=sys.stderr)
-        return 1
+        return 130 if isinstance(err, RunInterrupted) else 1
     print(f"relay: run finished; metrics in {run_dir / 'metrics.jsonl'}")
     return 0
 

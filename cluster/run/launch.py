@@ -13,8 +13,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
-from contextlib import ExitStack, nullcontext
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -253,8 +256,10 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
     config, records = trainer.config, []
     trainer.publish({"step": first - 1})
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
-    with progress or nullcontext():
+    with progress or nullcontext(), _stop_on_interrupt() as interrupted:
         for step in range(first, config.max_steps + 1):
+            if interrupted:
+                raise RunInterrupted(f"interrupted (Ctrl-C) after step {step - 1}")
             for record in trainer.step(step):
                 recorder.write(record)
                 records.append(record)
@@ -267,6 +272,32 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
     if progress:
         progress.summary()
     return records
+
+
+class RunInterrupted(RunError):
+    """Ctrl-C (SIGINT) stopped the run between two steps."""
+
+
+@contextmanager
+def _stop_on_interrupt() -> Iterator[list[int]]:
+    """While the steps run (in the main thread), a first Ctrl-C asks the loop to stop before the next step (the list
+    it yields becomes non-empty), so the run ends between two steps and cleans up as after any failure, instead of
+    being interrupted inside a remote call; a second one interrupts at once (KeyboardInterrupt)."""
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def ask(signum: int, _frame: Any) -> None:
+        asked.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print("relay: stopping after this step (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, ask)
+    try:
+        yield asked
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _demo_model(config: RunConfig) -> str:

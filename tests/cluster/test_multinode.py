@@ -120,10 +120,11 @@ def test_run_across_three_nodes_grows_and_shrinks_with_relay_scale(three_nodes, 
         assert {w["node_id"] for w in after["workers"]} <= rollout_nodes
 
         # Steps no longer wait for new workers, so the run is stopped here rather than given a step count it might
-        # finish before the test is done with it (SIGINT: the driver cleans up as on Ctrl-C).
+        # finish before the test is done with it (SIGINT: Ctrl-C, the run stops after the step it is in).
         wait_for(run, run_dir, lambda r: r["step"] >= shrunk["step"] + 2, "two steps after the shrink")
-        run.send_signal(signal.SIGINT)
-        run.communicate(timeout=120)
+        run.send_signal(signal.SIGINT)  # the run stops between two steps and cleans up
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 130 and "relay: run stopped: interrupted (Ctrl-C) after step" in stderr, stderr
     finally:
         if run.poll() is None:
             run.kill()
