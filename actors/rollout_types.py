@@ -27,7 +27,8 @@ class SamplingSettings:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    cache_salt: str | None = None  # the requests' own prefix-cache space (evaluation: training's entries stay as they were)
+    # The requests' own prefix-cache space (evaluation's: the entries training requests find stay as they were).
+    cache_salt: str | None = None
 
 
 class EpisodePrompt(NamedTuple):

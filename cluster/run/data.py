@@ -113,10 +113,9 @@ class PromptDataset:
     """
 
     def __init__(self, config: DataConfig, seed: int, batch_size: int, tokenizer: Any, max_prompt_tokens: int,
-                 candidates: list[tuple[str, str, Any]] | None = None, name: str | None = None,
-                 held_out: bool = False):
+                 candidates: list[tuple[str, str, Any]] | None = None, name: str | None = None):
         """`candidates`: (where, prompt text, label) rows already rendered, named `name` in messages; None reads
-        `config.path`. `held_out`: keep the prompts `config.held_out` holds out of training instead of the others."""
+        `config.path`."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.seed = seed
@@ -131,17 +130,17 @@ class PromptDataset:
         token_ids, held = _tokenize(tokenizer, [text for _, text, _ in candidates])
         _refuse_untokenizable(config, tokenizer, candidates, token_ids, held)
         lengths = [len(ids) for ids in token_ids]
-        kept = [Problem(prompt=text, label=label, prompt_ids=ids)
-                for (_, text, label), ids, ok in zip(candidates, token_ids, held) if ok and len(ids) <= max_prompt_tokens]
+        kept = [Problem(prompt=text, label=label, prompt_ids=ids) for (_, text, label), ids, ok
+                in zip(candidates, token_ids, held) if ok and len(ids) <= max_prompt_tokens]
         self.filtered = len(candidates) - len(kept)
         if not kept:
             raise DataError(_nothing_kept(self.path, lengths, held, max_prompt_tokens))
-        self.problems = [p for p in kept if is_held_out(p.prompt, config.held_out) == held_out]
+        self.problems = [p for p in kept if not is_held_out(p.prompt, config.held_out)]
+        self.held_out = [p for p in kept if is_held_out(p.prompt, config.held_out)]  # `data.held_out`, in file order
         self.num_prompts = len(self.problems)
         if not self.problems:
-            raise DataError(f"{self.path}: data.held_out={config.held_out:g} leaves no prompt "
-                            f"{'held out' if held_out else 'to train on'} of the {len(kept)} kept; choose another "
-                            "data.held_out")
+            raise DataError(f"{self.path}: data.held_out={config.held_out:g} leaves no prompt to train on of the "
+                            f"{len(kept)} kept; choose another data.held_out")
         self.consumed = 0  # prompts drawn so far, over all epochs
         self._order_epoch = -1
         self._order: list[int] = []
@@ -196,10 +195,8 @@ def _nothing_kept(name: str, lengths: list[int], held: list[bool], max_prompt_to
 
 
 def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_path: str | None,
-                       max_prompt_tokens: int, held_out: bool = False
-                       ) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
-    """The prompt source `config.task` names (a dataset's or reasoning-gym's: with `held_out`, the prompts
-    `data.held_out` keeps out of training, which the demo tasks' `evaluation.held_out_problems` draws instead); a dataset's or reasoning-gym's templates, lengths and round trip use the
+                       max_prompt_tokens: int) -> ArithmeticPrompts | ChainSumPrompts | CalcPrompts | PromptDataset:
+    """The prompt source `config.task` names; a dataset's or reasoning-gym's templates, lengths and round trip use the
     model's tokenizer (`model_path` None: the demo model's, made in memory, the same as the one its directory will
     hold). reasoning-gym's tasks are generated here, so an unknown dataset name or a missing package is a DataError
     before anything starts."""
@@ -221,9 +218,8 @@ def make_prompt_source(config: DataConfig, seed: int, batch_size: int, model_pat
         from cluster.run.reasoning_gym import reasoning_gym_prompts
 
         candidates = reasoning_gym_prompts(config, seed, tokenizer)
-        return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, candidates, "data.reasoning_gym",
-                             held_out)
-    return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, held_out=held_out)
+        return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens, candidates, "data.reasoning_gym")
+    return PromptDataset(config, seed, batch_size, tokenizer, max_prompt_tokens)
 
 
 def is_held_out(prompt: str, share: float) -> bool:

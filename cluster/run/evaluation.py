@@ -79,19 +79,25 @@ def eval_seeds(seed: int, n: int) -> list[int]:
 def eval_problems(config: RunConfig, model_path: str | None, training: Any) -> list[Problem]:
     """The evaluation prompts (`eval.max_prompts` of them at most): `eval.data`'s, or the training data's held-out
     problems; with `eval.disjoint`, refused (ConfigError, one line) when training also draws one of them. `training`
-    is the run's prompt source (cluster/run/data.py)."""
-    ev, dc = config.eval, config.eval.data or config.data
-    held_out = ev.data is None
-    ro = config.rollout
-    max_prompt_tokens = dc.max_prompt_tokens or max(1, ro.max_model_len - (ev.max_new_tokens or ro.max_new_tokens))
-    try:
-        source = make_prompt_source(dc, config.seed, 1, model_path, max_prompt_tokens, held_out=held_out)
-    except DataError as err:
-        raise ConfigError(f"eval.data: {err}" if not held_out else str(err)) from None
-    if dc.task in DEMO_TASKS:
-        problems = _distinct_draws(source, config.seed, ev.max_prompts, config.data.held_out if held_out else 0.0)
+    is the run's prompt source (cluster/run/data.py): without `eval.data` the held-out problems come from it (a
+    dataset's or reasoning-gym's, kept aside when it loaded; a demo task's, drawn with its `draw_one`)."""
+    ev = config.eval
+    if ev.data is None:
+        source, held_out = training, config.data.held_out
     else:
-        problems = source.problems[:ev.max_prompts]
+        ro = config.rollout
+        longest = ev.data.max_prompt_tokens or max(1, ro.max_model_len - (ev.max_new_tokens or ro.max_new_tokens))
+        try:
+            source, held_out = make_prompt_source(ev.data, config.seed, 1, model_path, longest), 0.0
+        except DataError as err:
+            raise ConfigError(f"eval.data: {err}") from None
+    if (ev.data or config.data).task in DEMO_TASKS:
+        problems = _distinct_draws(source, config.seed, ev.max_prompts, held_out)
+    else:
+        problems = (source.held_out if ev.data is None else source.problems)[:ev.max_prompts]
+    if not problems:
+        raise ConfigError(f"data.held_out={config.data.held_out:g} holds out none of the training prompts; raise "
+                          "data.held_out or give eval.data")
     if ev.disjoint:
         check_disjoint(config, problems, training)
     return problems

@@ -74,7 +74,7 @@ def overlaps_reference(config: RunConfig) -> bool:
 
 
 class Trainer:
-    """Runs steps over a started fleet; each `step` returns that step's metrics record."""
+    """Runs steps over a started fleet; each `step` returns the metrics records it completed (`step`)."""
 
     def __init__(self, config: RunConfig, fleet: Fleet, data: Any, scorer: Scorer, control: Any = None,
                  evaluation: tuple[list[Problem], Scorer] | None = None):
@@ -118,8 +118,9 @@ class Trainer:
 
     def step(self, step: int) -> list[dict[str, Any]]:
         """One step; returns the records it completed: its own, unless its evaluation (`eval`) overlaps the next
-        update (asynchronously, between drains: the next step completes it), and the last step's held that way. The weights of step t's batch are exactly version max(c, t - 1 - k) (`rollout.max_staleness`
-        = k; on-policy k = 0: the latest). While the learner trains on it, the engines sample the next k batches
+        update (asynchronously, between drains: the next step completes it), and the last step's held that way.
+        The weights of step t's batch are exactly version max(c, t - 1 - k) (`rollout.max_staleness` = k; on-policy
+        k = 0: the latest). While the learner trains on it, the engines sample the next k batches
         (each worker loads a new version between its requests), and the driver collects, scores and asks the
         reference for the next one; after the update, the next batch goes out carrying the new weights, which each
         worker loads (and probes) at the start of its request. The last step loads and verifies them everywhere at

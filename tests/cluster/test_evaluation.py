@@ -23,13 +23,15 @@ NOT_TRAINING = ("time/", "eval/", "throughput/", "memory/")
 
 
 def training_part(record: dict) -> dict:
-    """What the run trained on and computed, not how long it took, what memory it held or what it evaluated. `sync/probe_max_diff` is the
-    check of whichever request loaded the weights first, an evaluation's too, so it may move to another step."""
+    """What the run trained on and computed, not how long it took, what memory it held or what it evaluated.
+    `sync/probe_max_diff` is the check of whichever request loaded the weights first, an evaluation's too, so it may
+    move to another step."""
     return {k: v for k, v in record.items() if not k.startswith(NOT_TRAINING) and k != "sync/probe_max_diff"}
 
 
 def weights_digest(run_dir) -> str:
-    return hashlib.sha256((run_dir / "checkpoints" / "step_4" / "policy" / "model.safetensors").read_bytes()).hexdigest()
+    weights = run_dir / "checkpoints" / "step_4" / "policy" / "model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

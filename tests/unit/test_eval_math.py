@@ -74,10 +74,12 @@ def _draw_at_once(data, seed, cursor):
 
 def test_the_demo_evaluates_on_distinct_held_out_problems_training_never_draws():
     config = load_config(None, ["data.held_out=0.1", "eval.every=5", "eval.max_prompts=64"])
-    problems = eval_problems(config, None, None)
+    training = make_prompt_source(config.data, 0, 32, None, 100)
+    problems = eval_problems(config, None, training)
     assert len({p.prompt for p in problems}) == 64
     assert all(is_held_out(p.prompt, 0.1) and p.label == str(eval(p.prompt[:-1])) for p in problems)
-    assert problems == eval_problems(config, None, None)  # the same prompts every time
+    training.next_batch()
+    assert problems == eval_problems(config, None, training)  # the same prompts every time, wherever training is
     assert eval_seeds(0, 4) == eval_seeds(0, 4) != eval_seeds(1, 4)
 
 
