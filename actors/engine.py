@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from sync.adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_config
 from sync.group import GroupSpec
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
@@ -41,6 +44,21 @@ class EngineSettings:
     seed: int = 0
     tensor_parallel_size: int = 1  # > 1: vLLM starts one Ray worker per shard in the actor's placement group
     cpu_linear: str = "auto"  # CPU only: "onednn", "torch" or "auto" (`RolloutConfig.cpu_linear`)
+    lora: LoraServing | None = None  # serve LoRA adapters on the base: loads then take adapters, not weights
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """The adapters an engine serves (`learner.lora`): what their peft config says, which loads write beside them."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # module names (`learner.lora.lora_targets`)
+
+
+# vLLM's allowed `max_lora_rank` values (vllm.config.lora.MaxLoRARanks): an engine takes the smallest that fits.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_ID = 1  # one adapter, reloaded in place at each load: requests name it by this id
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,7 @@ class VllmEngine:
         # The engine must live in this process: then weights are handed over as tensors (no pickling, no files),
         # and it starts several times faster on CPU than in vLLM's multiprocess mode (docs/vllm-cpu.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.settings = settings
         with _collector_paused():
             self._start(settings)
 
@@ -167,6 +186,12 @@ class VllmEngine:
             device_args["block_size"] = 32
         else:
             device_args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        self._lora = settings.lora
+        self._lora_dir: str | None = None  # where loads write the adapters (tmpfs), made by the first load
+        self.lora_request = None  # what every request names once adapters are loaded; before, the base serves
+        if settings.lora is not None:
+            device_args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                               max_lora_rank=next(r for r in MAX_LORA_RANKS if r >= settings.lora.rank))
         if settings.tensor_parallel_size > 1:
             # The shards run as Ray workers in the bundles of the placement group this actor was started in (its
             # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
@@ -223,7 +248,7 @@ class VllmEngine:
                                  flat_logprobs=True)
                   for r in requests]
         prompts = [_tokens_prompt(ids, r.cache_salt) for ids, r in zip(prompt_ids, requests)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         texts = iter(self.tokenizer.batch_decode([c.token_ids for out in outputs for c in out.outputs],
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
@@ -247,7 +272,7 @@ class VllmEngine:
                                     seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True,
                                     output_kind=RequestOutputKind.DELTA)
             engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(_tokens_prompt(ids, cache_salt), None),
-                               params)
+                               params, lora_request=self.lora_request)
         tokens = [[([], [], []) for _ in range(n)] for _ in prompt_ids]  # [prompt][index] -> ids, logprobs, versions
         ends: dict[tuple[int, int], tuple[str, int | None]] = {}
         while engine.has_unfinished_requests():
@@ -291,7 +316,7 @@ class VllmEngine:
                                 stop_token_ids=list(stop_token_ids) or None, skip_special_tokens=True,
                                 detokenize=bool(stop), flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, self.llm._preprocess_cmpl_one(
-            _tokens_prompt(prompt_ids, cache_salt), None), params)
+            _tokens_prompt(prompt_ids, cache_salt), None), params, lora_request=self.lora_request)
         return request_id
 
     def step_turns(self) -> list[tuple[str, SampledCompletion]]:
@@ -315,7 +340,8 @@ class VllmEngine:
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
-        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
+        [out] = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False,
+                                  lora_request=self.lora_request)
         flat = out.prompt_logprobs
         if flat is None or list(flat.token_ids) != list(prompt_ids[1:]):
             raise RuntimeError(f"engine returned prompt logprobs of tokens {None if flat is None else flat.token_ids},"
@@ -325,8 +351,11 @@ class VllmEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], running: bool = False) -> None:
         """Replace the engine's weights in place; the prefix cache is reset so no stale KV entries survive. With
         `running` (between two steps of `generate_stepwise`), requests in progress are preempted: their KV is
-        computed again with the new weights before their next token."""
-        if self._in_process:
+        computed again with the new weights before their next token. An engine serving LoRA (`settings.lora`) takes
+        the adapters' tensors (peft's names) instead: `_load_adapters`."""
+        if self._lora is not None:
+            self._load_adapters(named_tensors)
+        elif self._in_process:
             self.llm.collective_rpc("relay_reload_weights", args=(list(named_tensors),))
         else:
             # Tensors cannot cross the engine's process boundary through collective_rpc: go through a file.
@@ -337,6 +366,24 @@ class VllmEngine:
                 save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
                 self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
         self.reset_prefix_cache(running)
+
+    def _load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write the adapters as a peft directory (tmpfs) and have every worker load it in place of the one it
+        serves, once (`load_inplace`); requests then name it without reloading it. The base stays as loaded."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="relay-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                              else None)
+        lora = self._lora
+        config = adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path)
+        with open(os.path.join(self._lora_dir, ADAPTER_CONFIG_FILE), "w") as f:
+            json.dump(config, f)
+        save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(self._lora_dir, ADAPTER_WEIGHTS_FILE))
+        if not self.llm.llm_engine.add_lora(LoRARequest("relay", LORA_ID, self._lora_dir, load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the adapters written to {self._lora_dir}")
+        self.lora_request = LoRARequest("relay", LORA_ID, self._lora_dir)
 
     @property
     def num_ranks(self) -> int:
@@ -380,6 +427,8 @@ class VllmEngine:
             destroy_model_parallel()
             destroy_distributed_environment()
             del self.llm
+            if self._lora_dir is not None:
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
 
 
 def _tokens_prompt(ids: Sequence[int], cache_salt: str | None) -> Any:

@@ -156,8 +156,11 @@ class RunConfig(_Section):
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the run starts a reference worker: only when some KL penalty reads its logprobs."""
-        return self.reference.enabled and (self.learner.kl_coef > 0 or self.learner.kl_reward_coef > 0)
+        """Whether the run starts a reference worker: only when some KL penalty reads its logprobs, and the learner
+        does not compute them itself (with LoRA the reference is the base: the learner's policy with its adapters
+        disabled)."""
+        return (self.reference.enabled and (self.learner.kl_coef > 0 or self.learner.kl_reward_coef > 0)
+                and not self.learner.lora.enabled)
 
     @model_validator(mode="before")
     @classmethod
@@ -258,7 +261,20 @@ def _inconsistencies(config: RunConfig):
                "or remove data.reasoning_gym")
     if config.data.task != "dataset" and config.data.label_format != "value":
         yield "data.label_format applies to data.task=dataset (labels read from data.path); remove it"
-    if config.reference.refresh_every and not config.uses_reference:
+    lora = learner.lora
+    if lora.enabled and learner.num_ranks > 1 and learner.strategy == "fsdp2":
+        yield ("learner.lora with learner.strategy=fsdp2 is not supported (the base is frozen and the adapters are "
+               "small: ddp replicates them cheaply); set learner.strategy=ddp")
+    if lora.enabled and config.sync.transport == "collective":
+        yield ("learner.lora with sync.transport=collective is not supported (the collective broadcast loads whole "
+               "weights into the engines, not adapters); set sync.transport=object_store")
+    if lora.enabled and config.reference.refresh_every:
+        yield ("learner.lora with reference.refresh_every is not supported: the reference is the base, computed by "
+               "the learner with the adapters disabled; set reference.refresh_every=0")
+    if not lora.enabled and (lora.alpha is not None or lora.dropout or lora.target_modules != "all-linear"):
+        yield ("learner.lora.alpha, dropout and target_modules apply with learner.lora.rank > 0; set a rank or "
+               "remove them")
+    if config.reference.refresh_every and not config.uses_reference and not lora.enabled:
         yield ("reference.refresh_every needs a reference policy in use: set learner.kl_coef or "
                "learner.kl_reward_coef > 0 (and reference.enabled=true), or refresh_every=0")
     if rollout.in_flight_updates and not rollout.max_staleness:

@@ -14,6 +14,31 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+class LoraConfig(_Section):
+    rank: int = Field(0, ge=0, le=512)
+    """LoRA rank r (`peft`): the policy's base weights stay frozen and only rank-r adapters on `target_modules` train
+    (AdamW state for them alone); weight syncs move only the adapters, which the engines serve on the base model they
+    loaded once (vLLM's LoRA). 0: full fine-tuning. docs/algorithms.md, LoRA."""
+    alpha: float | None = Field(None, gt=0, le=100_000)
+    """LoRA alpha: the adapter's update is scaled by alpha / rank. Empty: 2 x rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input, in the training forward passes only: old logprobs, the reference and the
+    engines never drop (their logprobs are those of the policy without dropout)."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Modules that get adapters: `all-linear` (every linear layer of the decoder blocks, not the output head) or
+    module names (`[q_proj, v_proj]`; a name matches a module whose path ends with it). Each must match a linear
+    layer of the policy's decoder blocks that vLLM serves LoRA on."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha, 2 x rank when unset."""
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class LearnerConfig(_Section):
     num_cpus: float = Field(0.5, gt=0, le=1024)
     """CPUs Ray reserves for the learner."""
@@ -131,6 +156,8 @@ class LearnerConfig(_Section):
     gets the sequence's weight)."""
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (`lora.rank` > 0)."""
 
     @property
     def uses_value_model(self) -> bool:

@@ -10,7 +10,9 @@ model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the co
 (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
 (`learner.passes.micro_batches.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
 non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the updates it
-made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there). Mixed precision: parameters,
+made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there); with `learner.lora`, the
+adapters on a frozen base (`learner.lora`): only they train and publish, and the reference's logprobs are the base's,
+computed here with the adapters disabled. Mixed precision: parameters,
 gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
 (autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
 `model.dtype`, once per sync.
@@ -40,6 +42,7 @@ from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, mic
 from learner.batch import StepTensors, TrainBatch, per_token_rewards
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.distributed import DataParallel, clip_grad_norm
+from learner.lora import adapter_dropout, adapter_weights, add_adapters, load_adapters, read_adapters, save_adapters
 from learner.passes.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
 from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import (
@@ -55,6 +58,7 @@ from learner.passes.sequences import (
     tail_lengths,
     unpad_per_token,
 )
+from sync.adapters import ADAPTER_CONFIG_FILE
 from sync.publisher import WeightPublisher, cast_to_engine
 
 if TYPE_CHECKING:
@@ -105,6 +109,9 @@ class Learner(WeightPublisher):
             raise ValueError(f"learner.master_dtype={config.master_dtype} is coarser than model.dtype={dtype}; "
                              "set learner.master_dtype=float32")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.master_dtype).to(self.device)
+        self.lora = config.lora.enabled  # the policy = the frozen base + adapters, which alone train and sync
+        if self.lora:
+            self.model = add_adapters(self.model, config.lora)
         # eval(): no dropout, ever. Old and new logprobs (and the engines') must come from one deterministic function,
         # or ratios and the sync check measure dropout noise. Gradients do not depend on the mode.
         self.model.eval()
@@ -127,14 +134,18 @@ class Learner(WeightPublisher):
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
         # is never split across passes) come from the training forward.
         self.single_update = config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
+        # With LoRA the reference (the initial policy) is the base: the learner computes its logprobs itself with the
+        # adapters disabled, and no reference actor holds a second copy of the base (the driver starts none).
+        self.base_reference = self.lora and (config.kl_coef > 0 or config.kl_reward_coef > 0)
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
 
     def _make_optimizer(self) -> None:
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+        # Only what trains gets AdamW state: every parameter, or with LoRA the adapters (the base is frozen).
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
 
     def open_process_group(self, host: str, timeout_s: float) -> int:
@@ -193,6 +204,13 @@ class Learner(WeightPublisher):
         return self.dp.compute_rows(batch, compute, self.batching,
                                     tail_lengths(batch) if prompts is not None else None)
 
+    def _base_rows(self, batch: SequenceBatch) -> torch.Tensor:
+        """The reference's logprobs of the response tokens when the reference is the base under LoRA adapters: the
+        policy's own pass with the adapters disabled, laid out as `pad_per_token` lays out a reference's."""
+        with self.model.disable_adapter():
+            rows = self._policy_rows(batch)
+        return torch.where(batch.response_mask.bool(), rows.float(), 0.0)
+
     def _compute(self):
         """The context of every policy forward pass (`learner.passes.device.compute_in`)."""
         return compute_in(self.device, self.compute_dtype, self.master_dtype)
@@ -226,7 +244,9 @@ class Learner(WeightPublisher):
         mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
         old_logprobs = None if self.single_update else self._policy_rows(batch)
         ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
-        if callable(ref_logprobs):  # still on their way: waited for where first needed, after the training forward
+        if ref_logprobs is None and self.base_reference:
+            ref = self._base_rows(batch)
+        elif callable(ref_logprobs):  # still on their way: waited for where first needed, after the training forward
             ref = lambda: pad_per_token(ref_logprobs(), batch)  # noqa: E731
             ref = ref() if cfg.kl_reward_coef > 0 else ref  # the KL in the reward needs them now
         else:
@@ -272,6 +292,7 @@ class Learner(WeightPublisher):
         self.weights_version += 1
         metrics["weights/version"] = self.weights_version
         self._gathered = self.dp.gather_weights(self.model)
+        metrics["sync/bytes"] = float(self.weights_bytes()) if self.dp.is_writer else 0.0
         return metrics
 
     def _rounds(self, batch: SequenceBatch, rows: torch.Tensor
@@ -305,12 +326,13 @@ class Learner(WeightPublisher):
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
-        for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
-            for mb_idx, live in passes:
-                self._micro_batch_backward(step, mb_idx, live, b_mask, prompts, add)
-            if prompts is not None:  # the prompts' own backward, once
-                with matmuls_in(self.device, self.compute_dtype):
-                    prompts.backward()
+        with adapter_dropout(self.model, self.lora and self.config.lora.dropout > 0):
+            for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
+                for mb_idx, live in passes:
+                    self._micro_batch_backward(step, mb_idx, live, b_mask, prompts, add)
+                if prompts is not None:  # the prompts' own backward, once
+                    with matmuls_in(self.device, self.compute_dtype):
+                        prompts.backward()
         self.dp.reduce_gradients([self.model, self.critic.model] if self.critic else [self.model])
         return self._optimizer_step(self.dp.sum_metrics(totals))
 
@@ -389,13 +411,18 @@ class Learner(WeightPublisher):
         return {**totals, **norms, "train/skipped_updates": float(not finite)}
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's whole weights by checkpoint name: the live tensors, or under fsdp2 rank 0's CPU copy gathered
-        after the last update or load (other fsdp2 ranks: empty). No collective: rank 0 alone may call it."""
+        """What the engines need of the policy, by checkpoint name: its whole weights (the live tensors, or under
+        fsdp2 rank 0's CPU copy gathered after the last update or load; other fsdp2 ranks: empty), or with LoRA the
+        adapters alone (peft's names; the engines keep the base they loaded). No collective: rank 0 alone may call
+        it."""
+        if self.lora:
+            return adapter_weights(self.model)
         return self._gathered if self._gathered is not None else self.model.state_dict()
 
     def save_checkpoint(self, directory: str) -> None:
         """Write the learner's whole state into `directory` (existing and empty; the caller makes it atomic):
-        `policy/` (in `model.dtype`, for vLLM and transformers) and, with a critic, `critic/` (in
+        `policy/` (in `model.dtype`, for vLLM and transformers; with LoRA the adapters alone, in peft's format and
+        the master dtype) and, with a critic, `critic/` (in
         `learner.master_dtype`) as Hugging Face directories (safetensors), and `learner_state.pt` with the optimizers,
         schedulers, RNG states and counters as plain tensors and numbers, so that it loads with
         `torch.load(weights_only=True)`, and the policy's master weights when they are wider than `model.dtype`.
@@ -406,7 +433,10 @@ class Learner(WeightPublisher):
         if self.critic:
             self.critic.save_model(root / CRITIC_DIR)
         state = self._training_state()  # under fsdp2 every rank joins the gathers, rank 0 keeps the result
-        if self.dp.is_writer:
+        if self.dp.is_writer and self.lora:  # peft's format, in the master dtype: what the update continues from
+            save_adapters(self.model, root / POLICY_DIR, self.policy_state_dict())
+            torch.save(state, root / LEARNER_STATE_FILE)
+        elif self.dp.is_writer:
             weights = self.policy_state_dict()
             if self.mixed_precision:
                 state["master_weights"] = to_cpu(weights)  # what the update continues from, exactly
@@ -428,8 +458,14 @@ class Learner(WeightPublisher):
             raise ValueError(f"{root}: the checkpoint {'has' if state['critic'] is not None else 'has no'} value "
                              f"model but this run {'has' if self.critic else 'has none'}; resume with the "
                              "checkpoint's learner.advantage and critic settings")
+        if (root / POLICY_DIR / ADAPTER_CONFIG_FILE).is_file() != self.lora:
+            raise ValueError(f"{root}: the checkpoint {'has' if not self.lora else 'has no'} LoRA adapters but this "
+                             f"run {'has none' if not self.lora else 'has'}; resume with the checkpoint's "
+                             "learner.lora settings")
         master = state.get("master_weights")  # absent when the policy directory holds the master weights
-        if master is not None:  # cast on load when this run's master weights are narrower
+        if self.lora:
+            load_adapters(self.model, read_adapters(self.model, root / POLICY_DIR))
+        elif master is not None:  # cast on load when this run's master weights are narrower
             self.dp.load_weights(self.model, check_weights(self.model, master, root / LEARNER_STATE_FILE))
         else:
             self.dp.load_weights(self.model, read_model_weights(self.model, root / POLICY_DIR))

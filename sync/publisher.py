@@ -50,6 +50,13 @@ class WeightPublisher:
         return [[(slot.name, _array(engine[slot.name])) for slot in bucket.slots]
                 for bucket in plan_weights(state, self.compute_dtype, bucket_bytes)]
 
+    def weights_bytes(self) -> int:
+        """Bytes of what one sync hands each engine: the published weights in the engines' dtypes, a tied head once
+        (with LoRA, the adapters alone)."""
+        state = self.policy_state_dict()
+        return sum(t.numel() * engine_dtype(t, self.compute_dtype).itemsize for t in {id(t): t for t in state.values()}
+                   .values())
+
     def export_weight_buckets(self, bucket_bytes: int):
         """`export_weights` shaped for a Ray call with `num_returns=count_buckets(...)`: one object per bucket
         (Ray stores a method's whole return value as one object when num_returns is 1, so one bucket goes bare)."""

@@ -1,4 +1,4 @@
-"""The `relay` command line: train, eval, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
+"""The `relay` command line: train, eval, export, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
 build-demo-model, verifier serve, env serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
@@ -22,7 +22,7 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
 Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process,
-  iterative_grpo}.yaml, e.g.
+  iterative_grpo,grpo_lora}.yaml, e.g.
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
 A tool-using agent (multi-turn episodes with an environment):  relay train configs/agent_calc.yaml
   (env.spec=module:Class or env.urls=[...], rollout.max_turns, rollout.stop; docs/environments.md)
@@ -42,6 +42,16 @@ Prints a table and writes DIR/eval.json (run_dir=DIR; default runs/eval-<time>) 
 """
 
 
+EXPORT_HELP = """\
+Write a checkpoint's policy as a standalone Hugging Face directory. A full fine-tuning checkpoint's weights are copied
+as they are. A LoRA checkpoint (learner.lora) holds adapters: with --merge they are merged into the base model's
+weights (in float32, saved in the run's model.dtype) and the directory loads in transformers and vLLM like any model;
+without it, the adapters are written in peft's format with the base's tokenizer (PeftModel.from_pretrained, or
+vLLM's LoRA serving on the base).
+  relay export runs/lora/checkpoints/step_40 --merge --out exported/lora-40
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="relay", description="relay: RL fine-tuning of language models on Ray.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -54,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
                                    description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     evaluate.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [checkpoint=PATH] [run_dir=DIR] [key=value ...]",
                           help="an optional YAML config file, the checkpoint, the output directory, then overrides")
+    export = commands.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory",
+                                 description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a run_dir/checkpoints/step_<N> directory")
+    export.add_argument("--out", metavar="DIR", required=True, help="where to write it (a new or empty directory)")
+    export.add_argument("--merge", action="store_true",
+                        help="merge LoRA adapters into the base model's weights (one model vLLM and transformers load)")
+    export.add_argument("--base", metavar="DIR", help="the LoRA base model, if it moved since the run")
     build = commands.add_parser("build-demo-model", help="build the demo's base model into the cache (once)",
                                 description="Build the demo's small Qwen2 base model (character tokenizer, short "
                                             "supervised warm-up) from its recipe into $RELAY_CACHE_DIR or "
@@ -85,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.items, quiet=args.quiet)
         if args.command == "eval":
             return _eval(args.items)
+        if args.command == "export":
+            from cluster.run.export import export_checkpoint
+
+            what = export_checkpoint(Path(args.checkpoint), Path(args.out), args.merge,
+                                     Path(args.base) if args.base else None)
+            print(f"relay: exported {what} to {args.out}")
+            return 0
         if args.command == "verifier":
             return _verifier_serve(args)
         if args.command == "env":

@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
+from learner.config import LearnerConfig
 from sync.calls import RunError, get
 
 # Ray settings for a Ray instance relay starts itself (a cluster gets the same from RAY_<name> environment variables on
@@ -136,17 +137,19 @@ class RolloutLauncher:
     SHUTDOWN_TIMEOUT = 10.0  # s: how long `stop` waits for the engines to shut down before it kills the actors
 
     def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
-        from actors.engine import EngineSettings
+        from actors.engine import EngineSettings, LoraServing
         from actors.rollout import RolloutWorker
 
         self.config = config
         self.rollout_cls = rollout_cls or RolloutWorker
-        ro = config.rollout
+        ro, lora = config.rollout, config.learner.lora
         self.settings = EngineSettings(model_path=model_path, dtype=config.model.dtype,
                                        max_model_len=ro.max_model_len, kv_cache_bytes=ro.kv_cache_bytes,
                                        enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
                                        seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size,
-                                       cpu_linear=ro.cpu_linear)
+                                       cpu_linear=ro.cpu_linear,
+                                       lora=LoraServing(lora.rank, lora.scale_alpha, tuple(lora_targets(
+                                           config.learner, model_path))) if lora.enabled else None)
         self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
         self.episodes = None  # multi-turn episodes (`env`): what each worker needs to run them
         if config.env.enabled:
@@ -395,6 +398,18 @@ def with_default_threads(config: RunConfig, model_path: str) -> RunConfig:
     threads = default_threads(count_parameters(model_path))
     return config.model_copy(update={"learner": lc.model_copy(update={"num_threads": lc.num_threads or threads}),
                                      "reference": rc.model_copy(update={"num_threads": rc.num_threads or threads})})
+
+
+def lora_targets(config: LearnerConfig, model_path: str | None) -> list[str]:
+    """The module names `learner.lora.target_modules` resolves to on the policy at `model_path` (None: the demo's
+    model, before it is built), from its config alone; ValueError (one line) for a name that matches no layer."""
+    from transformers import AutoConfig
+
+    from cluster.demo.model import tiny_qwen2_config
+    from learner.lora import check_lora
+
+    model_config = tiny_qwen2_config(vocab_size=64) if model_path is None else AutoConfig.from_pretrained(model_path)
+    return check_lora(config.lora, model_config)
 
 
 def check_reachable(address: str | None, timeout: float = 10.0) -> None:

@@ -11,7 +11,8 @@ to checkpoint (cluster/run/trainer.py) or which checkpoint to resume from (clust
 imports neither Ray nor torch.
 
 Layout of a complete checkpoint:
-    step_<N>/policy/            Hugging Face causal LM (safetensors + tokenizer): transformers and vLLM load it
+    step_<N>/policy/            Hugging Face causal LM (safetensors + tokenizer): transformers and vLLM load it;
+                                with `learner.lora`, the adapters in peft's format (`relay export --merge` merges them)
     step_<N>/critic/            the value model, with a critic only
     step_<N>/reference/         the reference's weights, once `reference.refresh_every` refreshed it
     step_<N>/learner_state.pt   optimizers, schedulers, RNG states, counters (`torch.load(weights_only=True)`)
@@ -40,6 +41,7 @@ CONFIG_FILE = "config.yaml"
 POLICY_DIR = "policy"
 CRITIC_DIR = "critic"
 LEARNER_STATE_FILE = "learner_state.pt"
+ADAPTER_CONFIG = "adapter_config.json"  # in `policy/` with LoRA (sync/adapters.py's ADAPTER_CONFIG_FILE; tested)
 TMP_PREFIX = ".tmp-"  # checkpoint being written, or one being replaced or deleted: never read, removed on commit
 _STEP_NAME = re.compile(r"step_(0|[1-9][0-9]*)")  # canonical only: `step_07` would be a second name for step 7
 
@@ -141,8 +143,11 @@ def validate(path: str | os.PathLike) -> None:
 
 def _missing(path: Path, with_marker: bool) -> list[str]:
     """The required parts `path` lacks (the critic is optional: the learner checks it against the run's config)."""
+    # The policy: a model directory, or with `learner.lora` a peft adapter directory.
+    policy = f"{POLICY_DIR}/{ADAPTER_CONFIG}" if (path / POLICY_DIR / ADAPTER_CONFIG).is_file() else \
+        f"{POLICY_DIR}/config.json"
     missing = [name for name in ([COMPLETE_MARKER] if with_marker else []) + [DRIVER_STATE_FILE, CONFIG_FILE,
-               LEARNER_STATE_FILE, f"{POLICY_DIR}/config.json"] if not (path / name).is_file()]
+               LEARNER_STATE_FILE, policy] if not (path / name).is_file()]
     if not any((path / POLICY_DIR).glob("*.safetensors")):
         missing.append(f"{POLICY_DIR}/*.safetensors")
     return missing

@@ -25,7 +25,15 @@ import ray
 
 from cluster.config import ConfigError, RunConfig, dump_config
 from cluster.fleet.control import start_control
-from cluster.fleet.placement import RAY_SYSTEM_CONFIG, Fleet, FleetPool, check_reachable, start_fleet, stop_fleet
+from cluster.fleet.placement import (
+    RAY_SYSTEM_CONFIG,
+    Fleet,
+    FleetPool,
+    check_reachable,
+    lora_targets,
+    start_fleet,
+    stop_fleet,
+)
 from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
@@ -88,6 +96,11 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_environment(config)
+    if config.learner.lora.enabled:
+        try:
+            lora_targets(config.learner, model_path)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
     cpus, asked = config.ray.num_cpus or os.cpu_count() or 1, cpus_asked(config)
     if local and not ray.is_initialized() and sum(asked.values()) > cpus + 1e-9:

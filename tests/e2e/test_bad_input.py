@@ -61,6 +61,15 @@ CORPUS = [
     (["train", "eval.every=5", "eval.data.task=arithmetic"], "evaluation prompts are training prompts too"),
     (["eval", "checkpoint={tmp}/nowhere"], "checkpoint {tmp}/nowhere does not exist"),
     (["eval", "eval.data.task=arithmetic"], "evaluation prompts are training prompts too"),
+    # LoRA: targets (checked on the model's config: the demo's before it is built), combinations; `relay export`
+    (["train", "learner.lora.rank=8", "learner.lora.target_modules=[q_proj,qproj]"],
+     "'qproj' matches no linear layer of the policy's decoder blocks"),
+    (["train", "learner.lora.rank=8", "learner.lora.target_modules=[lm_head]"], "'lm_head' matches no linear layer"),
+    (["train", "learner.lora.rank=8", "sync.transport=collective"], "learner.lora with sync.transport=collective"),
+    (["train", "learner.lora.rank=8", "reference.refresh_every=2"], "learner.lora with reference.refresh_every"),
+    (["train", "learner.lora.alpha=16"], "apply with learner.lora.rank > 0"),
+    (["train", "learner.lora.rank=600"], "learner.lora.rank: Input should be less than or equal to 512"),
+    (["export", "{tmp}/nowhere", "--out", "{tmp}/exported"], "checkpoint {tmp}/nowhere does not exist"),
     # other commands
     (["verifier", "serve", "--verifier", "nope"], "nope"),
     (["plot", "{tmp}/nowhere"], "nowhere"),

@@ -121,8 +121,9 @@ def test_driver_state_is_strict_json(tmp_path):
 
 def test_file_names_match_the_learner_and_no_torch_is_imported():
     from learner import learner
+    from sync.adapters import ADAPTER_CONFIG_FILE
 
-    assert (checkpoint.POLICY_DIR, checkpoint.CRITIC_DIR, checkpoint.LEARNER_STATE_FILE) == (
-        learner.POLICY_DIR, learner.CRITIC_DIR, learner.LEARNER_STATE_FILE)
+    assert (checkpoint.POLICY_DIR, checkpoint.CRITIC_DIR, checkpoint.LEARNER_STATE_FILE, checkpoint.ADAPTER_CONFIG) == (
+        learner.POLICY_DIR, learner.CRITIC_DIR, learner.LEARNER_STATE_FILE, ADAPTER_CONFIG_FILE)
     code = "import sys, cluster.run.checkpoint; assert not {'torch', 'ray'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
