@@ -11,7 +11,7 @@ lengths are drawn (seeded, uniform) from 128-2048 tokens, the learner's passes c
 16-128, passes of 1024 tokens: seconds on a CPU, for the tests.
 Four variants, each a fresh `Learner` on the same batches: bfloat16 on float32 master weights (`model.dtype=bfloat16`,
 `learner.master_dtype=float32`: the learner's autocast), packed (`learner.pack_sequences`) or padded passes, full
-fine-tuning or LoRA (rank 32 at 0.5b, every linear projection of every layer; `peft`, see `apply_lora`). GRPO,
+fine-tuning or LoRA (rank 32 at 0.5b, every linear projection of every layer: relay's `learner.lora`). GRPO,
 one minibatch (one forward and backward per token, no separate old-logprobs pass), the KL in the loss, prompts shared
 (`learner.share_prompts`), as a run has them. One untimed warm-up step, then `--steps` timed ones (the GPU
 synchronised around each).
@@ -59,7 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, LoraConfig  # noqa: E402
 from learner.learner import Learner, TrainBatch  # noqa: E402
 from learner.passes.device import compute_in, pick_device  # noqa: E402
 from learner.passes.sequences import MicroBatching, batched_logprobs, pad_sequences, sharing  # noqa: E402
@@ -137,24 +137,13 @@ def draw_batch(size: Size, seed: int) -> TrainBatch:
     return TrainBatch(prompts, responses, uniform, rewards, size.group, ref_logprobs=uniform)
 
 
-def learner_config(size: Size, packed: bool) -> LearnerConfig:
+def learner_config(size: Size, packed: bool, lora: bool) -> LearnerConfig:
     """Near configs/gpu_gsm8k_single.yaml's learner (lr 1e-6, token-mean loss, clip-higher, the KL in the loss), but
-    one minibatch (one forward and backward per token, no old-logprobs pass), no rollout correction, no warm-up."""
+    one minibatch (one forward and backward per token, no old-logprobs pass), no rollout correction, no warm-up. With
+    `lora`, relay's `learner.lora`: rank `size.lora_rank`, alpha 2 x rank, every linear layer of the blocks."""
     return LearnerConfig(lr=1e-6, warmup_steps=0, master_dtype="float32", max_tokens_per_micro_batch=size.budget,
-                         pack_sequences=packed, loss_agg="token-mean", clip_high=0.28, kl_coef=0.001)
-
-
-def apply_lora(learner: Learner, rank: int) -> None:
-    """LoRA adapters (rank `rank`, alpha 2 x rank, no dropout) on every linear projection of every layer of the
-    learner's policy, only they trained, and its AdamW rebuilt over them. A stand-in: relay's `learner.lora`, when it
-    exists, replaces this function."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    learner.model = get_peft_model(learner.model, config)
-    learner.model.eval()  # as the learner keeps its policy: no dropout, ever
-    learner._make_optimizer()  # the frozen base gets no gradients, so AdamW keeps state for the adapters alone
+                         pack_sequences=packed, loss_agg="token-mean", clip_high=0.28, kl_coef=0.001,
+                         lora=LoraConfig(rank=size.lora_rank if lora else 0))
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -217,9 +206,7 @@ def run_variant(name: str, packed: bool, lora: bool, model_dir: Path, size: Size
                 peak: float | None) -> tuple[dict, Learner]:
     """One variant's timed steps: its row of the table, and its learner (for the checks)."""
     release(pick_device())
-    learner = Learner(str(model_dir), learner_config(size, packed), dtype="bfloat16", seed=0)
-    if lora:
-        apply_lora(learner, size.lora_rank)
+    learner = Learner(str(model_dir), learner_config(size, packed, lora), dtype="bfloat16", seed=0)
     seconds, metrics = time_steps(learner, batches)
     timed = batches[WARMUP_STEPS:]
     tokens = sum(len(p) + len(r) for batch in timed for p, r in zip(batch.prompt_ids, batch.response_ids))

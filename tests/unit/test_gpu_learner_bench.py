@@ -111,7 +111,7 @@ def test_the_packing_check_fails_when_packed_logprobs_differ_and_says_by_how_muc
 
     tiny = gpu_learner.SIZES["tiny"]
     gpu_learner.build_model_dir(tiny, tmp_path, torch.device("cpu"))
-    learner = Learner(str(tmp_path), gpu_learner.learner_config(tiny, True), dtype="bfloat16")
+    learner = Learner(str(tmp_path), gpu_learner.learner_config(tiny, True, lora=False), dtype="bfloat16")
     batch = gpu_learner.draw_batch(tiny, 0)
     real = gpu_learner.batched_logprobs
 
