@@ -58,6 +58,12 @@ class LoggingConfig(_Section):
     """Weights & Biases project."""
     wandb_run_name: str | None = None
     """Weights & Biases run name; empty: the run directory's name."""
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    """Serve the run's metrics for Prometheus at http://prometheus_host:PORT/metrics from the driver (0: any free port,
+    printed at start); empty: not served. docs/operations.md, "Prometheus and Grafana"."""
+    prometheus_host: str = Field("127.0.0.1", min_length=1)
+    """Address the metrics server binds (with `prometheus_port`): this machine only by default; `0.0.0.0` lets other
+    machines (a Prometheus server) scrape it."""
 
 
 class TimeoutConfig(_Section):
@@ -248,6 +254,16 @@ def _inconsistencies(config: RunConfig):
         yield "learner.group_scale applies to advantage=grpo only; remove it or set learner.advantage=grpo"
     if learner.clip_c is not None and learner.policy_loss != "ppo":
         yield f"learner.clip_c (dual clip) is not defined for policy_loss={learner.policy_loss}; remove clip_c"
+    low, high = learner.rollout_correction_low, learner.rollout_correction_high
+    if low >= high:
+        yield (f"learner.rollout_correction_low ({low:g}) must be below learner.rollout_correction_high ({high:g}): "
+               "icepop and seq_mask_tis mask the ratios outside [low, high]")
+    elif not low <= 1 <= high:
+        yield (f"learner.rollout_correction_low ({low:g}) and rollout_correction_high ({high:g}) must hold 1 between "
+               "them (the ratio where engine and learner agree), or icepop and seq_mask_tis mask nearly every token")
+    if learner.rollout_correction in ("icepop", "seq_mask_tis") and learner.rollout_correction_level != "token":
+        yield ("learner.rollout_correction_level=sequence applies to tis and mis; "
+               f"rollout_correction={learner.rollout_correction} defines its own level: remove it")
     if config.reward.overlong_buffer >= rollout.max_new_tokens:
         yield (f"reward.overlong_buffer ({config.reward.overlong_buffer}) must be below rollout.max_new_tokens "
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")

@@ -5,9 +5,9 @@ Owned here, beside the learner; `cluster/config.py` composes them into the run c
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -76,9 +76,11 @@ class LearnerConfig(_Section):
     """Discount per token (`advantage=gae` and `reinforce`)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda (`advantage=gae` only)."""
-    policy_loss: Literal["ppo", "gspo", "vanilla"] = "ppo"
-    """Policy objective: `ppo` (per-token clipped ratio), `gspo` (one length-normalised ratio per sequence) or
-    `vanilla` (REINFORCE's -A log pi: no ratio, no clipping)."""
+    policy_loss: Literal["ppo", "gspo", "vanilla", "cispo"] = "ppo"
+    """Policy objective: `ppo` (per-token clipped ratio), `gspo` (one length-normalised ratio per sequence),
+    `vanilla` (REINFORCE's -A log pi: no ratio, no clipping) or `cispo` (MiniMax-M1: -sg(clip(r)) A log pi, the
+    clipped ratio a detached weight, so no token loses its gradient; unset `clip_low` and `clip_high` become 1 and 3,
+    the weight in [0, 4]: no lower bound as in the paper, Tinker's upper one)."""
     lr: float = Field(5e-5, gt=0, le=1)
     """AdamW learning rate."""
     warmup_steps: int = Field(10, ge=0, le=10_000_000)
@@ -123,9 +125,11 @@ class LearnerConfig(_Section):
     (on 2 cores the demo's step took 0.83-0.86x the time, both on one thread; the 25M benchmark's 1.07x, both on two:
     docs/benchmarks.md, "The learner's forward beside the reference")."""
     clip_low: float = Field(0.2, ge=0, le=1)
-    """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient."""
+    """PPO ratio clip below 1: ratios under 1 - clip_low stop contributing gradient (`cispo`: the weight's lower
+    bound; unset, 1: none)."""
     clip_high: float = Field(0.2, ge=0, le=10)
-    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
+    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low; `cispo`: the weight's upper bound,
+    unset 3)."""
     clip_c: float | None = Field(None, gt=1, le=100)
     """Dual-clip constant for negative advantages (loss at most -A * clip_c); empty turns dual clip off (`ppo`)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -144,20 +148,39 @@ class LearnerConfig(_Section):
     this or `kl_coef`, not both."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator, wherever the KL goes (loss or reward)."""
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction: Literal["none", "tis", "mis", "icepop", "seq_mask_tis"] = "none"
     """Correct the policy gradient for the gap between the engine's logprobs of the sampled tokens (behaviour) and
     the learner's (pi_old), rho = pi_old / pi_behavior: `tis` weighs each token's term by min(rho, cap) (truncated
-    importance sampling), `mis` drops tokens whose rho is outside [1/cap, cap] (masked); `none` uses neither. The gap
-    is numerics in a synchronous run (larger in bfloat16; `mismatch/kl` shows it); docs/algorithms.md."""
+    importance sampling), `mis` drops tokens whose rho is outside [1/cap, cap] (masked), `icepop` weighs a token by
+    rho inside [`rollout_correction_low`, `rollout_correction_high`] and drops it outside (IcePop), `seq_mask_tis`
+    drops whole sequences whose geometric-mean rho is outside that band and weighs the others' tokens by
+    min(rho, cap); `none` uses none. The gap is numerics in a synchronous run (larger in bfloat16; `mismatch/kl`
+    shows it); docs/algorithms.md."""
     rollout_correction_cap: float = Field(2.0, gt=1, le=1000)
-    """The cap C of `rollout_correction`."""
+    """The cap C of `rollout_correction` (`tis`, `mis`, `seq_mask_tis`)."""
     rollout_correction_level: Literal["token", "sequence"] = "token"
     """`token`: one ratio per token; `sequence`: one per sequence, the product of its tokens' (each of its tokens
-    gets the sequence's weight)."""
+    gets the sequence's weight). `tis` and `mis` only: `icepop` and `seq_mask_tis` define their own."""
+    rollout_correction_low: float = Field(0.5, ge=0, le=1000)
+    """Lower end of the band of `icepop` (on each token's rho) and `seq_mask_tis` (on each sequence's geometric-mean
+    rho); 0: none. Below `rollout_correction_high`, and the band must hold 1."""
+    rollout_correction_high: float = Field(5.0, gt=0, le=1000)
+    """Upper end of that band. IcePop's is [0.5, 5]; a geometric mean over many tokens stays near 1, so
+    `seq_mask_tis` wants a narrower one: a few thousandths on-policy in float32 (e.g. [0.999, 1.002]), wider in
+    bfloat16 or for stale batches, which such a band would mask nearly whole (docs/algorithms.md)."""
     max_nonfinite_steps: int = Field(3, ge=1, le=1000)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of full fine-tuning (`lora.rank` > 0)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cispo_clip_by_default(cls, data: Any) -> Any:
+        """`policy_loss=cispo` clips a weight, not the objective: unset clip_low and clip_high become CISPO's one-sided
+        range [0, 4] (no lower bound: MiniMax-M1; upper bound 4: Tinker's default), not PPO's [0.8, 1.2]."""
+        if isinstance(data, dict) and data.get("policy_loss") == "cispo":
+            data = {"clip_low": 1.0, "clip_high": 3.0, **data}
+        return data
 
     @property
     def uses_value_model(self) -> bool:

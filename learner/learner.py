@@ -265,7 +265,7 @@ class Learner(WeightPublisher):
         if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)
             correction, correction_metrics = rollout_correction(
                 old_logprobs, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap,
-                cfg.rollout_correction_level)
+                cfg.rollout_correction_level, cfg.rollout_correction_low, cfg.rollout_correction_high)
             metrics.update({name: float(value) for name, value in correction_metrics.items()})
             metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
         tensors = StepTensors(batch, old_logprobs, estimate.advantages, behavior, ref if cfg.kl_coef > 0 else None,
@@ -355,8 +355,9 @@ class Learner(WeightPublisher):
             old = logprobs.detach()
             behavior = step.behavior[mb_idx, :width]
             add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
-            correction, corrected = rollout_correction(old, behavior, mb_mask, cfg.rollout_correction,
-                                                       cfg.rollout_correction_cap, cfg.rollout_correction_level)
+            correction, corrected = rollout_correction(
+                old, behavior, mb_mask, cfg.rollout_correction, cfg.rollout_correction_cap,
+                cfg.rollout_correction_level, cfg.rollout_correction_low, cfg.rollout_correction_high)
             for name, value in corrected.items():  # token means
                 add(name, value, token_share)
             if cfg.rollout_correction == "none":

@@ -1,10 +1,11 @@
 """What a run shows and records: `metrics.jsonl` (one JSON object per step), TensorBoard event files, Weights &
-Biases (when enabled), the console display, and the Ray dashboard line printed at start.
+Biases and Prometheus (when enabled), the console display, and the Ray dashboard line printed at start.
 
 Owns: the metrics file's format (its keys: docs/operations.md), fanning each step's record out to every sink
 (`MetricsRecorder`), dropping records past the checkpoint on resume, the progress display (rich) and the final
-summary. Does not own: computing metrics (the driver and the learner do) or the charts (cluster/cli/plot.py).
-TensorBoard and wandb are imported only when a run writes to them.
+summary. Does not own: computing metrics (the driver and the learner do), the charts (cluster/cli/plot.py), or
+Prometheus' names and server (cluster/run/prometheus.py). TensorBoard, wandb and prometheus_client are imported only
+when a run writes to them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from cluster.run.prometheus import PrometheusExporter, check_prometheus
 
 if TYPE_CHECKING:
     from cluster.config import LoggingConfig
@@ -114,22 +118,24 @@ class TensorBoardWriter:
 
 
 def check_logging(logging: LoggingConfig) -> None:
-    """Raise ValueError (one line: what is missing and how to fix it) if an enabled sink's library is not installed.
-    Cheap enough to call before anything starts."""
+    """Raise ValueError (one line: what is missing and how to fix it) if an enabled sink's library is not installed,
+    or the Prometheus server's address cannot be bound. Cheap enough to call before anything starts."""
     if logging.tensorboard:
         _import_tensorboard()
     if logging.wandb:
         _import_wandb()
+    check_prometheus(logging.prometheus_host, logging.prometheus_port)
 
 
 class MetricsRecorder:
     """Fans each step's record out to `metrics.jsonl` (always), TensorBoard (`run_dir/tensorboard/`, when
-    `logging.tensorboard`) and Weights & Biases (when `logging.wandb`), and closes them.
+    `logging.tensorboard`), Weights & Biases (when `logging.wandb`) and Prometheus (served from this process, labelled
+    `run=<run_dir's name>`, when `logging.prometheus_port` is set), and closes them.
 
     `config` is the resolved run config as a plain dict (W&B shows it with the run). `resume_step` is the step of
     the checkpoint a resumed run continues from (0: it had none), None for a new run: records after it are dropped
     from `metrics.jsonl`, hidden in TensorBoard, and the same W&B run is continued. Raises ValueError when an
-    enabled sink is not installed."""
+    enabled sink is not installed or the Prometheus port cannot be bound."""
 
     def __init__(self, run_dir: Path, logging: LoggingConfig, config: dict[str, Any],
                  resume_step: int | None = None):
@@ -137,12 +143,17 @@ class MetricsRecorder:
         self.log = MetricsLog(run_dir, resume_step)
         self.tensorboard: TensorBoardWriter | None = None
         self.wandb_run: Any = None
+        self.prometheus: PrometheusExporter | None = None
         try:
             if logging.tensorboard:
                 purge_step = None if resume_step is None else resume_step + 1
                 self.tensorboard = TensorBoardWriter(run_dir / "tensorboard", purge_step)
             if logging.wandb:
                 self.wandb_run = _start_wandb(run_dir, logging, config, resuming=resume_step is not None)
+            if logging.prometheus_port is not None:
+                self.prometheus = PrometheusExporter(logging.prometheus_host, logging.prometheus_port,
+                                                     run_dir.resolve().name)
+                print(f"relay: Prometheus metrics at {self.prometheus.url}", file=sys.stderr, flush=True)
         except BaseException:
             self.close(failed=True)
             raise
@@ -154,9 +165,14 @@ class MetricsRecorder:
             self.tensorboard.write(step, record)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step" and _is_number(v)}, step=step)
+        if self.prometheus is not None:
+            self.prometheus.update(record)
 
     def close(self, failed: bool = False) -> None:
         """Close every sink; `failed` marks the W&B run as failed (exit code 1)."""
+        if self.prometheus is not None:
+            self.prometheus.close()
+            self.prometheus = None
         self.log.close()
         if self.tensorboard is not None:
             self.tensorboard.close()

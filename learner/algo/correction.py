@@ -1,18 +1,23 @@
 """Rollout-training mismatch correction: per-token weights for the policy-gradient term from the gap between the
 engine that sampled (the behaviour policy) and the learner's own log-probabilities of the same tokens.
 
-Owns the truncated (TIS) and masked (MIS) importance weights, token- or sequence-level, and the mismatch metrics.
-Does not own where the weights are applied (`losses.py`'s policy losses take them) nor the config (`learner.*`).
+Owns the truncated (TIS) and masked (MIS) importance weights, token- or sequence-level, IcePop's two-sided token
+mask, the sequence-masked TIS, and the mismatch metrics. Does not own where the weights are applied (`losses.py`'s
+policy losses take them) nor the config (`learner.*`).
 
 The learner recomputes log pi_old for every sampled token; the engine's log pi_behavior of the same tokens differs
 by numerics (bfloat16 kernels, other attention code) or, asynchronously, by a weights version. The PPO ratio is
 taken against pi_old, so tokens are weighted by how much likelier pi_old makes them than pi_behavior did
 (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout
-correction). With rho_t = pi_old(x_t) / pi_behavior(x_t) and cap C > 1:
+correction). With rho_t = pi_old(x_t) / pi_behavior(x_t), cap C > 1 and a band [lo, hi]:
     tis, token:     w_t = min(rho_t, C)
     tis, sequence:  w_t = min(prod_t' rho_t', C) for every token of the sequence
     mis, token:     w_t = 1 if 1/C <= rho_t <= C else 0
     mis, sequence:  w_t = 1 if 1/C <= prod_t' rho_t' <= C else 0, for every token of the sequence
+    icepop:         w_t = rho_t if lo <= rho_t <= hi else 0
+                    (Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model", IcePop)
+    seq_mask_tis:   g = exp(mean_t' log rho_t') over the sequence's tokens (the geometric-mean ratio);
+                    w_t = min(rho_t, C) if lo <= g <= hi else 0                    (NeMo-RL, OpenRLHF)
 The weights carry no gradient. Notation: B: sequences, T: tokens; mask [B, T] is 1 at response tokens.
 """
 
@@ -23,28 +28,33 @@ import math
 import torch
 from torch import Tensor
 
-MODES = ("none", "tis", "mis")
+MODES = ("none", "tis", "mis", "icepop", "seq_mask_tis")
 LEVELS = ("token", "sequence")
+BANDED = ("icepop", "seq_mask_tis")  # the modes that read the band [low, high] and define their own level
 
 
 def rollout_correction(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Tensor, mode: str, cap: float,
-                       level: str = "token") -> tuple[Tensor, dict[str, Tensor]]:
+                       level: str = "token", low: float = 0.5, high: float = 5.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance weights for the policy-gradient term of every response token, and the mismatch metrics.
 
     Args:
         old_logprobs: [B, T] log pi_old(x_t), the learner's, before this step's update.
         behavior_logprobs: [B, T] log pi_behavior(x_t), the engine's when it sampled x_t.
         mask: [B, T] 1 (or True) at response tokens, 0 at padding (which gets weight 1 and counts nowhere).
-        mode: "none" (all weights 1), "tis" (truncated) or "mis" (masked), see the module docstring.
-        cap: C > 1.
-        level: "token" (one ratio per token) or "sequence" (one ratio per sequence, the product of its tokens').
+        mode: one of MODES, see the module docstring.
+        cap: C > 1 (tis, mis, seq_mask_tis).
+        level: "token" (one ratio per token) or "sequence" (one per sequence, the product of its tokens'): tis and
+            mis only; icepop and seq_mask_tis take "token" (each defines its own unit).
+        low, high: the band [lo, hi] of icepop (on rho_t) and seq_mask_tis (on the geometric mean), 0 <= lo < hi.
 
     Returns:
         weights: [B, T], detached.
         metrics: detached [] tensors, means over response tokens:
-            rollout_correction/weight_mean (tis, mis): mean of w_t,
-            rollout_correction/capped_fraction (tis): share of tokens whose ratio was above C,
-            rollout_correction/masked_fraction (mis): share of tokens given weight 0,
+            rollout_correction/weight_mean (every mode but none): mean of w_t,
+            rollout_correction/capped_fraction (tis, seq_mask_tis): share of tokens whose ratio was above C (and,
+                for seq_mask_tis, whose sequence was kept),
+            rollout_correction/masked_fraction (mis, icepop, seq_mask_tis): share of tokens given weight 0 by the
+                mask (for seq_mask_tis: the tokens of the masked sequences),
             mismatch/kl: k3 estimate of KL(pi_behavior || pi_old) from tokens sampled by pi_behavior,
                 (rho_t - 1) - log rho_t (computed whatever the mode).
     """
@@ -52,6 +62,10 @@ def rollout_correction(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Te
         raise ValueError(f"unknown rollout correction {mode!r}; choose one of {list(MODES)}")
     if level not in LEVELS:
         raise ValueError(f"unknown rollout correction level {level!r}; choose one of {list(LEVELS)}")
+    if mode in BANDED and level != "token":
+        raise ValueError(f"rollout correction {mode} has its own level; level must be 'token', got {level!r}")
+    if mode in BANDED and not 0 <= low < high:
+        raise ValueError(f"rollout correction {mode} needs a band 0 <= low < high, got low={low}, high={high}")
     if not cap > 1:
         raise ValueError(f"rollout correction cap must be > 1, got {cap}")
     if not (old_logprobs.shape == behavior_logprobs.shape == mask.shape) or mask.dim() != 2:
@@ -65,21 +79,40 @@ def rollout_correction(old_logprobs: Tensor, behavior_logprobs: Tensor, mask: Te
         else:
             log_rho_used = log_rho
         log_cap = math.log(cap)
+        capped = torch.zeros_like(keep)
+        masked = torch.zeros_like(keep)
         if mode == "tis":
             weights = torch.exp(log_rho_used.clamp(max=log_cap))  # min(rho, C), without overflow for long sequences
-            flagged = log_rho_used > log_cap
+            capped = log_rho_used > log_cap
         elif mode == "mis":
-            flagged = (log_rho_used > log_cap) | (log_rho_used < -log_cap)  # outside [1/C, C]
-            weights = (~flagged).to(old_logprobs.dtype)
+            masked = (log_rho_used > log_cap) | (log_rho_used < -log_cap)  # outside [1/C, C]
+            weights = (~masked).to(old_logprobs.dtype)
+        elif mode == "icepop":
+            masked = _outside(log_rho, low, high)
+            # rho_t inside the band; the clamp only keeps exp() finite at the masked tokens it replaces
+            weights = torch.where(masked, 0.0, torch.exp(log_rho.clamp(max=math.log(high))))
+        elif mode == "seq_mask_tis":
+            lengths = keep.sum(dim=1, keepdim=True).clamp(min=1)
+            log_geo = log_rho.sum(dim=1, keepdim=True) / lengths  # [B, 1] log g = mean_t log rho_t
+            masked = _outside(log_geo, low, high).expand_as(keep)  # the whole sequence, or none of it
+            capped = (log_rho > log_cap) & ~masked
+            weights = torch.where(masked, 0.0, torch.exp(log_rho.clamp(max=log_cap)))  # min(rho_t, C) on the rest
         else:
             weights = torch.ones_like(old_logprobs)
-            flagged = torch.zeros_like(keep)
         weights = torch.where(keep, weights, 1.0)
         tokens = keep.sum().clamp(min=1)
         x = log_rho.double()  # k3 = (rho - 1) - log rho = expm1(x) - x ~ x^2/2: float32 would round it below 0
         metrics = {"mismatch/kl": (torch.where(keep, torch.expm1(x) - x, 0.0).sum() / tokens).float()}
         if mode != "none":
-            name = "capped_fraction" if mode == "tis" else "masked_fraction"
             metrics["rollout_correction/weight_mean"] = torch.where(keep, weights, 0.0).sum() / tokens
-            metrics[f"rollout_correction/{name}"] = (flagged & keep).sum() / tokens
+        if mode in ("tis", "seq_mask_tis"):
+            metrics["rollout_correction/capped_fraction"] = (capped & keep).sum() / tokens
+        if mode in ("mis", "icepop", "seq_mask_tis"):
+            metrics["rollout_correction/masked_fraction"] = (masked & keep).sum() / tokens
     return weights, metrics
+
+
+def _outside(log_ratio: Tensor, low: float, high: float) -> Tensor:
+    """Where exp(log_ratio) lies outside [low, high], compared in log space (low = 0: no lower bound)."""
+    below = log_ratio < math.log(low) if low > 0 else torch.zeros_like(log_ratio, dtype=torch.bool)
+    return below | (log_ratio > math.log(high))

@@ -1,8 +1,8 @@
 """Per-token policy losses, KL estimators, and the reduction of [B, T] token values to one scalar loss.
 
 Owns the PPO clipped surrogate (with DAPO's asymmetric clip range and the optional dual clip), GSPO's
-sequence-level surrogate and the plain policy-gradient (REINFORCE) loss (the three share one signature in
-POLICY_LOSSES), PPO's clipped value loss, the entropy
+sequence-level surrogate, the plain policy-gradient (REINFORCE) loss and CISPO's clipped-weight policy gradient (the
+four share one signature in POLICY_LOSSES), PPO's clipped value loss, the entropy
 bonus, the k1/k2/k3 KL estimators, the aggregation modes the config names, and the weights that make micro-batch
 losses sum to the whole batch's. Does not own advantages (`advantages.py`), computing log-probabilities from
 logits (`logprobs.py`), nor the optimiser step or micro-batch loop (`learner/`).
@@ -319,6 +319,67 @@ def vanilla_policy_loss(
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
+def cispo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None = None,
+    mode: str = "token-mean",
+    norm_length: int | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: the policy gradient weighed by the clipped, detached importance ratio; no token loses its gradient.
+
+    MiniMax 2025 ("MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", CISPO), as a loss
+    to minimise:
+        r_t = exp(log pi(x_t) - log pi_old(x_t)),  l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi(x_t).
+    PPO's clip zeroes the gradient of a token whose ratio left the range; here the clip bounds only the token's
+    weight, so rare tokens whose probability grows (reflection tokens, in the paper) keep contributing. At r_t = 1
+    (one update per batch) the gradient is REINFORCE's and PPO's. Same signature as clipped_policy_loss.
+
+    Args:
+        logprobs: [B, T] log pi(x_t) under the current policy (carries the gradient).
+        old_logprobs: [B, T] log pi_old(x_t) under the policy before this update (no gradient).
+        advantages: [B, T] per-token advantages.
+        mask: [B, T] 1 (or True) at response tokens, 0 at padding.
+        clip_low, clip_high: the weight is r_t clipped to [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1 (1: no
+            lower bound, the paper's choice), clip_high >= 0.
+        clip_c: must be None (no dual clip).
+        mode, norm_length: how l_t is reduced to a scalar, see aggregate().
+        weights: optional [B, T] per-token factors w_t (no gradient) on l_t, as in clipped_policy_loss.
+
+    Returns:
+        loss: [] scalar to minimise.
+        metrics: clipped_policy_loss's keys, means over response tokens: clip_fraction the share of tokens whose
+            weight was clipped (r_t outside the range; they keep a gradient), dual_clip_fraction 0, ratio_mean and
+            approx_kl of r_t.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if clip_c is not None:
+        raise ValueError(f"dual clip is not defined for cispo; unset clip_c (got {clip_c})")
+    _check_policy_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    keep = mask.bool()
+    # Select padding out before exp(): its log-ratio becomes 0 (r = 1) and nothing there gets gradient.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0).detach()
+    ratio = torch.exp(log_ratio)  # r_t = pi(x_t) / pi_old(x_t)
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)  # sg(clip(r_t, 1 - eps_low, 1 + eps_high))
+    token_losses = -clipped_ratio * torch.where(keep, advantages, 0.0) * torch.where(keep, logprobs, 0.0)
+    if weights is not None:
+        token_losses = token_losses * weights.detach()  # w_t l_t
+    loss = aggregate(token_losses, mask, mode, norm_length)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        metrics = {"clip_fraction": aggregate((clipped_ratio != ratio).to(ratio.dtype), mask, "token-mean"),
+                   "dual_clip_fraction": zero,
+                   "ratio_mean": aggregate(ratio, mask, "token-mean"),
+                   "approx_kl": aggregate(ratio - 1 - log_ratio, mask, "token-mean")}
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,
@@ -437,9 +498,10 @@ AGGREGATION_MODES: tuple[str, ...] = (
 )
 
 # The config's names for the policy losses; one signature: (logprobs, old_logprobs, advantages, mask, clip_low,
-# clip_high, clip_c=None, mode=..., norm_length=None) -> (loss [], metrics with the same keys).
+# clip_high, clip_c=None, mode=..., norm_length=None, weights=None) -> (loss [], metrics with the same keys).
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "ppo": clipped_policy_loss,
     "gspo": gspo_policy_loss,
     "vanilla": vanilla_policy_loss,
+    "cispo": cispo_policy_loss,
 }

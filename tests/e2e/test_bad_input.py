@@ -25,6 +25,13 @@ CORPUS = [
     (["train", "learner.kl_reward_coef=0.1"], "set one of them to 0"),
     (["train", "learner.num_minibatches=3"], "must divide the batch"),
     (["train", "reward.overlong_buffer=8"], "must be below rollout.max_new_tokens"),
+    (["train", "learner.rollout_correction=icepop", "learner.rollout_correction_low=2",
+      "learner.rollout_correction_high=1"], "rollout_correction_low (2) must be below learner.rollout_correction_high"),
+    (["train", "learner.rollout_correction=seq_mask_tis", "learner.rollout_correction_low=1.01"],
+     "must hold 1 between them"),
+    (["train", "learner.rollout_correction=icepop", "learner.rollout_correction_level=sequence"],
+     "rollout_correction=icepop defines its own level"),
+    (["train", "learner.policy_loss=cispo", "learner.clip_c=3"], "not defined for policy_loss=cispo"),
     # CLI arguments and config files
     (["train", "max_steps=3", "learnerlr"], "override 'learnerlr' is not of the form dotted.key=value"),
     (["train", "max_steps=3", "--quiet", "learner.lrr=1"], "unknown config key 'learner.lrr'"),  # options anywhere
@@ -70,6 +77,11 @@ CORPUS = [
     (["train", "learner.lora.alpha=16"], "apply with learner.lora.rank > 0"),
     (["train", "learner.lora.rank=600"], "learner.lora.rank: Input should be less than or equal to 512"),
     (["export", "{tmp}/nowhere", "--out", "{tmp}/exported"], "checkpoint {tmp}/nowhere does not exist"),
+    # Prometheus metrics (a taken port: tests/unit/test_prometheus.py, which holds one open)
+    (["train", "logging.prometheus_port=70000"],
+     "logging.prometheus_port: Input should be less than or equal to 65535"),
+    (["train", "logging.prometheus_port=9464", "logging.prometheus_host=192.0.2.1"],  # TEST-NET-1: no machine's own
+     "logging.prometheus_host=192.0.2.1 logging.prometheus_port=9464: cannot serve metrics there"),
     # other commands
     (["verifier", "serve", "--verifier", "nope"], "nope"),
     (["plot", "{tmp}/nowhere"], "nowhere"),

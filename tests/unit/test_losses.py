@@ -11,6 +11,7 @@ from learner.algo.losses import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
+    cispo_policy_loss,
     clipped_policy_loss,
     entropy_bonus,
     gspo_policy_loss,
@@ -351,13 +352,13 @@ def test_gspo_rejects_the_dual_clip():
 
 
 def test_policy_loss_registry_keys_are_the_config_names_and_share_metric_keys():
-    assert set(POLICY_LOSSES) == {"ppo", "gspo", "vanilla"}
+    assert set(POLICY_LOSSES) == {"ppo", "gspo", "vanilla", "cispo"}
     assert POLICY_LOSSES["ppo"] is clipped_policy_loss and POLICY_LOSSES["gspo"] is gspo_policy_loss
-    assert POLICY_LOSSES["vanilla"] is vanilla_policy_loss
+    assert POLICY_LOSSES["vanilla"] is vanilla_policy_loss and POLICY_LOSSES["cispo"] is cispo_policy_loss
     inputs = _gspo_hand_inputs()
-    ppo, gspo, vanilla = (set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1])
-                          for name in ("ppo", "gspo", "vanilla"))
-    assert ppo == vanilla == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
+    ppo, gspo, vanilla, cispo = (set(POLICY_LOSSES[name](*inputs, **CLIP, mode="token-mean")[1])
+                                 for name in ("ppo", "gspo", "vanilla", "cispo"))
+    assert ppo == vanilla == cispo == {"clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl"}
     assert gspo == ppo | {"seq_clip_fraction", "seq_ratio_mean"}  # the sequence-level ratio shows in its own keys
 
 
@@ -491,7 +492,7 @@ def _micro_batch_case(loss_name, mode):
         else:
             advantages = torch.randn(batch, length, generator=generator, dtype=F64)
         others = (old, advantages)
-        clip_c = 3.0 if loss_name == "ppo" else None
+        clip_c = 3.0 if loss_name == "ppo" else None  # cispo: the weights' clip bites (old is 0.3 away)
 
         def call(*args):
             return POLICY_LOSSES[loss_name](
@@ -502,7 +503,7 @@ def _micro_batch_case(loss_name, mode):
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
-@pytest.mark.parametrize("loss_name", ["ppo", "gspo", "value"])
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo", "cispo", "value"])
 def test_micro_batches_weighted_by_micro_batch_weight_give_the_whole_batch_gradient(loss_name, mode):
     leaf, others, mask, lengths, call = _micro_batch_case(loss_name, mode)
     (whole_grad,) = torch.autograd.grad(call(leaf, *others, mask), leaf)
@@ -584,3 +585,80 @@ def test_vanilla_loss_has_the_ppo_gradient_at_ratio_one():
         loss_fn(lp, logprobs, advantages, mask, **CLIP)[0].backward()
         grads.append(lp.grad)
     assert_close(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------- CISPO
+
+# Three tokens, pi_old = 1 (old logprob 0), so log pi = log r. Weights c = clip(r, 0.8, 1.28):
+#   t0: r=2.0, A=+1: c = 1.28 (clipped), l = -1.28 * 1 * ln 2
+#   t1: r=0.5, A=-1: c = 0.80 (clipped), l = -0.80 * -1 * ln 0.5 = -0.8 ln 2
+#   t2: r=1.1, A=+2: c = 1.10,           l = -1.10 * 2 * ln 1.1
+# token-mean = (-2.08 ln 2 - 2.2 ln 1.1) / 3; d l_t / d log pi_t = -c_t A_t / 3 (c is a constant): none is 0.
+CISPO_RATIOS = [2.0, 0.5, 1.1]
+
+
+def _cispo_hand_inputs():
+    logprobs = t([[math.log(r) for r in CISPO_RATIOS]]).requires_grad_()
+    return logprobs, torch.zeros(1, 3, dtype=F64), t([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+
+
+def test_cispo_matches_hand_computed_values_and_keeps_every_tokens_gradient():
+    logprobs, old_logprobs, advantages, mask = _cispo_hand_inputs()
+    loss, metrics = cispo_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)
+    assert_close(loss, t((-2.08 * math.log(2) - 2.2 * math.log(1.1)) / 3))
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[-1.28 / 3, 0.8 / 3, -2.2 / 3]]))
+    assert_close(metrics["clip_fraction"], t(2 / 3))  # t0 and t1: their weights were clipped, not their gradients
+    assert_close(metrics["ratio_mean"], t((2.0 + 0.5 + 1.1) / 3))
+    assert_close(metrics["approx_kl"], t(sum((r - 1) - math.log(r) for r in CISPO_RATIOS) / 3))
+    assert float(metrics["dual_clip_fraction"]) == 0
+    # PPO drops t0 (r = 2 > 1.28 with A > 0) and t1 (r = 0.5 < 0.8 with A < 0): the difference CISPO makes
+    (ppo_grad,) = torch.autograd.grad(clipped_policy_loss(logprobs, old_logprobs, advantages, mask, **CLIP)[0],
+                                      logprobs)
+    assert ppo_grad[0, 0] == 0 and ppo_grad[0, 1] == 0 and grad[0, 0] != 0 and grad[0, 1] != 0
+    # CISPO's own range, [0, 4] (clip_low 1, clip_high 3): nothing clipped, each weight is r_t
+    loss, metrics = cispo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=1.0, clip_high=3.0)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad, t([[-2.0 / 3, 0.5 / 3, -2.2 / 3]]))
+    assert float(metrics["clip_fraction"]) == 0
+
+
+def test_cispo_has_the_reinforce_gradient_at_ratio_one_and_weighs_each_term():
+    gen = torch.Generator().manual_seed(1)
+    logprobs = -torch.rand(3, 5, generator=gen, dtype=F64)
+    advantages = torch.randn(3, 5, generator=gen, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    weights = torch.rand(3, 5, generator=gen, dtype=F64)
+    grads = []
+    for loss_fn in (vanilla_policy_loss, cispo_policy_loss):
+        lp = logprobs.clone().requires_grad_(True)
+        loss_fn(lp, logprobs, advantages, mask, **CLIP, weights=weights)[0].backward()
+        grads.append(lp.grad)
+    assert grads[0].abs().sum() > 0
+    assert_close(grads[1], grads[0])
+    with pytest.raises(ValueError, match="dual clip is not defined for cispo"):
+        cispo_policy_loss(logprobs, logprobs, advantages, mask, **CLIP, clip_c=3.0)
+
+
+def test_cispo_padding_changes_neither_loss_nor_metrics_nor_gradient():
+    logprobs = t([[-1.0, -2.0, 0.0]]).requires_grad_()
+    old, advantages, mask = t([[-1.5, -1.0, 0.0]]), t([[1.0, -1.0, 0.0]]), torch.tensor([[1, 1, 0]])
+    loss, metrics = cispo_policy_loss(logprobs, old, advantages, mask, **CLIP)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    garbage = logprobs.detach().masked_fill(~mask.bool(), GARBAGE).requires_grad_()
+    garbage_loss, garbage_metrics = cispo_policy_loss(garbage, old.masked_fill(~mask.bool(), -GARBAGE),
+                                                      advantages.masked_fill(~mask.bool(), GARBAGE), mask, **CLIP)
+    (garbage_grad,) = torch.autograd.grad(garbage_loss, garbage)
+    assert_close(garbage_loss, loss)
+    assert_close(garbage_metrics, metrics)
+    assert_close(garbage_grad, grad)
+    assert garbage_grad[0, 2] == 0
+
+
+def test_cispo_defaults_to_its_one_sided_clip_range_unless_told_otherwise():
+    from learner.config import LearnerConfig
+
+    cispo = LearnerConfig(policy_loss="cispo")
+    assert (cispo.clip_low, cispo.clip_high) == (1.0, 3.0)  # weights in [0, 4]
+    assert LearnerConfig(policy_loss="cispo", clip_high=0.28).clip_high == 0.28
+    assert (LearnerConfig().clip_low, LearnerConfig().clip_high) == (0.2, 0.2)  # PPO's range for the others
