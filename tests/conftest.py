@@ -108,8 +108,8 @@ def fleets(ray_local):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In each directory, the modules none of whose tests share fleets run first: each such test clears the session's
-    pool (below), and the next run on it must then start its actor processes again (~10 s on 2 cores each time).
+    """In each directory, the modules none of whose tests share fleets run first: each such test on the session's
+    Ray clears the session's pool (below), and the next run on it must then start its actor processes again.
     Modules stay whole and in their order otherwise."""
     directories = list(dict.fromkeys(item.path.parent for item in items))
     sharing = {item.path for item in items if "fleets" in item.fixturenames}
@@ -118,8 +118,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_parked_fleet_unless_shared(request):
-    """A test that does not share fleets starts with none parked: the cluster's resources are all free."""
-    if "fleets" not in request.fixturenames:
+    """A test on the session's Ray (`ray_local`) that does not share fleets starts with none parked: the cluster's
+    resources are all free. A test that does not use it (the CLI in processes of its own, HTTP services) leaves the
+    parked fleet to the next test that shares fleets."""
+    if "fleets" not in request.fixturenames and "ray_local" in request.fixturenames:
         _clear_fleets()
 
 

@@ -28,6 +28,7 @@ from cluster.fleet.placement import (
     connect_core,
     core_spec,
     launch_fleet,
+    node_of,
     start_core,
     start_rollout_slots,
     stop_fleet,
@@ -120,11 +121,14 @@ class ParkingPool:
         parked, self.parked = self.parked, None
         if parked is not None:
             new, old = launcher.shape, parked.launcher.shape  # a parked fleet's is never None (`park`)
+            keeps_rollout = new is not None and new.rollout == old.rollout
+            self._admit(parked, config.rollout.num_workers - len(parked.rollout) if keeps_rollout else 0,
+                        config.timeouts.start)
             if new is not None and new.core == old.core:
-                fleet = self._reinit(parked, new.rollout == old.rollout, launcher, spec, model_path)
+                fleet = self._reinit(parked, keeps_rollout, launcher, spec, model_path)
                 if fleet is not None:
                     return fleet
-            elif new is not None and new.rollout == old.rollout:
+            elif keeps_rollout:
                 # A parked fleet of another core: its rollout workers may still serve, re-initialised (meanwhile the
                 # core starts); the rest of it stops.
                 count = config.rollout.num_workers
@@ -201,22 +205,22 @@ class ParkingPool:
 
     def park(self, fleet: Fleet, failed: bool = False) -> bool:
         """Keep `fleet` (one this pool's `take` gave; replacing any parked one) if its shape allows; returns whether it
-        was kept. Workers still on their way in are stopped. After a run that `failed`, a rollout worker is kept only
-        if it answers within `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its
-        engine down, then is killed; whatever state a kept one's fault left, re-initialising it replaces), and the
-        other actors only if they answer within `HEALTH_TIMEOUT`."""
+        was kept. Workers still on their way in (`relay scale`) are parked with it, left to start: `take` adds those
+        the next run needs (`_admit`). After a run that `failed`, those are stopped, a rollout worker is kept only if
+        it answers within `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its engine
+        down, then is killed; whatever state a kept one's fault left, re-initialising it replaces), and the other
+        actors only if they answer within `HEALTH_TIMEOUT`."""
         self.clear()
         if not isinstance(fleet.launcher, PooledLauncher) or fleet.launcher.shape is None:
             return False
-        stale, fleet.pending = list(fleet.pending), []
         if failed:
+            stale, fleet.pending = list(fleet.pending), []
             # Answering a no-op call in time: alive, and not busy with another call.
             idle = [outcome.ok for outcome in wait_all([slot.actor.__ray_ready__.remote() for slot in fleet.rollout],
                                                        self.STUCK_TIMEOUT, "park")]
             stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
             fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
-        fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT if failed else fleet.launcher.SHUTDOWN_TIMEOUT)
-        if failed:
+            fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT)
             actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
             try:
                 ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
@@ -224,6 +228,18 @@ class ParkingPool:
                 return False
         self.parked = fleet
         return True
+
+    @staticmethod
+    def _admit(fleet: Fleet, needed: int, timeout: float) -> None:
+        """The parked `fleet`'s workers that were on their way in when its run ended: up to `needed` of those whose
+        engines were starting join its rollout workers once up (within `timeout` s: sooner than new ones would
+        start), and the rest are stopped (an engine still starting is killed, not waited for)."""
+        pending, fleet.pending = fleet.pending, []
+        starting = [p for p in pending if p.actor is not None][:max(needed, 0)]
+        outcomes = wait_all([p.actor.__ray_ready__.remote() for p in starting], timeout, "start")
+        up = [p for p, outcome in zip(starting, outcomes) if outcome.ok]
+        fleet.rollout += [RolloutSlot(p.id, p.actor, p.placement, node_of(p.placement)) for p in up]
+        fleet.launcher.stop([p for p in pending if p not in up], timeout=0)
 
     def clear(self) -> None:
         """Stop the parked fleet, if any, releasing its resources."""

@@ -63,7 +63,7 @@ def test_a_remote_environment_gives_the_in_process_run_step_for_step(calc_fp32, 
 
 def test_the_agent_preset_in_bfloat16_on_two_workers_asynchronously(ray_local, tmp_path, calc_model_dir):
     records = run(tmp_path, "bf16", calc_model_dir, "model.dtype=bfloat16", "rollout.num_workers=2",
-                  "rollout.num_cpus=0.25", "rollout.max_staleness=1")
+                  "rollout.max_staleness=1")
     assert [r["async/staleness"] for r in records] == [0, 1, 1]  # step 1 waits for the first batch, then one behind
     for record in records:
         assert ENV_METRICS <= record.keys() and record["env/failures"] == 0 and record["rollout/workers"] == 2

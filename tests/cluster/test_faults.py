@@ -73,7 +73,7 @@ def clean_run(ray_local, tmp_path_factory, demo_model_dir):
 @pytest.mark.parametrize("mode, probe", [("kill", False), ("hang", True)])
 def test_failed_worker_is_replaced_and_nothing_is_lost(ray_local, tmp_path, demo_model_dir, clean_run, mode, probe):
     worker_cls = faulty(tmp_path, mode)
-    records = run(tmp_path, demo_model_dir, mode, worker_cls, "timeouts.generate=10", f"sync.probe={probe}")
+    records = run(tmp_path, demo_model_dir, mode, worker_cls, "timeouts.generate=5", f"sync.probe={probe}")
     assert (tmp_path / f"{mode}.marker").exists()  # the fault happened
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # Every worker fails on its 2nd call; the first to get there is replaced once (the marker stops the others).

@@ -6,6 +6,8 @@ the rollout workers), a parked actor that died a fresh fleet."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import ray
 from safetensors.torch import load_file
@@ -46,6 +48,17 @@ def assert_same_run(ours, theirs):
     assert all((ours[1][name] == theirs[1][name]).all() for name in theirs[1])
 
 
+@contextmanager
+def cleared_on_failure(pool: ParkingPool):
+    """A test that fails leaves nothing parked (whatever it left may be half re-initialised); one that passes leaves
+    its last run's fleet parked for the next run on the session's pool, which would otherwise start a fresh one."""
+    try:
+        yield
+    except BaseException:
+        pool.clear()
+        raise
+
+
 def assert_stopped(actors):
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
@@ -53,9 +66,11 @@ def assert_stopped(actors):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_reused_fleet_trains_exactly_as_a_fresh_one(ray_local, tmp_path, demo_model_dir, dtype):
-    pool = ParkingPool()
-    try:
+def test_a_reused_fleet_trains_exactly_as_a_fresh_one(fleets, tmp_path, demo_model_dir, dtype):
+    """On the session's pool, emptied first: the first run starts a fresh fleet."""
+    pool = fleets
+    pool.clear()
+    with cleared_on_failure(pool):
         fresh = train(tmp_path, demo_model_dir, "fresh", pool, f"model.dtype={dtype}")
         first = actor_ids(pool)
         # Another run on those processes (another learning rate and seed), then the first config again.
@@ -63,9 +78,6 @@ def test_a_reused_fleet_trains_exactly_as_a_fresh_one(ray_local, tmp_path, demo_
         again = train(tmp_path, demo_model_dir, "again", pool, f"model.dtype={dtype}")
         assert actor_ids(pool) == first  # the same actors all along
         assert_same_run(again, fresh)
-    finally:
-        pool.clear()
-    assert pool.parked is None
 
 
 def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_run(fleets, tmp_path, demo_model_dir):
@@ -73,7 +85,7 @@ def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_ru
     from tests.cluster.test_loop import NoProbeWorker
 
     pool = fleets
-    try:
+    with cleared_on_failure(pool):
         one = train(tmp_path, demo_model_dir, "one", pool)
         core, first = actor_ids(pool) - worker_ids(pool), worker_ids(pool)
         train(tmp_path, demo_model_dir, "two", pool, "rollout.num_workers=2")  # worker 0 kept, worker 1 added
@@ -89,13 +101,12 @@ def test_the_learner_and_reference_outlive_other_rollout_workers_and_a_failed_ru
         assert ray.get(two[0].__ray_call__.remote(lambda worker: type(worker).__name__)) == "NoProbeWorker"
         assert_same_run(train(tmp_path, demo_model_dir, "again", pool), one)  # a RolloutWorker again, as in run one
         assert actor_ids(pool) - worker_ids(pool) == core and worker_ids(pool) == {two[0]._actor_id.hex()}
-    finally:
-        pool.clear()
 
 
 def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(fleets, tmp_path, demo_model_dir):
+    """On the session's pool (its first run may take the fleet the test above left parked)."""
     pool = fleets
-    try:
+    with cleared_on_failure(pool):
         one = train(tmp_path, demo_model_dir, "one", pool)
         before = parked_actors(pool)
         ray.kill(pool.parked.reference)  # dies while parked: the next run cannot re-initialise it
@@ -107,5 +118,3 @@ def test_another_learner_shape_or_a_dead_parked_actor_starts_afresh(fleets, tmp_
         assert actor_ids(pool) & {a._actor_id.hex() for a in again} == workers  # only the rollout worker is kept
         assert_stopped([a for a in again if a._actor_id.hex() not in workers])
         assert_same_run(train(tmp_path, demo_model_dir, "back", pool), one)  # and back: the same run on that worker
-    finally:
-        pool.clear()

@@ -1,6 +1,10 @@
 """The data-parallel learner on real Ray actors with gloo on CPU: 2 ranks on a batch make the update of 1 rank on
 the same batch (ddp and fsdp2; GRPO with KL and entropy, and PPO's GAE with the value model), report its metrics,
-skip a non-finite update together, and resume bitwise from their own checkpoint, which one rank can load too."""
+skip a non-finite update together, and resume bitwise from their own checkpoint, which one rank can load too.
+
+The two-rank tests run their groups in the same two actor processes (`RankPool`): each test re-initialises them as
+its ranks and forms a new process group, as the session's fleet pool does for runs (tests/fleets.py); a test that
+fails, or leaves a rank inside a collective, stops them and the next starts new ones."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import ray
 import torch
 
 from cluster.config import TimeoutConfig
-from cluster.fleet.learner_group import start_learner_group
+from cluster.fleet.learner_group import LearnerGroup, rank_args, start_learner_group
 from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner
@@ -70,6 +74,59 @@ class SgdLearner(Learner):
         self.dp.all_reduce(torch.zeros(1))
 
 
+def reinit_rank(instance, *args, **kwargs) -> None:
+    """Run inside a rank's actor (`__ray_call__`): drop its learner, leave its process group, and run the
+    constructor again with these arguments, as if the process had just started it (`connect` then joins a new
+    group)."""
+    import gc
+
+    import torch.distributed as dist
+
+    instance.__dict__.clear()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    type(instance).__init__(instance, *args, **kwargs)
+
+
+class RankPool:
+    """Two `SgdLearner` rank actors kept between this module's tests: `group` gives them to a test as its ranks,
+    re-initialised with its arguments and joined in a new process group; `discard` stops them."""
+
+    OPTIONS = [{"num_cpus": 0.5}] * 2
+
+    def __init__(self) -> None:
+        self.ranks: list | None = None
+
+    def group(self, model_path: str, config: LearnerConfig, timeouts: TimeoutConfig, **kwargs) -> LearnerGroup:
+        if self.ranks is None:
+            group = start_learner_group(self.OPTIONS, model_path, config, learner_cls=SgdLearner, timeouts=timeouts,
+                                        **kwargs)
+            self.ranks = group.ranks
+            return group
+        try:
+            ray.get([rank.__ray_call__.remote(reinit_rank, *rank_args(model_path, config, i, **kwargs))
+                     for i, rank in enumerate(self.ranks)], timeout=timeouts.start)
+            group = LearnerGroup(self.ranks, timeouts)
+            group.connect()
+        except BaseException:
+            self.discard()
+            raise
+        return group
+
+    def discard(self) -> None:
+        for rank in self.ranks or []:
+            ray.kill(rank)
+        self.ranks = None
+
+
+@pytest.fixture(scope="module")
+def rank_pool(ray_local):
+    pool = RankPool()
+    yield pool
+    pool.discard()
+
+
 def _use_sgd(owner, model, lr: float) -> None:
     owner.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     owner.scheduler = torch.optim.lr_scheduler.LambdaLR(owner.optimizer, lambda n: 1.0)
@@ -106,12 +163,11 @@ def learned(metrics: dict[str, float]) -> dict[str, float]:
 
 @pytest.mark.parametrize("algo", ["grpo", "gae", "grpo_one_update"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_make_the_one_rank_update(ray_local, tiny_model_dir, tmp_path, strategy, algo):
+def test_two_ranks_make_the_one_rank_update(rank_pool, tiny_model_dir, tmp_path, strategy, algo):
     config = learner_config(algo, num_ranks=2, strategy=strategy)
-    args = dict(dtype="float32", temperature=1.0, seed=0, critic=critic_config(algo), norm_length=4,
-                timeouts=TimeoutConfig(start=120, train=120, sync=60))
-    group = start_learner_group([{"num_cpus": 0.5}] * 2, str(tiny_model_dir), config, learner_cls=SgdLearner,
-                                **args)
+    group = rank_pool.group(str(tiny_model_dir), config, TimeoutConfig(start=120, train=120, sync=60),
+                            dtype="float32", temperature=1.0, seed=0, critic=critic_config(algo), norm_length=4)
+    reusable = False
     try:
         one = SgdLearner(str(tiny_model_dir), learner_config(algo), critic=critic_config(algo), norm_length=4)
         initial = {name: tensor.clone() for name, tensor in one.policy_state_dict().items()}
@@ -168,21 +224,21 @@ def test_two_ranks_make_the_one_rank_update(ray_local, tiny_model_dir, tmp_path,
         if strategy == "ddp":  # replicas: every rank made the same decision, bitwise
             for name in per_rank[0]:
                 assert torch.equal(per_rank[1][name], per_rank[0][name]), name
-        if strategy == "ddp" and algo == "grpo":
-            check_a_failing_rank_ends_the_call_at_once(group)
+        reusable = True
     finally:
-        group.kill()
+        if not reusable:
+            rank_pool.discard()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_keep_float32_master_weights_under_bfloat16_compute(ray_local, tiny_model_dir, tmp_path, strategy):
+def test_two_ranks_keep_float32_master_weights_under_bfloat16_compute(rank_pool, tiny_model_dir, tmp_path, strategy):
     """model.dtype=bfloat16 with float32 master weights on two ranks: parameters (sharded or not) stay float32, the
     update is one rank's up to bfloat16 compute noise (the ranks' micro-batches are padded differently), rank 0
     exports bfloat16, and the group resumes bitwise from its own checkpoint."""
     config = learner_config("grpo", num_ranks=2, strategy=strategy)
-    group = start_learner_group([{"num_cpus": 0.5}] * 2, str(tiny_model_dir), config, learner_cls=SgdLearner,
-                                dtype="bfloat16", temperature=1.0, seed=0, critic=None, norm_length=4,
-                                timeouts=TimeoutConfig(start=120, train=120, sync=60))
+    group = rank_pool.group(str(tiny_model_dir), config, TimeoutConfig(start=120, train=120, sync=60),
+                            dtype="bfloat16", temperature=1.0, seed=0, critic=None, norm_length=4)
+    reusable = False
     try:
         one = SgdLearner(str(tiny_model_dir), learner_config("grpo"), dtype="bfloat16", norm_length=4)
         initial = {name: tensor.clone() for name, tensor in one.policy_state_dict().items()}
@@ -209,16 +265,25 @@ def test_two_ranks_keep_float32_master_weights_under_bfloat16_compute(ray_local,
         resumed = ray.get(group.rank0.__ray_call__.remote(lambda self: dict(self.policy_state_dict())))
         for name in after_third:
             assert torch.equal(resumed[name], after_third[name]), name
+        reusable = True
     finally:
-        group.kill()
+        if not reusable:
+            rank_pool.discard()
 
 
-def check_a_failing_rank_ends_the_call_at_once(group) -> None:
-    """The group reports rank 1's error as soon as it happens, not when rank 0's collective times out (120 s)."""
-    started = time.monotonic()
-    with pytest.raises(RunError, match="learner rank 1 failed during 'train': RuntimeError: injected failure"):
-        group._call_all("fail_on_rank_1", (), 100, "train")
-    assert time.monotonic() - started < 30
+def test_a_failing_rank_ends_the_call_at_once(rank_pool, tiny_model_dir):
+    """The group reports rank 1's error as soon as it happens, not when rank 0's collective times out (120 s). Last
+    of the two-rank tests: rank 0 is left inside its collective, so the ranks are stopped."""
+    group = rank_pool.group(str(tiny_model_dir), learner_config("grpo", num_ranks=2, strategy="ddp"),
+                            TimeoutConfig(start=120, train=120, sync=60), dtype="float32", temperature=1.0, seed=0,
+                            critic=None, norm_length=4)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RunError, match="learner rank 1 failed during 'train': RuntimeError: injected failure"):
+            group._call_all("fail_on_rank_1", (), 100, "train")
+        assert time.monotonic() - started < 30
+    finally:
+        rank_pool.discard()
 
 
 def test_one_rank_group_is_the_single_learner(ray_local, tiny_model_dir):

@@ -3,7 +3,8 @@ complete one (synchronous), or with batches in flight (asynchronous), resumed wi
 same metrics and bitwise the same weights as an uninterrupted run. Also: resuming a finished run exits 0 without
 training; resuming with a config that changed the computation is refused. The uninterrupted runs and the resumptions
 of the killed runs are made in the test's process (the same code and config as `relay train`; the run directory is
-all a resumption reads)."""
+all a resumption reads). The killed drivers join the test session's Ray (`ray.address`, as on a cluster) rather than
+start one each: a driver's death ends its Ray job, whose actors the cluster then stops."""
 
 from __future__ import annotations
 
@@ -53,8 +54,16 @@ def records(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in lines]
 
 
+def session_address() -> str:
+    """The test session's Ray (`ray_local`), for a `relay` driver to join."""
+    import ray
+
+    return f"ray.address={ray.get_runtime_context().gcs_address}"
+
+
 def kill_when(process: subprocess.Popen, condition, what: str) -> None:
-    """SIGKILL the driver (only the driver: its Ray processes are reaped when it dies) once `condition()` holds."""
+    """SIGKILL the driver (only the driver: the cluster stops its Ray job's actors when it dies) once `condition()`
+    holds."""
     deadline = time.monotonic() + 300
     while not condition():
         if process.poll() is not None:
@@ -65,6 +74,23 @@ def kill_when(process: subprocess.Popen, condition, what: str) -> None:
         time.sleep(0.002)
     os.kill(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
+
+
+def wait_until_reaped(run_dir: Path, timeout: float = 60) -> None:
+    """Until the cluster has stopped the killed driver's named control actor: a run of the same `run_dir` started
+    before then is refused (another run of that name is going on)."""
+    import ray
+
+    from cluster.fleet.control import NAMESPACE, control_name
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get_actor(control_name(str(run_dir)), namespace=NAMESPACE)
+        except ValueError:
+            return
+        assert time.monotonic() < deadline, "the killed driver's Ray job was not cleaned up"
+        time.sleep(0.1)
 
 
 def writing_checkpoint(run_dir: Path, step: int) -> bool:
@@ -93,8 +119,9 @@ def test_killed_mid_checkpoint_and_resumed_equals_the_uninterrupted_run(tmp_path
     run_dir = tmp_path / "run"
     # Killed while the learner writes checkpoint step_4: steps 3 and 4 are recorded past the last complete checkpoint
     # (step_2), and step_4's temporary directory is left behind.
-    process = relay_process(*TRAIN, f"run_dir={run_dir}", *ARGS)
+    process = relay_process(*TRAIN, f"run_dir={run_dir}", *ARGS, session_address())
     kill_when(process, lambda: writing_checkpoint(run_dir, 4), "the step_4 checkpoint write")
+    wait_until_reaped(run_dir)
     assert checkpoint.latest(run_dir).name == "step_2"
     assert not (run_dir / checkpoint.CHECKPOINTS_DIR / "step_4").exists()
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]  # written (flushed) before each step's checkpoint
@@ -136,8 +163,9 @@ def test_asynchronous_run_killed_with_batches_in_flight_resumes_exactly(tmp_path
     train_here(whole, *args)
     assert [r["rollout/version"] for r in records(whole)] == [0, 0, 2, 2, 4, 4]  # drains at 2 and 4
     run_dir = tmp_path / "run"
-    process = relay_process(*TRAIN, f"run_dir={run_dir}", *args)
+    process = relay_process(*TRAIN, f"run_dir={run_dir}", *args, session_address())
     kill_when(process, lambda: len(records(run_dir)) >= 3, "step 3")
+    wait_until_reaped(run_dir)
     assert checkpoint.latest(run_dir).name == "step_2"
     train_here(run_dir, "resume=auto", *args)
     assert records(run_dir) == records(whole)

@@ -69,7 +69,11 @@ def start_head() -> tuple[subprocess.Popen, str, str, int]:
     gcs_port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     # A job's entrypoint runs `python` from the head's PATH: on a real cluster, the image's Python with relay's
     # dependencies; here, this virtual environment's.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           # On SIGTERM Ray first drains the node (for Serve), waiting until every worker lease is returned or this
+           # timeout passes; a stopped job's leftovers can hold one, so the teardown sat out the whole timeout. The
+           # test's head serves nothing to drain: stop it at once.
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
@@ -85,8 +89,8 @@ def start_head() -> tuple[subprocess.Popen, str, str, int]:
 
 
 def stop_head(head: subprocess.Popen, temp_dir: str, keep_logs: bool = False) -> None:
-    """SIGTERM to `ray start --block` alone lets it drain and stop its processes (~4 s); signalling the whole group
-    at once kills the GCS first and leaves it waiting 30 s to drain. Then SIGKILL whatever is left in the group."""
+    """SIGTERM to `ray start --block` alone lets it stop its processes (no drain: `start_head`); signalling the whole
+    group at once kills the GCS first and leaves it waiting to drain. Then SIGKILL whatever is left in the group."""
     try:
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=40)
