@@ -77,7 +77,7 @@ CORPUS = [
     (["train", "learner.lora.alpha=16"], "apply with learner.lora.rank > 0"),
     (["train", "learner.lora.rank=600"], "learner.lora.rank: Input should be less than or equal to 512"),
     (["export", "{tmp}/nowhere", "--out", "{tmp}/exported"], "checkpoint {tmp}/nowhere does not exist"),
-    # Prometheus metrics (a taken port: tests/unit/test_prometheus.py, which holds one open)
+    # Prometheus metrics (a taken port: tests/unit/test_prometheus_names.py, which holds one open)
     (["train", "logging.prometheus_port=70000"],
      "logging.prometheus_port: Input should be less than or equal to 65535"),
     (["train", "logging.prometheus_port=9464", "logging.prometheus_host=192.0.2.1"],  # TEST-NET-1: no machine's own
