@@ -373,13 +373,13 @@ class VllmEngine:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        if self._lora_dir is None:
+        if self._lora_dir is None:  # the adapters' config is the run's: written once, beside every load's weights
             self._lora_dir = tempfile.mkdtemp(prefix="relay-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                               else None)
-        lora = self._lora
-        config = adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path)
-        with open(os.path.join(self._lora_dir, ADAPTER_CONFIG_FILE), "w") as f:
-            json.dump(config, f)
+            lora = self._lora
+            config = adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path)
+            with open(os.path.join(self._lora_dir, ADAPTER_CONFIG_FILE), "w") as f:
+                json.dump(config, f)
         save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(self._lora_dir, ADAPTER_WEIGHTS_FILE))
         if not self.llm.llm_engine.add_lora(LoRARequest("relay", LORA_ID, self._lora_dir, load_inplace=True)):
             raise RuntimeError(f"vLLM did not load the adapters written to {self._lora_dir}")

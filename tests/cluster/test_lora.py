@@ -1,5 +1,5 @@
-"""LoRA runs (`configs/grpo_lora.yaml`) on a real local Ray with real vLLM engines serving the adapters on their base, in float32
-(on-policy, two data-parallel learner ranks) and bfloat16 (asynchronous): every sync moves only the adapters and the
+"""LoRA runs (`configs/grpo_lora.yaml`) on a real local Ray with real vLLM engines serving the adapters on their
+base, in float32 (on-policy, two data-parallel learner ranks) and bfloat16 (asynchronous): every sync moves only the adapters and the
 engines serve them (the sync probe compares the engines' logprobs with the learner's at every load: an engine serving
 the base alone fails it), the reference is the base (no reference worker), a resumed run repeats the original bit
 for bit, and the merged export, served by vLLM as a plain model, evaluates as the run logged it."""
@@ -60,10 +60,9 @@ def test_a_lora_run_syncs_only_the_adapters_resumes_exactly_and_exports_a_model_
                            tmp_path / "resumed", display=False, pool=POOL)
     assert [r["step"] for r in resumed] == [3, 4]
     assert [training_part(r) for r in resumed] == [training_part(r) for r in records[2:]]
-    assert load_file(tmp_path / "resumed" / "checkpoints" / "step_4" / "policy" / "adapter_model.safetensors") \
-        .keys() == adapters.keys()
-    for name, tensor in load_file(tmp_path / "resumed" / "checkpoints" / "step_4" / "policy" /
-                                  "adapter_model.safetensors").items():
+    again = load_file(tmp_path / "resumed" / "checkpoints" / "step_4" / "policy" / "adapter_model.safetensors")
+    assert again.keys() == adapters.keys()
+    for name, tensor in again.items():
         assert tensor.equal(adapters[name]), name
 
     # The merged export is a plain model: vLLM serves it, and its evaluation (greedy, the same held-out prompts and
