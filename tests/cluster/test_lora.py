@@ -1,8 +1,8 @@
 """LoRA runs (`configs/grpo_lora.yaml`) on a real local Ray with real vLLM engines serving the adapters on their
-base, in float32 (on-policy, two data-parallel learner ranks) and bfloat16 (asynchronous): every sync moves only the adapters and the
-engines serve them (the sync probe compares the engines' logprobs with the learner's at every load: an engine serving
-the base alone fails it), the reference is the base (no reference worker), a resumed run repeats the original bit
-for bit, and the merged export, served by vLLM as a plain model, evaluates as the run logged it."""
+base, in float32 (on-policy, two data-parallel learner ranks) and bfloat16 (asynchronous): every sync moves only the
+adapters and the engines serve them (the sync probe compares the engines' logprobs with the learner's at every load:
+an engine serving the base alone fails it), the reference is the base (no reference worker), a resumed run repeats
+the original bit for bit, and the merged export, served by vLLM as a plain model, evaluates as the run logged it."""
 
 from __future__ import annotations
 
