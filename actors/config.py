@@ -1,4 +1,5 @@
-"""The rollout fleet's and the reference worker's settings: engines, sampling, placement knobs of the workers.
+"""The rollout fleet's, the reference worker's and the teacher's settings: engines, sampling, placement knobs of the
+workers.
 
 Owned here, beside the workers they configure; `cluster/config.py` composes them into the run config. Imports
 only pydantic, so validating a config needs neither torch nor vLLM.
@@ -119,3 +120,26 @@ class ReferenceConfig(_Section):
     policy's current weights (the ones that sampled the step's batch), checked by fingerprints and a probe, so the
     KL penalty measures the drift from a recent policy rather than the initial one (`kl/mean` ~0 at that step).
     0: the reference stays the initial policy. docs/algorithms.md, iterative GRPO."""
+
+
+class TeacherConfig(_Section):
+    path: str | None = None
+    """On-policy distillation's teacher (`learner.distill_coef` > 0): a Hugging Face causal LM directory with the
+    policy's tokenizer (checked at the start), of any size; `demo`: relay's demo teacher, the arithmetic demo model
+    after a GRPO run (shipped). Empty: no teacher."""
+    num_cpus: float = Field(0.5, gt=0, le=1024)
+    """CPUs Ray reserves for the teacher worker."""
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    """GPUs Ray reserves for the teacher worker."""
+    num_threads: int | None = Field(None, ge=1, le=1024)
+    """Torch threads of the teacher worker, set as `reference.num_threads` when unset."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources the teacher worker needs (e.g. `{teacher_node: 1}`)."""
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    """Sequences per teacher forward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass."""
+    max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
+    """Tokens per teacher forward pass at most, as `reference.max_tokens_per_micro_batch`; empty: no token limit."""
+    share_prompts: bool = True
+    """Compute each prompt once for the rows that share it, as `reference.share_prompts`."""
+    pack_sequences: bool = True
+    """Run each pass's rows as one packed sequence of their real tokens, as `reference.pack_sequences`."""

@@ -22,11 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PHASES = ["scale", "generate", "score", "reference", "train", "sync"]  # in the order a step runs them
 NESTED = ["recovery"]  # seconds counted inside the phases above
 IDLE = ["learner_wait", "rollout_idle"]  # seconds the learner, and the engines, waited: not phases of the step
+OPTIONAL = ["teacher"]  # phases of some runs only (on-policy distillation's), tabled when the records have them
 
 
 def check_phases(record: dict) -> None:
     """Stop if the record has a `time/*` key that is neither a phase, nor nested, nor the step."""
-    known = {f"time/{name}" for name in [*PHASES, *NESTED, *IDLE, "step"]}
+    known = {f"time/{name}" for name in [*PHASES, *OPTIONAL, *NESTED, *IDLE, "step"]}
     unknown = sorted(key for key in record if key.startswith("time/") and key not in known)
     if unknown:
         raise SystemExit(f"{', '.join(unknown)}: not a phase this script knows; add it to PHASES (or NESTED)")
@@ -36,11 +37,12 @@ def table(records: list[dict]) -> str:
     """The Markdown table docs/benchmarks.md shows: median seconds and share of the step, per phase."""
     for record in records:
         check_phases(record)
-    median = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in records) for p in PHASES}
+    phases = [p for p in PHASES + OPTIONAL if p in PHASES or any(f"time/{p}" in r for r in records)]
+    median = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in records) for p in phases}
     step = statistics.median(r["time/step"] for r in records)
-    overhead = statistics.median(r["time/step"] - sum(r.get(f"time/{p}", 0.0) for p in PHASES) for r in records)
+    overhead = statistics.median(r["time/step"] - sum(r.get(f"time/{p}", 0.0) for p in phases) for r in records)
     rows = ["| phase | median s | share of step |", "|---|---|---|"]
-    rows += [f"| {phase} | {median[phase]:.4f} | {median[phase] / step:.1%} |" for phase in PHASES]
+    rows += [f"| {phase} | {median[phase]:.4f} | {median[phase] / step:.1%} |" for phase in phases]
     rows += [f"| overhead | {overhead:.4f} | {overhead / step:.1%} |", f"| **step** | {step:.4f} | 100% |"]
     return "\n".join(rows)
 

@@ -1,6 +1,6 @@
 """The one configuration tree of a relay run, its loading from YAML and dotted overrides, and its errors.
 
-Owns: `RunConfig`, which composes the sections each package owns (`actors/config.py`: rollout and reference;
+Owns: `RunConfig`, which composes the sections each package owns (`actors/config.py`: rollout, reference and teacher;
 `learner/config.py`: learner and critic; `rewards/config.py`: reward; `sync/config.py`: sync) with the run's own
 (model, data, checkpoint, logging, timeouts, ray); the checks across sections; `load_config(path, overrides)`; and
 `ConfigError`, whose message is one line naming the key and the fix. Every section is a pydantic model that forbids
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.config import ReferenceConfig, RolloutConfig
+from actors.config import ReferenceConfig, RolloutConfig, TeacherConfig
 from cluster.data_config import DataConfig, EvalConfig, ReasoningGymConfig, ReasoningGymDataset  # noqa: F401
 from learner.config import CriticConfig, LearnerConfig
 from rewards.config import SOURCE_TYPES, EnvironmentConfig, RewardConfig
@@ -73,6 +73,8 @@ class TimeoutConfig(_Section):
     """Seconds for one worker's generate call."""
     reference: float = Field(300.0, gt=0)
     """Seconds for the reference worker's logprobs call."""
+    teacher: float = Field(300.0, gt=0)
+    """Seconds for the teacher worker's logprobs call (on-policy distillation)."""
     reward: float = Field(300.0, gt=0)
     """Seconds for a reward-model worker's scoring call (remote verifiers have their own `timeout`)."""
     train: float = Field(1800.0, gt=0)
@@ -136,6 +138,8 @@ class RunConfig(_Section):
     """The rollout fleet (vLLM engines) and sampling."""
     reference: ReferenceConfig = ReferenceConfig()
     """The frozen reference policy for the KL penalty."""
+    teacher: TeacherConfig = TeacherConfig()
+    """On-policy distillation's teacher, which scores every token the policy samples (`learner.distill_coef`)."""
     reward: RewardConfig = RewardConfig()
     """How completions are scored."""
     env: EnvironmentConfig = EnvironmentConfig()
@@ -167,6 +171,11 @@ class RunConfig(_Section):
         disabled)."""
         return (self.reference.enabled and (self.learner.kl_coef > 0 or self.learner.kl_reward_coef > 0)
                 and not self.learner.lora.enabled)
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the run starts a teacher worker (on-policy distillation)."""
+        return self.learner.distill_coef > 0
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +237,15 @@ def _inconsistencies(config: RunConfig):
     if (learner.kl_coef > 0 or learner.kl_reward_coef > 0) and not config.reference.enabled:
         yield ("a KL penalty (learner.kl_coef or learner.kl_reward_coef > 0) needs a reference policy: set "
                "reference.enabled=true or both coefficients to 0")
+    if learner.distill_coef > 0 and not config.teacher.path:
+        yield ("learner.distill_coef > 0 needs a teacher: set teacher.path (a model directory with the policy's "
+               "tokenizer, or demo) or learner.distill_coef=0")
+    if learner.advantage == "distill" and learner.distill_coef == 0:
+        yield ("learner.advantage=distill trains on the teacher's advantage alone: set learner.distill_coef > 0 "
+               "(e.g. 1) and teacher.path")
+    if config.teacher.path and learner.distill_coef == 0:
+        yield ("teacher.path is set but learner.distill_coef is 0, so nothing would read the teacher: set "
+               "learner.distill_coef > 0 (e.g. 1) or leave teacher.path empty")
     batch = config.data.prompts_per_step * rollout.group_size
     if batch % learner.num_minibatches:
         yield (f"learner.num_minibatches ({learner.num_minibatches}) must divide the batch of "

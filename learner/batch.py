@@ -43,6 +43,9 @@ class TrainBatch:
     # token counted); `Rows` of any numeric dtype travel packed. None: every response token is the model's. Every
     # other per-token array still covers every response token (behaviour logprobs 0 at the environment's).
     model_masks: list[list[float]] | None = None
+    # On-policy distillation (`learner.distill_coef`): [B][T_resp_i] the teacher's logprobs of the response tokens (or
+    # `train_step`'s `teacher_logprobs`: one flat array).
+    teacher_logprobs: list[list[float]] | None = None
 
 
 @dataclass

@@ -61,11 +61,12 @@ class LearnerConfig(_Section):
     """How ranks share the model when `num_ranks` > 1: `ddp` replicates it and sums each rank's share of the gradient
     (the update equals one rank's), `fsdp2` shards parameters, gradients and optimizer state (`fully_shard`) for
     models that do not fit one device."""
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae", "reinforce"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "gae", "reinforce", "distill"] = "grpo"
     """Advantage estimator: `grpo` ((r - group mean) / (group std + 1e-6)), `rloo` (leave-one-out baseline),
     `reinforce_pp` (REINFORCE++: group mean subtracted, then whitened over the batch), `gae` (PPO: GAE from the
-    value model's per-token values, whitened over the batch; needs `critic.enabled=true`) or `reinforce` (each
-    token's discounted return G_t minus `baseline`)."""
+    value model's per-token values, whitened over the batch; needs `critic.enabled=true`), `reinforce` (each
+    token's discounted return G_t minus `baseline`) or `distill` (on-policy distillation alone: the teacher's
+    per-token advantage, `distill_coef`, and no reward's; the rewards are still scored and logged)."""
     baseline: Literal["none", "batch_mean", "group_mean", "value"] = "none"
     """`advantage=reinforce`'s baseline: `none`, `batch_mean` / `group_mean` (the mean total discounted reward of the
     batch's / the prompt's sequences) or `value` (the value model's V(s_t), trained on the returns: needs
@@ -146,6 +147,13 @@ class LearnerConfig(_Section):
     kl_reward_coef: float = Field(0.0, ge=0, le=100)
     """Coefficient of the per-token KL penalty subtracted from the reward (PPO style); 0 turns it off. Use either
     this or `kl_coef`, not both."""
+    distill_coef: float = Field(0.0, ge=0, le=100)
+    """On-policy distillation: weight of the teacher's per-token advantage log pi_teacher(x_t) - log pi(x_t) (minus
+    the per-token reverse KL to the teacher, on the policy's own samples; discounted by `distill_discount`), added
+    to the advantage of `advantage` (or alone with `advantage=distill`); needs `teacher.path`. 0 turns it off."""
+    distill_discount: float = Field(0.0, ge=0, le=1)
+    """Discount of the distillation advantage: token t gets sum over s >= t of discount^(s - t) times token s's
+    log-ratio. 0: each token its own (Thinking Machines' on-policy distillation); 1: the rest of the sequence's."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator, wherever the KL goes (loss or reward)."""
     rollout_correction: Literal["none", "tis", "mis", "icepop", "seq_mask_tis"] = "none"

@@ -4,7 +4,8 @@ Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the adv
 `old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from the
 training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
 (`learner.batch`: the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the
-reward); advantages (looked up by the config's name); multi-turn episodes (`TrainBatch.model_masks`): only the model's
+reward); advantages (looked up by the config's name), plus on-policy distillation's per-token one from a teacher's
+logprobs (`learner.distill_coef`); multi-turn episodes (`TrainBatch.model_masks`): only the model's
 tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each row's
 model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
 (+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
@@ -36,7 +37,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, on_model_tokens
+from learner.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    Advantages,
+    distill_advantages,
+    distill_log_ratios,
+    on_model_tokens,
+)
 from learner.algo.correction import rollout_correction
 from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
 from learner.batch import StepTensors, TrainBatch, per_token_rewards
@@ -133,7 +141,9 @@ class Learner(WeightPublisher):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
         # is never split across passes) come from the training forward.
-        self.single_update = config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
+        # (Distillation's advantage needs them before the update too.)
+        self.single_update = (config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
+                              and config.distill_coef == 0)
         # With LoRA the reference (the initial policy) is the base: the learner computes its logprobs itself with the
         # adapters disabled, and no reference actor holds a second copy of the base (the driver starts none).
         self.base_reference = self.lora and (config.kl_coef > 0 or config.kl_reward_coef > 0)
@@ -220,8 +230,8 @@ class Learner(WeightPublisher):
         policy = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"policy": policy, "critic": self.critic.num_parameters() if self.critic else 0}
 
-    def train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None = None
-                   ) -> dict[str, float]:
+    def train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None = None,
+                   teacher_logprobs: np.ndarray | None = None) -> dict[str, float]:
         """One update on a step's completions; returns the step's learner metrics, `weights/version` among them:
         the version this update produced (the learner owns it; the driver and the engines read it from here).
         `ref_logprobs`, when given, replaces `data.ref_logprobs`: every response token's reference logprob in one flat
@@ -229,16 +239,17 @@ class Learner(WeightPublisher):
         callable returning it (`sync.calls.Later`: the reference still computing them), called where they are first
         needed: after the first training forward with the KL in the loss (before anything is updated), so that the
         forward runs meanwhile; at once with the KL in the reward. A step that raises before its update (they never
-        came) leaves the learner as it was: its shuffling generator is put back too."""
+        came) leaves the learner as it was: its shuffling generator is put back too. `teacher_logprobs`, likewise,
+        replaces `data.teacher_logprobs` (`learner.distill_coef`), as one flat array."""
         shuffle = self.shuffle.get_state()
         try:
-            return self._train_step(data, ref_logprobs)
+            return self._train_step(data, ref_logprobs, teacher_logprobs)
         except Exception:
             self.shuffle.set_state(shuffle)
             raise
 
-    def _train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None
-                    ) -> dict[str, float]:
+    def _train_step(self, data: TrainBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None,
+                    teacher_logprobs: np.ndarray | None) -> dict[str, float]:
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device, data.model_masks)
         mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
@@ -254,12 +265,28 @@ class Learner(WeightPublisher):
         metrics: dict[str, float] = {}
         token_rewards, step_ends = per_token_rewards(data, batch, old_logprobs, ref, cfg, self.device, metrics)
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
+        distill = None
+        if cfg.distill_coef > 0:  # on-policy distillation: the teacher's view of every token the model sampled
+            teacher_logprobs = data.teacher_logprobs if teacher_logprobs is None else teacher_logprobs
+            if teacher_logprobs is None:
+                raise ValueError("learner.distill_coef > 0 needs the teacher's logprobs of every response token")
+            distill = distill_log_ratios(pad_per_token(teacher_logprobs, batch), old_logprobs, mask)
+            metrics["distill/reverse_kl"] = float(aggregate(-distill, mask, "token-mean"))
         inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values,
                                  gamma=cfg.gamma, lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline,
-                                 step_ends=step_ends)
-        estimator = ADVANTAGE_ESTIMATORS[cfg.advantage]
-        # Environment tokens between turns: the estimators see each row's model tokens as one contiguous sequence.
-        estimate = on_model_tokens(estimator, inputs) if batch.has_env_tokens else estimator(inputs)
+                                 step_ends=step_ends, distill=distill, distill_discount=cfg.distill_discount)
+
+        def estimate_with(estimator: Callable[[AdvantageInputs], Advantages]) -> Advantages:
+            # Environment tokens between turns: the estimators see each row's model tokens as one contiguous sequence.
+            return on_model_tokens(estimator, inputs) if batch.has_env_tokens else estimator(inputs)
+
+        estimate = estimate_with(ADVANTAGE_ESTIMATORS[cfg.advantage])
+        # The teacher's advantage, weighted: alone, or added to the rewards' (docs/algorithms.md, distillation).
+        if cfg.advantage == "distill":
+            estimate = Advantages(cfg.distill_coef * estimate.advantages, None)
+        elif distill is not None:
+            estimate = Advantages(estimate.advantages + cfg.distill_coef * estimate_with(distill_advantages).advantages,
+                                  estimate.returns)
         behavior = pad_per_token(data.behavior_logprobs, batch)
         correction = None
         if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)

@@ -81,7 +81,8 @@ def fleet_shape(config: RunConfig, spec: CoreSpec) -> FleetShape | None:
     reward_models = tuple((name, cls, place(config.reward.sources[name]))
                           for name, (cls, _, _) in spec.reward_models.items())
     return FleetShape(
-        core=(place(lc), config.uses_reference, place(rc), reward_models, where),
+        core=(place(lc), config.uses_reference, place(rc), config.uses_teacher, place(config.teacher), reward_models,
+              where),
         rollout=(ro.in_flight_updates, ro.placement, place(ro), tuple(sorted(ro.node_labels.items())), where))
 
 
@@ -158,6 +159,8 @@ class ParkingPool:
         restarts += launcher.reinit(keep)
         if fleet.reference is not None:
             restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *spec.reference))
+        if fleet.teacher is not None:
+            restarts.append(fleet.teacher.__ray_call__.remote(reinit_actor, *spec.teacher))
         restarts += [fleet.reward_models[name].__ray_call__.remote(reinit_actor, *args, **kwargs)
                      for name, (_, args, kwargs) in spec.reward_models.items()]
         try:
@@ -169,6 +172,7 @@ class ParkingPool:
         try:
             get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
                 (["reference"] if fleet.reference is not None else []) +
+                (["teacher"] if fleet.teacher is not None else []) +
                 [f"reward model '{name}'" for name in spec.reward_models], "start")
             return fleet
         except RunError:  # a parked actor died (or a constructor raised): start afresh
@@ -221,7 +225,7 @@ class ParkingPool:
             stale += [slot for slot, ok in zip(fleet.rollout, idle) if not ok]
             fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
             fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT)
-            actors = [fleet.learner, fleet.reference, *fleet.reward_models.values()]
+            actors = [fleet.learner, fleet.reference, fleet.teacher, *fleet.reward_models.values()]
             try:
                 ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
             except Exception:  # dead, or still busy with a call of the failed run

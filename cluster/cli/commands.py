@@ -22,7 +22,7 @@ Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmeti
 
 Overrides are dotted keys, e.g.:  relay train max_steps=20 learner.lr=5e-4 rollout.num_workers=3
 Algorithm presets (on the demo tasks): configs/{ppo,grpo,dr_grpo,dapo,rloo,reinforce_pp,gspo,reinforce,grpo_process,
-  iterative_grpo,grpo_lora}.yaml, e.g.
+  iterative_grpo,grpo_lora,distill}.yaml, e.g.
   relay train configs/ppo.yaml critic.lr=5e-5          (docs/algorithms.md)
 A tool-using agent (multi-turn episodes with an environment):  relay train configs/agent_calc.yaml
   (env.spec=module:Class or env.urls=[...], rollout.max_turns, rollout.stop; docs/environments.md)

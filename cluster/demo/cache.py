@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.demo.catalog import MODEL_NAMES, atomic_dir, demo_task
+from cluster.demo.catalog import DEMO_TEACHER_NAME, MODEL_NAMES, atomic_dir, demo_task
 
 SHIPPED_MODELS_DIR = Path(__file__).parent / "models"  # relay's own builds: `shipped_demo_model`
 
@@ -33,6 +33,12 @@ def shipped_demo_model(task: str = "arithmetic") -> Path:
     `build_demo_model` with the task's recipe and seed 0, so that a fresh machine starts from the same weights as
     the numbers in the docs and needs no build (the build's float rounding differs between CPUs)."""
     return SHIPPED_MODELS_DIR / MODEL_NAMES[demo_task(task)]
+
+
+def demo_teacher_dir() -> Path:
+    """The demo teacher relay ships (`teacher.path=demo`): the arithmetic demo model after `configs/grpo.yaml`'s run,
+    made by `python -m cluster.demo.teacher`. Read where it lies: the teacher is only read, never rebuilt."""
+    return SHIPPED_MODELS_DIR / DEMO_TEACHER_NAME
 
 
 def ensure_demo_model(log: Callable[[str], object] = print, task: str = "arithmetic", build: bool = False) -> Path:

@@ -18,6 +18,9 @@ from pathlib import Path
 DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the recipe changes the built weights (cluster.demo.model)
 CHAIN_MODEL_NAME = "demo-chain-model-v1"  # likewise for `CHAIN_RECIPE`
 CALC_MODEL_NAME = "demo-calc-model-v1"  # likewise for `CALC_RECIPE`
+# The arithmetic demo model after a GRPO run, on-policy distillation's demo teacher (`cluster.demo.teacher`): bump the
+# suffix when it is made anew
+DEMO_TEACHER_NAME = "demo-teacher-v1"
 DEMO_TASKS = ("arithmetic", "chain_sum", "calc")  # the tasks with a built-in model; "dataset" gets the arithmetic one
 MODEL_NAMES = {"arithmetic": DEMO_MODEL_NAME, "chain_sum": CHAIN_MODEL_NAME, "calc": CALC_MODEL_NAME}
 

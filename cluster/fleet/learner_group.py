@@ -56,11 +56,11 @@ class LearnerGroup:
         Ray hands each rank without the driver reading them."""
         return self.finish(self.submit_train(batch, ref_logprobs), self.timeouts.train, "train")[0]
 
-    def submit_train(self, batch: TrainBatch, ref_logprobs: Any = None) -> list[Any]:
+    def submit_train(self, batch: TrainBatch, ref_logprobs: Any = None, teacher_logprobs: Any = None) -> list[Any]:
         """`train_step` sent to every rank and not waited for (asynchronous training generates meanwhile): the refs
         for `finish`."""
         shared = batch if len(self.ranks) == 1 else ray.put(batch)  # one copy, each rank reads all of it
-        return self.submit("train_step", (shared, ref_logprobs))
+        return self.submit("train_step", (shared, ref_logprobs, teacher_logprobs))
 
     def compute_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float | None = None) -> list[list[float]]:

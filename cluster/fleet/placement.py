@@ -1,11 +1,12 @@
-"""Where the rollout, reference and reward-model workers become Ray actors, and where a run's workers are placed.
+"""Where the rollout, reference, teacher and reward-model workers become Ray actors, and where a run's workers are
+placed.
 
-Owns: placement (one placement group for the learner, reference and reward models; one per rollout worker, sized by
-its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the learner,
-also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote` wrapping
-of the rollout, reference and reward-model workers, starting and stopping the fleet (`start_fleet`, `stop_fleet`),
-the hook through which a pool of fleets kept between runs gives a run its fleet (`FleetPool`), and the Ray settings
-of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
+Owns: placement (one placement group for the learner, reference, teacher and reward models; one per rollout worker,
+sized by its own config section and placed on the nodes it allows, so the rollout fleet scales independently of the
+learner, also while a run is going), each actor's runtime environment (thread counts, in-process vLLM), `ray.remote`
+wrapping of the rollout, reference, teacher and reward-model workers, starting and stopping the fleet (`start_fleet`,
+`stop_fleet`), the hook through which a pool of fleets kept between runs gives a run its fleet (`FleetPool`), and the
+Ray settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
 Does not own: the learner's ranks as actors (cluster/fleet/learner_group.py, started here in the shared placement
 group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py), what a step does
 (cluster/run/trainer.py), or keeping and re-initialising fleets between runs (the tests' pool: tests/fleets.py).
@@ -83,6 +84,7 @@ class Fleet:
     reward_models: dict[str, Any] = field(default_factory=dict)  # source name -> RewardModelWorker
     learner_group: Any = None  # cluster.fleet.learner_group.LearnerGroup: every rank (`learner` is rank 0's actor)
     pending: list[PendingWorker] = field(default_factory=list)  # asked for by `relay scale`, not yet serving
+    teacher: Any | None = None  # on-policy distillation's teacher (a ReferenceWorker on the teacher's model)
 
     @property
     def rollout_workers(self) -> list[Any]:
@@ -313,21 +315,25 @@ class CoreSpec:
     rank_kwargs: dict[str, Any]  # `launch_learner_group`'s and `rank_args`'s, besides the model path and config
     reference: tuple | None  # `ReferenceWorker`'s arguments; None for a run without a reference
     reward_models: dict[str, tuple[type, tuple, dict[str, Any]]]  # model source name -> class, args, kwargs
+    teacher: tuple | None = None  # the teacher's `ReferenceWorker` arguments; None without distillation
 
 
 def core_spec(config: RunConfig, model_path: str) -> CoreSpec:
-    """The constructor arguments of the learner ranks, reference and reward models (`type: model` sources) of a run
-    of `config` on the policy at `model_path`."""
+    """The constructor arguments of the learner ranks, reference, teacher and reward models (`type: model` sources) of
+    a run of `config` on the policy at `model_path`."""
     from actors.process_reward_model import ProcessRewardModelWorker
     from actors.reward_model import RewardModelWorker
     from learner.passes.sequences import MicroBatching
     from rewards.config import ModelSource
 
-    rc, ro = config.reference, config.rollout
+    rc, ro, tc = config.reference, config.rollout, config.teacher
     reference = (model_path, config.model.dtype, rc.num_threads,
                  MicroBatching(rc.micro_batch_size, rc.max_tokens_per_micro_batch, rc.share_prompts,
                                rc.pack_sequences),
                  ro.temperature)
+    teacher = (teacher_path(tc.path), config.model.dtype, tc.num_threads,
+               MicroBatching(tc.micro_batch_size, tc.max_tokens_per_micro_batch, tc.share_prompts, tc.pack_sequences),
+               ro.temperature) if config.uses_teacher else None
     return CoreSpec(
         rank_kwargs=dict(dtype=config.model.dtype, temperature=ro.temperature, seed=config.seed,
                          critic=config.critic, norm_length=ro.max_new_tokens),
@@ -337,7 +343,17 @@ def core_spec(config: RunConfig, model_path: str) -> CoreSpec:
                               (s.path or model_path, config.model.dtype, s.num_threads,
                                MicroBatching(s.micro_batch_size, s.max_tokens_per_micro_batch)),
                               reward_model_training(s, config.seed))
-                       for name, s in config.reward.sources.items() if isinstance(s, ModelSource)})
+                       for name, s in config.reward.sources.items() if isinstance(s, ModelSource)},
+        teacher=teacher)
+
+
+def teacher_path(path: str | None) -> str | None:
+    """`teacher.path` as a directory: `demo` is relay's shipped demo teacher (`cluster.demo.cache`)."""
+    if path != "demo":
+        return path
+    from cluster.demo.cache import demo_teacher_dir
+
+    return str(demo_teacher_dir())
 
 
 def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) -> Fleet:
@@ -346,15 +362,17 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
     from actors.reference import ReferenceWorker
     from cluster.fleet.learner_group import launch_learner_group
 
-    lc, rc = config.learner, config.reference
+    lc, rc, tc = config.learner, config.reference, config.teacher
     spec = core_spec(config, model_path)
     bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
     if spec.reference is not None:
         bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
+    if spec.teacher is not None:
+        bundles.append(_bundle(tc.num_cpus, tc.num_gpus, tc.resources))
     bundles += [_bundle(config.reward.sources[name].num_cpus, config.reward.sources[name].num_gpus)
                 for name in spec.reward_models]
-    pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference and reward models",
-                  "lower the num_cpus/num_gpus of learner or reference, or check learner.resources")
+    pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference, teacher and reward models",
+                  "lower the num_cpus/num_gpus of learner, reference or teacher, or check learner.resources")
 
     def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
         return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": actor_env(threads)},
@@ -370,34 +388,43 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
         reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
                                                                   rc.num_gpus)).remote(*spec.reference)
         first += 1
+    teacher = None
+    if spec.teacher is not None:
+        teacher = ray.remote(ReferenceWorker).options(**options(first, tc.num_threads, tc.num_cpus,
+                                                                tc.num_gpus)).remote(*spec.teacher)
+        first += 1
     reward_models = {}
     for i, (name, (cls, args, kwargs)) in enumerate(spec.reward_models.items()):
         s = config.reward.sources[name]
         reward_models[name] = ray.remote(cls).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)) \
             .remote(*args, **kwargs)
-    return Fleet(group.rank0, reference, [], pg, launcher, reward_models, group)
+    return Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, teacher=teacher)
 
 
 def connect_core(fleet: Fleet, timeout: float) -> None:
-    """Wait (up to `timeout` s) until the reference and reward models are up, then the learner's ranks, joined in
-    their process group when there are several."""
-    names = (["reference"] if fleet.reference else []) + [f"reward model '{name}'" for name in fleet.reward_models]
-    actors = ([fleet.reference] if fleet.reference else []) + list(fleet.reward_models.values())
+    """Wait (up to `timeout` s) until the reference, teacher and reward models are up, then the learner's ranks, joined
+    in their process group when there are several."""
+    names = ((["reference"] if fleet.reference else []) + (["teacher"] if fleet.teacher else [])
+             + [f"reward model '{name}'" for name in fleet.reward_models])
+    actors = [a for a in (fleet.reference, fleet.teacher) if a] + list(fleet.reward_models.values())
     get([a.__ray_ready__.remote() for a in actors], timeout, names, "start")
     fleet.learner_group.connect()
 
 
 def with_default_threads(config: RunConfig, model_path: str) -> RunConfig:
     """`config` with an unset `learner.num_threads` or `reference.num_threads` set by the policy's size
-    (`learner.passes.device.default_threads`), so that the actors' environment, the fleet's shape and the actors agree."""
+    (`learner.passes.device.default_threads`), and an unset `teacher.num_threads` as the reference's, so that the
+    actors' environment, the fleet's shape and the actors agree."""
     from learner.passes.device import count_parameters, default_threads
 
-    lc, rc = config.learner, config.reference
-    if lc.num_threads is not None and rc.num_threads is not None:
+    lc, rc, tc = config.learner, config.reference, config.teacher
+    if lc.num_threads is not None and rc.num_threads is not None and tc.num_threads is not None:
         return config
     threads = default_threads(count_parameters(model_path))
+    reference = rc.num_threads or threads
     return config.model_copy(update={"learner": lc.model_copy(update={"num_threads": lc.num_threads or threads}),
-                                     "reference": rc.model_copy(update={"num_threads": rc.num_threads or threads})})
+                                     "reference": rc.model_copy(update={"num_threads": reference}),
+                                     "teacher": tc.model_copy(update={"num_threads": tc.num_threads or reference})})
 
 
 def lora_targets(config: LearnerConfig, model_path: str | None) -> list[str]:
@@ -433,7 +460,7 @@ def stop_fleet(fleet: Fleet) -> None:
     finally:
         if fleet.learner_group is not None:
             fleet.learner_group.kill()
-        for actor in [fleet.reference, *fleet.reward_models.values()]:
+        for actor in [fleet.reference, fleet.teacher, *fleet.reward_models.values()]:
             if actor is not None:
                 ray.kill(actor)
         remove_placement_group(fleet.placement)

@@ -33,6 +33,7 @@ from cluster.fleet.placement import (
     lora_targets,
     start_fleet,
     stop_fleet,
+    teacher_path,
 )
 from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
@@ -96,6 +97,8 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_environment(config)
+    if config.uses_teacher:
+        check_teacher(config, model_path)
     if config.learner.lora.enabled:
         try:
             lora_targets(config.learner, model_path)
@@ -113,7 +116,8 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
     # thread count is set: `RunConfig._threads_for_overlap`.)
     if ro.max_staleness and local:
         threads = (config.learner.num_threads * config.learner.num_ranks + ro.num_workers * ro.num_threads
-                   + (config.reference.num_threads if config.uses_reference else 0))
+                   + (config.reference.num_threads if config.uses_reference else 0)
+                   + ((config.teacher.num_threads or config.reference.num_threads) if config.uses_teacher else 0))
         if threads > 2 * (os.cpu_count() or 1):
             print(f"relay: warning: rollout.max_staleness={ro.max_staleness} runs the engines, the reference and the "
                   f"learner at once, and this local run gives them {threads} threads on {os.cpu_count()} cores: they "
@@ -124,6 +128,41 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
               "(docs/operations.md)", file=sys.stderr, flush=True)
     return data, scorer
+
+
+def check_teacher(config: RunConfig, model_path: str | None) -> None:
+    """The teacher (`teacher.path`) is a model directory whose tokenizer is the policy's (`model_path`, None: the demo
+    model's, shipped): distillation compares the two models' logprobs of the same token ids. ConfigError, one line."""
+    from transformers import AutoTokenizer
+
+    from cluster.demo.cache import shipped_demo_model
+
+    path = teacher_path(config.teacher.path)
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher.path '{config.teacher.path}' is not a Hugging Face model directory (no "
+                          "config.json); pass teacher.path=DIR or demo")
+    policy = model_path or str(shipped_demo_model(config.data.task))
+    difference = tokenizer_difference(AutoTokenizer.from_pretrained(policy), AutoTokenizer.from_pretrained(path))
+    if difference:
+        raise ConfigError(f"teacher.path '{config.teacher.path}' has another tokenizer than the policy's "
+                          f"({difference}): distillation compares both models' logprobs of the same token ids, so "
+                          "the teacher must share the policy's tokenizer (another size of the same family)")
+
+
+def tokenizer_difference(mine: Any, theirs: Any) -> str:
+    """How two tokenizers differ in what distillation needs equal, in a few words: the id of every token, and the
+    special tokens' ids; empty when they agree."""
+    vocab, other = mine.get_vocab(), theirs.get_vocab()
+    differing = sorted(token for token in vocab.keys() | other.keys() if vocab.get(token) != other.get(token))
+    parts = []
+    if differing:
+        token = differing[0]
+        parts.append(f"{len(differing)} of {len(vocab.keys() | other.keys())} tokens have other ids, e.g. {token!r} is "
+                     f"{vocab.get(token, 'absent')} in the policy's and {other.get(token, 'absent')} in the teacher's")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(mine, name) != getattr(theirs, name):
+            parts.append(f"{name} {getattr(mine, name)} against the teacher's {getattr(theirs, name)}")
+    return "; ".join(parts)
 
 
 def check_environment(config: RunConfig) -> None:
@@ -148,6 +187,7 @@ def cpus_asked(config: RunConfig) -> dict[str, float]:
     engines = ro.num_cpus * ro.num_workers * ro.tensor_parallel_size
     return {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
             "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
+            "teacher.num_cpus": config.teacher.num_cpus if config.uses_teacher else 0.0,
             "rollout.num_cpus x num_workers x tensor_parallel_size": engines,
             **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
                if isinstance(s, ModelSource)}}
@@ -221,7 +261,8 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
     """`relay eval`: evaluate the weights of a checkpoint (`checkpoint_path`, loaded by the learner and synced to the
     engines as in the run), or the base model, with the run's evaluation (`eval`, cluster/run/evaluation.py); write
     `out_dir/eval.json` (the metrics by their own keys, at full precision) and return the metrics. With the run's
-    config and fleet size, a checkpoint gives the numbers the run logged at its step. No reference is started.
+    config and fleet size, a checkpoint gives the numbers the run logged at its step. No reference or teacher is
+    started.
     Raises ConfigError on bad input (nothing written), RunError when the fleet fails."""
     step = 0
     if checkpoint_path is not None:
@@ -232,7 +273,8 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
         step = int(checkpoint.read_driver_state(checkpoint_path)["step"])
     config = config.model_copy(update={"reference": config.reference.model_copy(update={"enabled": False}),
                                        "learner": config.learner.model_copy(update={"kl_coef": 0.0,
-                                                                                    "kl_reward_coef": 0.0})})
+                                                                                    "kl_reward_coef": 0.0,
+                                                                                    "distill_coef": 0.0})})
     model_path = config.model.path
     data, scorer = check_inputs(config, model_path)
     evaluation = evaluation_inputs(config, model_path, data)

@@ -256,6 +256,8 @@ class ProgressDisplay:
         self.history.append(record)
         kl = f"kl {record['kl/mean']:.4f}" if "kl/mean" in record else "kl off"
         status = f"reward {record['reward/mean']:.3f}  {kl}  {record['time/step']:.2f} s/step"
+        if "distill/reverse_kl" in record:  # on-policy distillation: how far the policy still is from its teacher
+            status = status.replace(f"  {kl}", f"  {kl}  rkl {record['distill/reverse_kl']:.4f}")
         if record.get("eval/reward/mean") is not None:  # a held-out evaluation of this step's weights
             status += f"  eval {record['eval/reward/mean']:.3f} pass@1 {record.get('eval/pass@1', math.nan):.3f}"
         self.progress.update(self.task, advance=1, status=status)
@@ -285,9 +287,9 @@ class ProgressDisplay:
         self.console.print(table)
 
 
-PHASES = ("time/generate", "time/score", "time/reference", "time/train", "time/sync", "time/eval")
-_PHASE_LABELS = {"time/generate": "gen", "time/score": "score", "time/reference": "ref", "time/train": "train",
-                 "time/sync": "sync", "time/eval": "eval"}
+PHASES = ("time/generate", "time/score", "time/reference", "time/teacher", "time/train", "time/sync", "time/eval")
+_PHASE_LABELS = {"time/generate": "gen", "time/score": "score", "time/reference": "ref", "time/teacher": "teacher",
+                 "time/train": "train", "time/sync": "sync", "time/eval": "eval"}
 
 
 def phase_breakdown(record: dict[str, Any]) -> str:

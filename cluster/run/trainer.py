@@ -51,6 +51,7 @@ class Prepared:
     rewards: list[float]
     stats: dict[str, Any]
     reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
+    teacher: tuple[Any, Any, float] | None  # `Trainer.submit_teacher`
     timings: dict[str, float]  # its time/generate and time/score
     fresh: int  # groups sampled for this step: the first ones of `groups` (replayed groups follow)
 
@@ -142,7 +143,11 @@ class Trainer:
             # runs its training forward while the reference computes, and waits for them before its first loss.
             reference = self.later(ready.reference) if self.overlap_reference else self.reference_result(
                 ready.reference)
-            update = self.submit_train(rollouts, ready.rewards, reference)
+            teacher = None
+            if ready.teacher is not None:  # `time/teacher`: the wait, the rest of the teacher's pass overlapped
+                with self.timed("teacher"):
+                    teacher = self.teacher_result(ready.teacher)
+            update = self.submit_train(rollouts, ready.rewards, reference, teacher)
             if self.overlap_reference:
                 self.reference_result(ready.reference)  # its failure or missed deadline is the reference's, named here
         version = self.weights_version + 1
@@ -236,8 +241,8 @@ class Trainer:
             rollouts = [r for group in groups for r in group]
             with self.timed("reference"):
                 self.refresh_reference(step, stats)
-            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts), self.timings,
-                            fresh)
+            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts),
+                            self.submit_teacher(rollouts), self.timings, fresh)
         finally:
             self.timings = outer
 
@@ -325,6 +330,26 @@ class Trainer:
             Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
         return count, logprobs, time.monotonic()
 
+    def submit_teacher(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
+        """Ask the teacher (on-policy distillation) for its logprobs of every response token, as `submit_reference`
+        asks the reference; None without a teacher."""
+        if self.fleet.teacher is None:
+            return None
+        from learner.passes.sequences import Rows
+
+        count, logprobs = self.fleet.teacher.compute_flat_logprobs.options(num_returns=2).remote(
+            Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
+        return count, logprobs, time.monotonic()
+
+    def teacher_result(self, asked: tuple[Any, Any, float] | None) -> Any:
+        """The ref of the teacher's logprobs once it has them (`timeouts.teacher` from when they were asked for);
+        None without a teacher. Waited for before the update goes out: the learner's advantages need them."""
+        if asked is None:
+            return None
+        count, logprobs, since = asked
+        get([count], max(0.0, self.config.timeouts.teacher - (time.monotonic() - since)), ["teacher"], "teacher")
+        return logprobs
+
     def reference_result(self, asked: tuple[Any, Any, float] | None) -> Any:
         """The ref of the reference's logprobs once it has them (`timeouts.reference` from when they were asked
         for); None without a reference."""
@@ -346,7 +371,8 @@ class Trainer:
         _, logprobs, since = asked
         return Later(logprobs, self.reference_time_left(since), "reference", "reference")
 
-    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any) -> Update:
+    def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any,
+                     teacher_logprobs: Any = None) -> Update:
         """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner
         waited since its last update was done (`time/learner_wait`)."""
         from learner.passes.sequences import Rows
@@ -366,7 +392,7 @@ class Trainer:
         if self.config.scores_steps:
             dense = [token_step_rewards(r.step_ends, r.step_rewards, len(r.response_ids)) for r in rollouts]
             batch.step_rewards, batch.step_ends = Rows(d[0] for d in dense), Rows(d[1] for d in dense)
-        update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs), submitted)
+        update = Update(self.fleet.learner_group.submit_train(batch, ref_logprobs, teacher_logprobs), submitted)
         update.refs[0].future().add_done_callback(lambda _: update.done.append(time.monotonic()))
         return update
 

@@ -2,8 +2,8 @@
 
 Owns turning one scalar reward per sequence into one advantage per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++),
 spreading it over the sequence's tokens, Generalized Advantage Estimation from per-token rewards and values,
-REINFORCE's Monte-Carlo returns with its baselines,
-masked whitening, and the registry that runs every estimator (GAE included) through one signature:
+REINFORCE's Monte-Carlo returns with its baselines, on-policy distillation's per-token advantage from a teacher's
+logprobs, masked whitening, and the registry that runs every estimator (GAE included) through one signature:
 AdvantageInputs -> Advantages; running any of them on the model's tokens of multi-turn episodes (`on_model_tokens`:
 the environment's tokens taken out of each row, `compact`, and the results put back, `uncompact`). Does not own the
 rewards themselves (`rewards/`), the KL penalty's estimate (`losses.kl`), the policy and value losses (`losses.py`),
@@ -487,6 +487,10 @@ class AdvantageInputs:
     # None. grpo then normalises the rewards at step ends over the group (process_group_relative); gae and reinforce
     # read token_rewards as they are (step rewards on step ends); rloo and reinforce_pp do not take steps.
     step_ends: Tensor | None = None
+    # [B, T] on-policy distillation's per-token log-ratio log pi_teacher(x_t) - log pi(x_t) (`distill_log_ratios`), or
+    # None; read by `distill` alone, whatever `distill_discount` discounts it by.
+    distill: Tensor | None = None
+    distill_discount: float = 0.0
 
 
 class Advantages(NamedTuple):
@@ -565,6 +569,44 @@ def reinforce_advantages(inputs: AdvantageInputs) -> Advantages:
     return Advantages(advantages, returns)
 
 
+def distill_log_ratios(teacher_logprobs: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation's per-token signal: how much likelier the teacher finds each sampled token than the
+    policy does.
+
+    Agarwal et al. 2024 ("On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes", GKD with
+    the reverse KL); Thinking Machines 2025 ("On-Policy Distillation"): on the policy's own samples x ~ pi,
+    d_t = log pi_T(x_t | x_<t) - log pi(x_t | x_<t), minus the single-sample (k1) estimate of the per-token reverse
+    KL(pi || pi_T). Used as an advantage, its policy gradient is that of -KL(pi || pi_T) summed over the tokens.
+
+    Args:
+        teacher_logprobs: [B, T] log pi_T of the sampled tokens; padding may hold anything.
+        logprobs: [B, T] log pi of the same tokens (the policy before the update); padding may hold anything.
+        mask: [B, T] 1 (or True) at the tokens trained on, 0 elsewhere.
+
+    Returns:
+        [B, T] d_t at masked tokens, 0 elsewhere.
+
+    Notation: B: sequences, T: tokens.
+    """
+    if teacher_logprobs.shape != logprobs.shape or logprobs.shape != mask.shape or mask.dim() != 2:
+        shapes = [tuple(x.shape) for x in (teacher_logprobs, logprobs, mask)]
+        raise ValueError(f"teacher_logprobs, logprobs and mask must share one [B, T] shape, got {shapes}")
+    return torch.where(mask.bool(), teacher_logprobs.float() - logprobs.float(), 0.0)  # d_t = log pi_T - log pi
+
+
+def distill_advantages(inputs: AdvantageInputs) -> Advantages:
+    """On-policy distillation: each token's advantage is the discounted sum of the log-ratios from it on,
+    A_t = sum_{s >= t} gamma_d^(s - t) d_s (`distill_discount` = gamma_d; 0: A_t = d_t, each token credited with its
+    own, as Thinking Machines do; 1: with everything the teacher thinks of the rest of the sequence). Not centred
+    or scaled: d_t already compares two models on one token, and a constant shift would reward length."""
+    if inputs.distill is None:
+        raise ValueError("advantage estimator 'distill' needs the teacher's per-token log-ratios (AdvantageInputs."
+                         "distill, from distill_log_ratios); set teacher.path and learner.distill_coef > 0")
+    if inputs.distill_discount == 0:  # the recursion's result without its loop over T
+        return Advantages(torch.where(inputs.mask.bool(), inputs.distill, 0.0), None)
+    return Advantages(discounted_returns(inputs.distill, inputs.mask, inputs.distill_discount), None)
+
+
 def on_model_tokens(estimator: Callable[[AdvantageInputs], Advantages], inputs: AdvantageInputs) -> Advantages:
     """Run `estimator` on each row's model tokens gathered to the left (`compact` by inputs.mask, which may have
     holes), and put its advantages and returns back at their tokens (`uncompact`; 0 at every other position).
@@ -573,8 +615,8 @@ def on_model_tokens(estimator: Callable[[AdvantageInputs], Advantages], inputs: 
     tokens as one contiguous sequence (GAE's and the returns' recursions stop at the first 0, the outcome goes on the
     last 1); compacted, turn k's last model token is followed by turn k+1's first, as verl's multi-turn GAE skips
     observation tokens: gamma and lambda discount per model token, and V at a model token is the critic's value of
-    the state with every earlier token, the environment's included, in context. token_rewards, values and step_ends
-    are read at model tokens only (`carry_to_model_tokens` moves what lies elsewhere first).
+    the state with every earlier token, the environment's included, in context. token_rewards, values, step_ends
+    and distill are read at model tokens only (`carry_to_model_tokens` moves what lies elsewhere first).
 
     Args:
         estimator: an ADVANTAGE_ESTIMATORS entry.
@@ -593,7 +635,7 @@ def on_model_tokens(estimator: Callable[[AdvantageInputs], Advantages], inputs: 
         return None if values is None else compact(values, inputs.mask)[0]
 
     estimate = estimator(replace(inputs, token_rewards=token_rewards, mask=mask, values=compacted(inputs.values),
-                                 step_ends=compacted(inputs.step_ends)))
+                                 step_ends=compacted(inputs.step_ends), distill=compacted(inputs.distill)))
     returns = None if estimate.returns is None else uncompact(estimate.returns, index, length)
     return Advantages(uncompact(estimate.advantages, index, length), returns)
 
@@ -605,5 +647,6 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Advantages]] = {
     "reinforce_pp": reinforce_pp_advantages,
     "gae": gae_advantages,
     "reinforce": reinforce_advantages,
+    "distill": distill_advantages,
 }
 

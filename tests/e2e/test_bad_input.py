@@ -8,6 +8,8 @@ tests/e2e/test_cli.py checks) so that the corpus stays fast."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from cluster.cli.commands import main
@@ -20,7 +22,7 @@ CORPUS = [
     (["train", "nope=1"], "unknown config key 'nope'"),
     (["train", "learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["train", "rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1"),
-    (["train", "learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae' or 'reinforce'"),
+    (["train", "learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae', 'reinforce' or 'distill'"),
     (["train", "learner.advantage=gae"], "set critic.enabled=true"),
     (["train", "learner.kl_reward_coef=0.1"], "set one of them to 0"),
     (["train", "learner.num_minibatches=3"], "must divide the batch"),
@@ -77,6 +79,14 @@ CORPUS = [
     (["train", "learner.lora.alpha=16"], "apply with learner.lora.rank > 0"),
     (["train", "learner.lora.rank=600"], "learner.lora.rank: Input should be less than or equal to 512"),
     (["export", "{tmp}/nowhere", "--out", "{tmp}/exported"], "checkpoint {tmp}/nowhere does not exist"),
+    # on-policy distillation: its teacher (with the policy's tokenizer) and its keys
+    (["train", "learner.distill_coef=1", "teacher.path={tmp}/other_tokenizer"],
+     "teacher.path '{tmp}/other_tokenizer' has another tokenizer than the policy's (2 of 19 tokens have other ids, "
+     "e.g. '[' is absent in the policy's and 17 in the teacher's"),
+    (["train", "learner.distill_coef=1", "teacher.path={tmp}/nowhere"], "is not a Hugging Face model directory"),
+    (["train", "learner.distill_coef=1"], "learner.distill_coef > 0 needs a teacher: set teacher.path"),
+    (["train", "teacher.path=demo"], "teacher.path is set but learner.distill_coef is 0"),
+    (["train", "learner.advantage=distill", "teacher.path=demo"], "learner.advantage=distill trains on the teacher"),
     # Prometheus metrics (a taken port: tests/unit/test_prometheus_names.py, which holds one open)
     (["train", "logging.prometheus_port=70000"],
      "logging.prometheus_port: Input should be less than or equal to 65535"),
@@ -96,6 +106,9 @@ def bad_files(tmp_path, monkeypatch):
     (tmp_path / "bad_json.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", \n')
     (tmp_path / "no_field.jsonl").write_text('{"question": "1+1=", "label": "2"}\n')
     (tmp_path / "data.csv").write_text("prompt,label\n1+1=,2\n")
+    from cluster.demo.cache import shipped_demo_model
+
+    shutil.copytree(shipped_demo_model("calc"), tmp_path / "other_tokenizer")  # the calc task's characters
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "config.yaml").write_text("max_steps: 1\n")
     return tmp_path

@@ -280,7 +280,7 @@ def _registry_inputs(**kwargs):
 
 
 def test_registry_keys_are_the_config_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae", "reinforce"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae", "reinforce", "distill"}
 
 
 def test_registry_grpo_entry_computes_group_relative_on_each_token():

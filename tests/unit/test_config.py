@@ -71,7 +71,7 @@ BAD = [
     (["rollout.in_flight_updates=true"], "rollout.in_flight_updates=true needs asynchronous training: set "
                                          "rollout.max_staleness >= 1"),
     (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
-    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae' or 'reinforce' (got 'ppo')"),
+    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae', 'reinforce' or 'distill' (got 'ppo')"),
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
     (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
@@ -251,3 +251,23 @@ def test_an_unset_thread_count_follows_the_models_size(tiny_model_dir, tmp_path)
     assert threads(tmp_path) == (2, 2)
     assert threads(tiny_model_dir, "learner.num_threads=3") == (3, 1)
     assert threads(tmp_path, "reference.num_threads=1") == (2, 1)
+
+
+def test_the_distill_preset_runs_grpo_with_the_shipped_teacher_of_the_demo_models_tokenizer():
+    import json
+
+    from transformers import AutoTokenizer
+
+    from cluster.demo.cache import shipped_demo_model
+    from cluster.fleet.placement import teacher_path
+    from cluster.run.launch import tokenizer_difference
+
+    config = load_config(CONFIGS / "distill.yaml")
+    assert config.uses_teacher and not config.uses_reference and config.learner.advantage == "grpo"
+    teacher = Path(teacher_path(config.teacher.path))
+    report = json.loads((teacher / "relay_demo_report.json").read_text())
+    assert (report["recipe"], report["steps"]) == ("configs/grpo.yaml", 150) and report["reward_mean_last_10"] > 0.9
+    mine, theirs = (AutoTokenizer.from_pretrained(path) for path in (shipped_demo_model("arithmetic"), teacher))
+    assert tokenizer_difference(mine, theirs) == ""
+    other = AutoTokenizer.from_pretrained(shipped_demo_model("calc"))  # another character set
+    assert tokenizer_difference(mine, other).startswith("2 of 19 tokens have other ids")

@@ -10,7 +10,13 @@ import contextlib
 
 import torch
 
-from learner.algo.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, last_token_rewards, masked_whiten
+from learner.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    distill_log_ratios,
+    last_token_rewards,
+    masked_whiten,
+)
 from learner.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from learner.algo.losses import (
     AGGREGATION_MODES,
@@ -59,9 +65,13 @@ def every_math_result(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | fl
     token_rewards = last_token_rewards(rewards, mask)
     out: dict[str, torch.Tensor | float | list] = {"token_rewards": token_rewards}
     out["no_tokens"] = last_token_rewards(rewards, mask[:, :0])
+    distill = distill_log_ratios(ref, old, mask)
+    out["distill/undiscounted"] = ADVANTAGE_ESTIMATORS["distill"](AdvantageInputs(token_rewards, mask, 1,
+                                                                                  distill=distill)).advantages
     for name, estimator in ADVANTAGE_ESTIMATORS.items():
         for group_size in (1, 2) if name != "rloo" else (2,):
-            result = estimator(AdvantageInputs(token_rewards, mask, group_size, values=values, gamma=0.9, lam=0.8))
+            result = estimator(AdvantageInputs(token_rewards, mask, group_size, values=values, gamma=0.9, lam=0.8,
+                                               distill=distill, distill_discount=0.5))
             out[f"{name}/{group_size}"] = result.advantages
             if result.returns is not None:
                 out[f"{name}/{group_size}/returns"] = result.returns
