@@ -105,8 +105,10 @@ class ParkingPool:
     are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
     their class (its rollout actors can be re-initialised as any RolloutWorker subclass: tests/rehost.py); a
     different core stops the parked learner, reference and reward models first (and the rollout workers too unless
-    their shape matches). The parked fleet holds its resources until taken or `clear`ed: use one pool for runs made
-    one after the other, and `clear` it before anything else needs the cluster."""
+    their shape matches). A run whose fleet cannot be parked (`fleet_shape` None) gets a fresh one beside the parked
+    fleet when the cluster's free CPUs hold it, and the parked one waits for the next run. The parked fleet holds its
+    resources until taken or `clear`ed: use one pool for runs made one after the other, and `clear` it before anything
+    else needs the cluster."""
 
     HEALTH_TIMEOUT = 10.0  # s: how long the actors of a failed run have to answer before they are parked
     STUCK_TIMEOUT = 2.0  # s: how long a failed run's rollout workers get to answer (to be kept), then to shut down
@@ -120,6 +122,10 @@ class ParkingPool:
         spec = core_spec(config, model_path)
         launcher = PooledLauncher(config, model_path, rollout_cls, fleet_shape(config, spec))
         parked, self.parked = self.parked, None
+        if parked is not None and launcher.shape is None and self._fits_beside(config):
+            # A fleet that cannot be parked itself starts beside the parked one, which the next run may still take.
+            self.parked = parked
+            return launch_fleet(config, model_path, launcher)
         if parked is not None:
             new, old = launcher.shape, parked.launcher.shape  # a parked fleet's is never None (`park`)
             keeps_rollout = new is not None and new.rollout == old.rollout
@@ -214,9 +220,9 @@ class ParkingPool:
         it answers within `STUCK_TIMEOUT` (one still in a call may be stuck: it has as long again to shut its engine
         down, then is killed; whatever state a kept one's fault left, re-initialising it replaces), and the other
         actors only if they answer within `HEALTH_TIMEOUT`."""
-        self.clear()
         if not isinstance(fleet.launcher, PooledLauncher) or fleet.launcher.shape is None:
-            return False
+            return False  # any parked fleet stays parked (`take` started this one beside it)
+        self.clear()
         if failed:
             stale, fleet.pending = list(fleet.pending), []
             # Answering a no-op call in time: alive, and not busy with another call.
@@ -232,6 +238,17 @@ class ParkingPool:
                 return False
         self.parked = fleet
         return True
+
+    @staticmethod
+    def _fits_beside(config: RunConfig) -> bool:
+        """Whether a fleet of `config` fits in the CPUs the cluster has free now (its GPUs and custom resources too,
+        when it asks for any: then it does not, as a parked fleet is not worth the risk of waiting for them)."""
+        from cluster.run.launch import cpus_asked
+
+        sections = [config.learner, config.reference, config.rollout, config.teacher]
+        if any(s.num_gpus or getattr(s, "resources", None) for s in sections):
+            return False
+        return ray.available_resources().get("CPU", 0.0) >= sum(cpus_asked(config).values()) + 1e-9
 
     @staticmethod
     def _admit(fleet: Fleet, needed: int, timeout: float) -> None:

@@ -1,6 +1,7 @@
-"""`relay train data.task=reasoning_gym` as a user runs it, with the real reasoning-gym: on the demo model its
-prompts are refused before anything starts (the demo tokenizer holds digits and + - * = only), one line naming the
-entry and the character; on a tiny model whose tokenizer holds any text, a short run trains end to end, scored by the
+"""`relay train data.task=reasoning_gym` with the real reasoning-gym: on the demo model its prompts are refused before
+anything starts (the demo tokenizer holds digits and + - * = only), one line naming the entry and the character, as a
+user runs it; on a tiny model whose tokenizer holds any text, a short run (the run `relay train` makes with the same
+arguments, made in the test's process on the session's shared fleets) trains end to end, scored by the
 `reasoning_gym` verifier that the task makes the default reward source."""
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ def test_on_the_demo_model_the_prompts_are_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_run_trains_on_reasoning_gym_tasks(tmp_path, byte_model_dir):
+def test_a_short_run_trains_on_reasoning_gym_tasks(tmp_path, byte_model_dir, fleets):
+    from cluster.config import load_config
+    from cluster.run.launch import run_training
+
     run_dir = tmp_path / "run"
-    result = relay("train", *TASK, f"model.path={byte_model_dir}", f"run_dir={run_dir}", "max_steps=2",
-                   "data.prompts_per_step=2", "rollout.group_size=2", "rollout.num_workers=1",
-                   "rollout.max_model_len=1024", "rollout.max_new_tokens=8", "checkpoint.every=0",
-                   "logging.tensorboard=false", "ray.dashboard=false", "--quiet")
-    assert result.returncode == 0, result.stderr[-3000:]
+    # `relay train` as a process: the test above and tests/e2e/test_cli.py. In this process a parked fleet spares
+    # the run its actors' start.
+    config = load_config(None, [*TASK, f"model.path={byte_model_dir}", f"run_dir={run_dir}", "max_steps=2",
+                                "data.prompts_per_step=2", "rollout.group_size=2", "rollout.num_workers=1",
+                                "rollout.max_model_len=1024", "rollout.max_new_tokens=8", "checkpoint.every=0",
+                                "logging.tensorboard=false", "ray.dashboard=false"])
+    run_training(config, run_dir, display=False, pool=fleets)
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["reward"]["sources"] == {"correct": {"type": "rule", "verifier": "reasoning_gym", "params": {},
                                                          "weight": 1.0, "level": "outcome"}}
