@@ -7,14 +7,13 @@ teacher's logprobs line up token for token with the learner's."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
 from cluster.config import load_config
 from cluster.run.launch import run_training
-from tests.cluster.test_evaluation import training_part
+from tests.cluster.test_evaluation import assert_resume_repeats
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -41,12 +40,7 @@ def test_a_distillation_run_scores_every_token_with_its_teacher_and_resumes_exac
 
     # Resumed from step 2's checkpoint, the run repeats steps 3 and 4 bit for bit: the teacher is frozen, and its
     # logprobs of the same samples are the same bits.
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_4")
-    resumed = run_training(load_config(PRESET, [f"run_dir={tmp_path / 'resumed'}", "resume=auto", *overrides]),
-                           tmp_path / "resumed", display=False, pool=POOL)
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert [training_part(r) for r in resumed] == [training_part(r) for r in records[2:]]
+    assert_resume_repeats(PRESET, tmp_path / "run", overrides, records)
 
 
 def test_a_teacher_that_is_the_policy_itself_is_zero_reverse_kl_away(ray_local, tmp_path, demo_model_dir):

@@ -7,7 +7,6 @@ the original bit for bit, and the merged export, served by vLLM as a plain model
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 from cluster.config import load_config
 from cluster.run.export import export_checkpoint
 from cluster.run.launch import run_evaluation, run_training
-from tests.cluster.test_evaluation import training_part
+from tests.cluster.test_evaluation import assert_resume_repeats
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -54,13 +53,8 @@ def test_a_lora_run_syncs_only_the_adapters_resumes_exactly_and_exports_a_model_
     assert all(r["train/skipped_updates"] == 0 for r in records)
 
     # Resumed from step 2's checkpoint, the run repeats steps 3 and 4 bit for bit.
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_4")
-    resumed = run_training(load_config(PRESET, [f"run_dir={tmp_path / 'resumed'}", "resume=auto", *overrides]),
-                           tmp_path / "resumed", display=False, pool=POOL)
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert [training_part(r) for r in resumed] == [training_part(r) for r in records[2:]]
-    again = load_file(tmp_path / "resumed" / "checkpoints" / "step_4" / "policy" / "adapter_model.safetensors")
+    resumed = assert_resume_repeats(PRESET, tmp_path / "run", overrides, records)
+    again = load_file(resumed / "checkpoints" / "step_4" / "policy" / "adapter_model.safetensors")
     assert again.keys() == adapters.keys()
     for name, tensor in again.items():
         assert tensor.equal(adapters[name]), name
