@@ -319,45 +319,40 @@ class Trainer:
             stats["sync/reference_probe_diff"] = refresh.last_gap
         stats["reference/version"] = refresh.version
 
-    def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
-        """Ask the reference for the logprobs of every response token: (the ref of their count, the ref of the
-        flat array, when asked), or None without a reference."""
-        if self.fleet.reference is None:
+    @staticmethod
+    def ask_logprobs(actor: Any, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
+        """Ask a ReferenceWorker (the reference, or the teacher) for the logprobs of every response token: (the ref of
+        their count, the ref of the flat array, when asked), or None without that actor."""
+        if actor is None:
             return None
         from learner.passes.sequences import Rows
 
-        count, logprobs = self.fleet.reference.compute_flat_logprobs.options(num_returns=2).remote(
+        count, logprobs = actor.compute_flat_logprobs.options(num_returns=2).remote(
             Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
         return count, logprobs, time.monotonic()
+
+    def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
+        return self.ask_logprobs(self.fleet.reference, rollouts)
 
     def submit_teacher(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
-        """Ask the teacher (on-policy distillation) for its logprobs of every response token, as `submit_reference`
-        asks the reference; None without a teacher."""
-        if self.fleet.teacher is None:
-            return None
-        from learner.passes.sequences import Rows
+        """On-policy distillation's teacher, asked as the reference is."""
+        return self.ask_logprobs(self.fleet.teacher, rollouts)
 
-        count, logprobs = self.fleet.teacher.compute_flat_logprobs.options(num_returns=2).remote(
-            Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
-        return count, logprobs, time.monotonic()
+    def logprobs_result(self, asked: tuple[Any, Any, float] | None, name: str, timeout: float) -> Any:
+        """The ref of the logprobs `ask_logprobs` asked `name` for, once it has them (within `timeout` s, the
+        `timeouts.<name>`, from when they were asked for); None when nothing was asked."""
+        if asked is None:
+            return None
+        count, logprobs, since = asked
+        get([count], max(0.0, timeout - (time.monotonic() - since)), [name], name)
+        return logprobs
 
     def teacher_result(self, asked: tuple[Any, Any, float] | None) -> Any:
-        """The ref of the teacher's logprobs once it has them (`timeouts.teacher` from when they were asked for);
-        None without a teacher. Waited for before the update goes out: the learner's advantages need them."""
-        if asked is None:
-            return None
-        count, logprobs, since = asked
-        get([count], max(0.0, self.config.timeouts.teacher - (time.monotonic() - since)), ["teacher"], "teacher")
-        return logprobs
+        """Waited for before the update goes out: the learner's advantages need them."""
+        return self.logprobs_result(asked, "teacher", self.config.timeouts.teacher)
 
     def reference_result(self, asked: tuple[Any, Any, float] | None) -> Any:
-        """The ref of the reference's logprobs once it has them (`timeouts.reference` from when they were asked
-        for); None without a reference."""
-        if asked is None:
-            return None
-        count, logprobs, since = asked
-        get([count], self.reference_time_left(since), ["reference"], "reference")
-        return logprobs
+        return self.logprobs_result(asked, "reference", self.config.timeouts.reference)
 
     def reference_time_left(self, since: float) -> float:
         """What is left of `timeouts.reference` from `since`, when the reference was asked."""
