@@ -2,10 +2,10 @@
 checks that need the device.
 
 Usage: python bench/gpu_learner.py [--device cuda|cpu] [--size 0.5b|tiny] [--steps N] [--out PATH]
-`--size 0.5b` (the default, sized to finish in under 8 minutes on one H100): a Qwen2 of Qwen2.5-0.5B's shape (hidden
-896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings: 494M parameters) with random
-weights, saved to a temporary directory that `Learner` loads; each step 8 prompts of 256 tokens x 8 completions whose
-lengths are drawn (seeded, uniform) from 128-2048 tokens, the learner's passes cut at 8192 tokens
+`--size 0.5b` (the default: 97 s for the four variants on one H200, docs/benchmarks.md): a Qwen2 of Qwen2.5-0.5B's
+shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings: 494M parameters)
+with random weights, saved to a temporary directory that `Learner` loads; each step 8 prompts of 256 tokens x 8
+completions whose lengths are drawn (seeded, uniform) from 128-2048 tokens, the learner's passes cut at 8192 tokens
 (configs/gpu_gsm8k_single.yaml's).
 `--size tiny`: 2 layers of hidden 128 (4 heads of 32), vocabulary 1024, 4 prompts of 32 tokens x 4 completions of
 16-128, passes of 1024 tokens: seconds on a CPU, for the tests.
@@ -335,6 +335,10 @@ def print_table(setup: dict, rows: list[dict], checks: list[dict]) -> None:
                   f"{gaps}: {'PASS' if check['passed'] else 'FAIL'}")
 
 
+def write_results(path: Path, setup: dict, rows: list[dict], checks: list[dict]) -> None:
+    path.write_text(json.dumps({"setup": setup, "variants": rows, "checks": checks}, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
@@ -362,11 +366,17 @@ def main(argv: list[str] | None = None) -> int:
             if number == 0:
                 checks = [check_fingerprints(learner), check_packing(learner, batches[0], size)]
             del learner
+            # A run cut short by a machine's time limit still leaves the variants it finished.
+            print(f"gpu_learner: {name}: {row['seconds_per_step']:.3f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
+                  f"{row['peak_memory_gib']:.2f} GiB ({time.perf_counter() - started:.0f} s so far)",
+                  file=sys.stderr, flush=True)
+            if args.out is not None:
+                write_results(args.out, setup, rows, checks)
     setup["wall_seconds"] = time.perf_counter() - started
     print_table(setup, rows, checks)
     print(f"\n{setup['wall_seconds']:.0f} s in all")
     if args.out is not None:
-        args.out.write_text(json.dumps({"setup": setup, "variants": rows, "checks": checks}, indent=2) + "\n")
+        write_results(args.out, setup, rows, checks)
     failed = failures(checks)
     for line in failed:
         print(f"gpu_learner: CHECK FAILED: {line}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Token log-probabilities and entropies from a language model's logits.
 
 Owns the softmax arithmetic on logits: in float32 whatever the model's dtype (bf16 log-probabilities are too coarse
-for importance ratios), a few sequences at a time so the float32 copy stays under `FLOAT32_CHUNK_ELEMENTS` (one
-sequence, [T, V], when a single one is larger), never a whole [B, T, V] of a large vocabulary; small models get
-one chunk, not a Python loop per sequence. Does not own running
+for importance ratios), a few sequences at a time so the float32 copy stays under `FLOAT32_CHUNK_ELEMENTS` on a
+CPU, `GPU_FLOAT32_CHUNK_ELEMENTS` on a GPU (one sequence, [T, V], when a single one is larger), never a whole
+[B, T, V] of a large vocabulary; small models get one chunk, not a Python loop per sequence. Does not own running
 the model, shifting logits against labels (callers pass logits already aligned with the tokens they score), or
 masking padding (`losses.py`).
 
@@ -13,13 +13,24 @@ Notation: B: sequences, T: tokens, V: vocabulary.
 import torch
 from torch import Tensor
 
-FLOAT32_CHUNK_ELEMENTS = 2**24  # 64 MiB of float32 logits per chunk
+FLOAT32_CHUNK_ELEMENTS = 2**24  # 64 MiB of float32 logits per chunk, on a CPU
+# On a GPU, 1 GiB: a chunk of 64 MiB is 110 tokens of a 152K vocabulary, and the thousands of small kernels a
+# packed 8K-token pass then launches left an H200 idle half of the step (docs/benchmarks.md, "GPU learner").
+GPU_FLOAT32_CHUNK_ELEMENTS = 2**28
 
 
 def _row_chunks(logits: Tensor) -> list[Tensor]:
-    """`logits` [B, T, V] as consecutive row blocks of at most FLOAT32_CHUNK_ELEMENTS elements (at least one row)."""
+    """`logits` [B, T, V] as consecutive row blocks of at most FLOAT32_CHUNK_ELEMENTS elements on a CPU,
+    GPU_FLOAT32_CHUNK_ELEMENTS elsewhere (at least one row)."""
     per_row = max(logits.shape[1] * logits.shape[2], 1)
-    return list(logits.split(max(1, FLOAT32_CHUNK_ELEMENTS // per_row)))
+    budget = FLOAT32_CHUNK_ELEMENTS if logits.device.type == "cpu" else GPU_FLOAT32_CHUNK_ELEMENTS
+    return list(logits.split(max(1, budget // per_row)))
+
+
+def _scaled(chunk: Tensor, temperature: float) -> Tensor:
+    """z / tau in float32; at tau = 1 the float32 copy itself (the same values, one kernel and copy fewer)."""
+    wide = chunk.float()
+    return wide if temperature == 1.0 else wide / temperature
 
 
 def _check_temperature(temperature: float) -> None:
@@ -50,7 +61,7 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     for chunk in _row_chunks(logits):  # the float32 copy is one chunk's
         chunk_labels = labels[start : start + len(chunk)]
         start += len(chunk)
-        scaled = chunk.float() / temperature  # z / tau
+        scaled = _scaled(chunk, temperature)  # z / tau
         label_logits = scaled.gather(-1, chunk_labels.long().unsqueeze(-1)).squeeze(-1)  # z_{t,y_t} / tau
         rows.append(label_logits - torch.logsumexp(scaled, dim=-1))  # - log sum_v exp(z_{t,v} / tau)
     if not rows:
@@ -77,7 +88,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
         raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
     rows = []
     for chunk in _row_chunks(logits):  # the float32 copies are one chunk's
-        scaled = chunk.float() / temperature  # z = logits / tau
+        scaled = _scaled(chunk, temperature)  # z = logits / tau
         probs = torch.softmax(scaled, dim=-1)  # p_{t,v}
         rows.append(torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1))  # H = lse(z) - sum_v p z
     if not rows:

@@ -130,3 +130,21 @@ def test_chunked_rows_give_the_values_and_gradients_of_one_pass(monkeypatch, chu
     assert_close(lp, _naive_logprobs(logits.detach(), labels, 0.7).float())
     assert torch.equal(lp, whole_lp) and torch.equal(h, whole_h)
     assert torch.equal(torch.autograd.grad((lp.sum() + h.sum()), logits)[0], whole_grad)
+
+
+def test_a_gpu_takes_larger_chunks_than_a_cpu():
+    # A packed pass's logits are [T, 1, V]: on a CPU 64 MiB chunks (110 tokens of a 152K vocabulary), on any other
+    # device 1 GiB ones, so an 8K-token pass is 5 chunks there, not 75 (the meta device stands in for a GPU).
+    shape = (8192, 1, 151936)
+    on_cpu = logprobs_module._row_chunks(torch.empty(1, 1, 1).expand(*shape))
+    on_gpu = logprobs_module._row_chunks(torch.empty(shape, device="meta"))
+    assert [len(c) for c in on_cpu[:2]] == [110, 110] and len(on_cpu) == 75
+    assert [len(c) for c in on_gpu] == [1766] * 4 + [8192 - 4 * 1766]
+
+
+def test_temperature_one_is_the_division_by_one():
+    # At temperature 1 the float32 copy is scored as it is: the same bits as dividing it by 1.
+    logits, labels = _random_inputs()
+    wide = logits.float()
+    expected = wide.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(wide / 1.0, dim=-1)
+    assert torch.equal(logprobs_from_logits(logits, labels, 1.0), expected)
