@@ -4,7 +4,10 @@ skip a non-finite update together, and resume bitwise from their own checkpoint,
 
 The two-rank tests run their groups in the same two actor processes (`RankPool`): each test re-initialises them as
 its ranks and forms a new process group, as the session's fleet pool does for runs (tests/fleets.py); a test that
-fails, or leaves a rank inside a collective, stops them and the next starts new ones."""
+fails, or leaves a rank inside a collective, stops them and the next starts new ones.
+
+A run through the driver with two ranks (placement reserves a bundle per rank, the probe asks every rank, rank 0
+exports and checkpoints) is tests/cluster/test_async.py's data-parallel run."""
 
 from __future__ import annotations
 
@@ -305,17 +308,3 @@ def test_one_rank_group_is_the_single_learner(ray_local, tiny_model_dir):
     finally:
         group.kill()
 
-
-def test_a_run_with_two_learner_ranks_trains_and_keeps_the_engines_in_sync(ray_local, tmp_path, demo_model_dir):
-    """Through the driver: placement reserves a bundle per rank, the probe asks every rank, checkpoints come from
-    rank 0 and the weights reach the engines from rank 0 after each step."""
-    from cluster.config import load_config
-    from cluster.run.launch import run_training
-
-    config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={demo_model_dir}", "max_steps=3",
-                                "data.prompts_per_step=8", "rollout.num_workers=1", "learner.num_ranks=2",
-                                "learner.num_cpus=0.25", "checkpoint.every=2"])
-    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False)
-    assert [r["weights/version"] for r in records] == [1, 2, 3]
-    assert all(r["logprob/mismatch"] < 1e-4 and r["sync/probe_max_diff"] < 1e-4 for r in records)
-    assert (tmp_path / "run" / "checkpoints" / "step_3" / "policy" / "config.json").is_file()
