@@ -10,8 +10,9 @@ A tensor's fingerprint hashes its dtype, shape and three exact integer sums over
 (bytes for 1-byte dtypes), laid out in rows of `ROW`: the plain sum, the sum weighted by column and the sum weighted
 by row. Any change of one element changes the plain sum; moved elements change a weighted one. Integer sums do not
 depend on the order of the reduction, so numpy on the host and torch on a GPU (where NCCL delivers tensors) agree
-bit for bit, and both run at memory speed (a cryptographic hash of the bytes runs well below it on the host and
-does not run on a GPU). Does not own: moving weights (sync/transport.py) or the probe.
+bit for bit (seen for 291 tensors on one H200: docs/benchmarks.md, "GPU learner"), and both run at memory speed (a
+cryptographic hash of the bytes runs well below it on the host and does not run on a GPU). Does not own: moving
+weights (sync/transport.py) or the probe.
 Imports only torch and numpy: it runs inside vLLM's worker processes too.
 """
 
