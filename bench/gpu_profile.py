@@ -23,10 +23,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from gpu_learner import SIZES, WARMUP_STEPS, build_model_dir, draw_batch, learner_config, release, synchronize  # noqa: E402
-
+from bench.gpu_learner import (  # noqa: E402
+    SIZES,
+    WARMUP_STEPS,
+    build_model_dir,
+    draw_batch,
+    learner_config,
+    release,
+    synchronize,
+    time_steps,
+)
 from learner.learner import Learner, TrainBatch  # noqa: E402
 from learner.passes.device import compute_in, pick_device  # noqa: E402
 
@@ -35,20 +44,14 @@ def relay_seconds(model_dir: Path, size, batches: list[TrainBatch], share: bool,
     release(pick_device())
     config = learner_config(size, pack, False).model_copy(update={"share_prompts": share})
     learner = Learner(str(model_dir), config, dtype="bfloat16", seed=0)
-    seconds = []
-    for i, batch in enumerate(batches):
-        synchronize(learner.device)
-        start = time.perf_counter()
-        learner.train_step(batch)
-        synchronize(learner.device)
-        if i >= WARMUP_STEPS:
-            seconds.append(time.perf_counter() - start)
+    seconds, _ = time_steps(learner, batches)
     del learner
     return sum(seconds) / len(seconds)
 
 
 def plain_seconds(model_dir: Path, size, batches: list[TrainBatch]) -> float:
-    """A hand-written step over the same rows: padded passes of at most `size.budget` tokens, no relay code."""
+    """A hand-written step over the same rows: padded passes of at most `size.budget` tokens, no relay code (its own
+    cut too, not `MicroBatching`: shortest rows first, so a pass's longest row is the one joining it)."""
     from transformers import AutoModelForCausalLM
 
     device = pick_device()
@@ -60,7 +63,7 @@ def plain_seconds(model_dir: Path, size, batches: list[TrainBatch]) -> float:
         rows = sorted(zip(batch.prompt_ids, batch.response_ids), key=lambda r: len(r[0]) + len(r[1]))
         passes, current = [], []
         for row in rows:
-            longest = max([len(p) + len(r) for p, r in current + [row]])
+            longest = len(row[0]) + len(row[1])
             if current and longest * (len(current) + 1) > size.budget:
                 passes.append(current)
                 current = []

@@ -3,7 +3,8 @@
 Owns: `call_all` (a method on several actors, waited for up to a deadline), `wait_all` (the same for calls already
 made), `settle` (the outcomes of calls that have finished), `get` and `values` (values, or a `RunError` naming the
 actor that failed), `Later` (a call's value handed on to another actor unwaited, with its deadline), `RunError`, the
-`Outcome` of one call, the deadline message (`late`) and the one-line description of an error (`describe`).
+`Outcome` of one call, what is left of a deadline (`time_left`), the deadline message (`late`) and the one-line
+description of an error (`describe`).
 Does not own: what a caller does with a failure (replace a worker, re-form a group, stop the run). Lives in `sync/`,
 the lowest layer that makes Ray calls, because the weight transports need it and `sync/` imports nothing of
 `cluster/`; `cluster/` uses it for the run's calls to its actors.
@@ -34,6 +35,12 @@ class Outcome(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.kind == "ok"
+
+
+def time_left(timeout: float, since: float) -> float:
+    """Seconds left of `timeout` counted from `since` (a `time.monotonic()` reading, e.g. when a call was made); 0
+    once it has passed."""
+    return max(0.0, timeout - (time.monotonic() - since))
 
 
 def call_all(actors: Sequence[Any], method: str, args: tuple | list[tuple], deadline: float, what: str,

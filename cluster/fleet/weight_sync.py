@@ -22,7 +22,7 @@ import ray
 
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, RolloutSlot
-from sync.calls import RunError, call_all, get, values
+from sync.calls import RunError, call_all, get, time_left, values
 from sync.verify import (
     PROBE_NOISE_FACTOR,
     PROBE_NOISE_SEEDS,
@@ -301,7 +301,7 @@ class WeightSync:
     def scored(self, probes: Probes) -> list[ProbeSample]:
         """The probes with the learner's logprobs filled in, waited for within `timeouts.sync` of when asked."""
         learner_group, timeout = self.fleet.learner_group, self.config.timeouts.sync
-        scored = {key: learner_group.finish(refs, max(0.0, timeout - (time.monotonic() - probes.since)), "sync")[0][0]
+        scored = {key: learner_group.finish(refs, time_left(timeout, probes.since), "sync")[0][0]
                   for key, refs in probes.asked.items()}
         return [p._replace(learner_logprobs=scored[_sample_key(p)]) for p in probes.samples]
 

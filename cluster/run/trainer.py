@@ -37,7 +37,7 @@ from cluster.run.replay import ReplayBuffer
 from cluster.run.sampling import Tally, add_round, choose
 from cluster.run.scoring import Scorer
 from rewards.steps import token_step_rewards
-from sync.calls import Later, RunError, get
+from sync.calls import Later, RunError, get, time_left
 
 REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
@@ -344,7 +344,7 @@ class Trainer:
         if asked is None:
             return None
         count, logprobs, since = asked
-        get([count], max(0.0, timeout - (time.monotonic() - since)), [name], name)
+        get([count], time_left(timeout, since), [name], name)
         return logprobs
 
     def teacher_result(self, asked: tuple[Any, Any, float] | None) -> Any:
@@ -356,7 +356,7 @@ class Trainer:
 
     def reference_time_left(self, since: float) -> float:
         """What is left of `timeouts.reference` from `since`, when the reference was asked."""
-        return max(0.0, self.config.timeouts.reference - (time.monotonic() - since))
+        return time_left(self.config.timeouts.reference, since)
 
     def later(self, asked: tuple[Any, Any, float] | None) -> Later | None:
         """The reference's logprobs for the learner to wait for itself (`sync.calls.Later`), within what is left of

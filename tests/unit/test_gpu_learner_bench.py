@@ -133,17 +133,13 @@ def test_the_packing_check_fails_when_packed_logprobs_differ_and_says_by_how_muc
 def test_profile_script_profiles_a_step_and_times_the_plain_loop(tmp_path):
     # bench/gpu_profile.py at its tiny size: the profiled relay step's table names the log-softmax the learner scores
     # with, and the plain loop times its steps (relay's variants are timed as gpu_learner's are; not repeated here).
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from bench import gpu_profile
+    from bench import gpu_profile
 
-        size = gpu_profile.SIZES["tiny"]
-        batches = [gpu_profile.draw_batch(size, seed) for seed in range(2)]
-        model_dir = tmp_path / "model"
-        gpu_profile.build_model_dir(size, model_dir, torch.device("cpu"))
-        assert gpu_profile.plain_seconds(model_dir, size, batches) > 0
-        gpu_profile.profile_step(model_dir, size, batches, tmp_path)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    size = gpu_profile.SIZES["tiny"]
+    batches = [gpu_profile.draw_batch(size, seed) for seed in range(2)]
+    model_dir = tmp_path / "model"
+    gpu_profile.build_model_dir(size, model_dir, torch.device("cpu"))
+    assert gpu_profile.plain_seconds(model_dir, size, batches) > 0
+    gpu_profile.profile_step(model_dir, size, batches, tmp_path)
     assert "aten::logsumexp" in (tmp_path / "profile.txt").read_text()
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
