@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 FLOAT32_CHUNK_ELEMENTS = 2**24  # 64 MiB of float32 logits per chunk, on a CPU
-# On a GPU, 1 GiB: a chunk of 64 MiB is 110 tokens of a 152K vocabulary, and the thousands of small kernels a
-# packed 8K-token pass then launches left an H200 idle half of the step (docs/benchmarks.md, "GPU learner").
+# On a GPU, 1 GiB: chunks sized for a CPU are a handful of tokens of a large vocabulary, and the many small kernels
+# a packed pass then launches left the GPU idle for much of the step (docs/benchmarks.md, "GPU learner").
 GPU_FLOAT32_CHUNK_ELEMENTS = 2**28
 
 

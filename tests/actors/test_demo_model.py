@@ -134,10 +134,10 @@ def test_each_task_has_its_demo_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_p
 @pytest.mark.slow
 def test_demo_model_is_built_once_from_its_recipe_and_calibrated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
                                                                   ) -> None:
-    # The suite's one build, of the default recipe cut to 400 steps and fewer problems (~40 s; the whole recipe
-    # trains 700 steps, ~80 s): warm-up, the output scale's bisection, the held-out evaluation and the atomic save
-    # all run. What the whole recipe reaches is its shipped report's (the next test); that the shipped model is the
-    # recipe's, `test_each_shipped_model_is_what_its_recipe_builds`.
+    # The suite's one build, of the default recipe cut short and on fewer problems (about half the whole recipe's
+    # time): warm-up, the output scale's bisection, the held-out evaluation and the atomic save all run. What the
+    # whole recipe reaches is its shipped report's (the next test); that the shipped model is the recipe's,
+    # `test_each_shipped_model_is_what_its_recipe_builds`.
     short = replace(WarmupRecipe(), max_steps=400, num_val_problems=128, num_eval_problems=256)
     monkeypatch.setitem(demo_model._RECIPES, "arithmetic", short)
     monkeypatch.setenv("RELAY_CACHE_DIR", str(tmp_path))
@@ -147,7 +147,7 @@ def test_demo_model_is_built_once_from_its_recipe_and_calibrated(monkeypatch: py
     assert any("Building" in m for m in messages)
     report = json.loads((path / REPORT_FILE).read_text())
     assert report["recipe"] == json.loads(json.dumps(asdict(short))) and report["num_eval_problems"] == 256
-    # 400 steps stop short of the greedy target; the bisection's scale (inside its bounds: it bound) still brings
+    # Cut short, it stops before the greedy target; the bisection's scale (inside its bounds: it bound) still brings
     # sampling near its target, below greedy.
     assert report["steps"] == 400 and report["greedy_accuracy"] < short.target_greedy_accuracy
     assert 0 < report["output_scale"] < short.max_output_scale * 0.9

@@ -133,8 +133,8 @@ def test_chunked_rows_give_the_values_and_gradients_of_one_pass(monkeypatch, chu
 
 
 def test_a_gpu_takes_larger_chunks_than_a_cpu():
-    # A packed pass's logits are [T, 1, V]: on a CPU 64 MiB chunks (110 tokens of a 152K vocabulary), on any other
-    # device 1 GiB ones, so an 8K-token pass is 5 chunks there, not 75 (the meta device stands in for a GPU).
+    # A packed pass's logits are [T, 1, V]: a CPU's chunks hold a handful of tokens of a large vocabulary, any
+    # other device's many more (the meta device stands in for a GPU).
     shape = (8192, 1, 151936)
     on_cpu = logprobs_module._row_chunks(torch.empty(1, 1, 1).expand(*shape))
     on_gpu = logprobs_module._row_chunks(torch.empty(shape, device="meta"))
