@@ -59,10 +59,12 @@ class PooledLauncher(RolloutLauncher):
 @dataclass(frozen=True)
 class FleetShape:
     """What a fleet's processes and placement groups are made of (`fleet_shape`). Two runs of one `core` can share
-    the learner, reference and reward-model processes; of one `rollout` too, the rollout workers (as many as both
-    have: the worker count is not part of it)."""
+    the learner and reward-model processes, and the reference-model processes (`ReferenceWorker`s: the reference and
+    the teacher) whose placement `seats` names, whichever role each had; of one `rollout` too, the rollout workers
+    (as many as both have: the worker count is not part of it)."""
 
     core: tuple
+    seats: tuple  # the placement of each ReferenceWorker the run has: the reference's, then the teacher's
     rollout: tuple
 
 
@@ -81,8 +83,9 @@ def fleet_shape(config: RunConfig, spec: CoreSpec) -> FleetShape | None:
     reward_models = tuple((name, cls, place(config.reward.sources[name]))
                           for name, (cls, _, _) in spec.reward_models.items())
     return FleetShape(
-        core=(place(lc), config.uses_reference, place(rc), config.uses_teacher, place(config.teacher), reward_models,
-              where),
+        core=(place(lc), reward_models, where),
+        seats=((place(rc),) if config.uses_reference else ()) + ((place(config.teacher),) if config.uses_teacher
+                                                                 else ()),
         rollout=(ro.in_flight_updates, ro.placement, place(ro), tuple(sorted(ro.node_labels.items())), where))
 
 
@@ -101,11 +104,14 @@ class ParkingPool:
     """A `FleetPool` that keeps the fleet of a run that ended, so that the next run in this process whose fleet has
     the same shape (`fleet_shape`) starts from the same actor processes, re-initialised in place (`reinit_actor`):
     the processes' imports and the engines' start-up, most of a run's start, are skipped (docs/benchmarks.md), with
-    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner, reference and reward models
-    are kept when their shape matches (`FleetShape.core`), the rollout workers when theirs does too, whatever
-    their class (its rollout actors can be re-initialised as any RolloutWorker subclass: tests/rehost.py); a
-    different core stops the parked learner, reference and reward models first (and the rollout workers too unless
-    their shape matches). A run whose fleet cannot be parked (`fleet_shape` None) gets a fresh one beside the parked
+    the same results as on a fresh fleet (tests/cluster/test_fleet_pool.py). The learner and reward models are kept
+    when their shape matches (`FleetShape.core`), and with them the reference-model processes, each taking the
+    reference's or the teacher's role, whichever the run has, where the placement is the same (`FleetShape.seats`;
+    one its run does not use waits, spare, in the fleet's placement group, for a later run); the rollout workers are
+    kept when their shape matches too, whatever their class (its rollout actors can be re-initialised as any
+    RolloutWorker subclass: tests/rehost.py). A different core, or a role without a process of its placement, stops
+    the parked learner, reference-model processes and reward models first (and the rollout workers too unless their
+    shape matches). A run whose fleet cannot be parked (`fleet_shape` None) gets a fresh one beside the parked
     fleet when the cluster's free CPUs hold it, and the parked one waits for the next run. The parked fleet holds its
     resources until taken or `clear`ed: use one pool for runs made one after the other, and `clear` it before anything
     else needs the cluster."""
@@ -115,6 +121,8 @@ class ParkingPool:
 
     def __init__(self) -> None:
         self.parked: Fleet | None = None
+        # ReferenceWorkers in the parked fleet's placement group that no role of its run used: (placement, actor)
+        self.spare: list[tuple[tuple, Any]] = []
 
     def take(self, config: RunConfig, model_path: str, rollout_cls: type | None) -> Fleet:
         """This run's fleet: as much of the parked one as its shape allows, re-initialised with this run's
@@ -131,8 +139,9 @@ class ParkingPool:
             keeps_rollout = new is not None and new.rollout == old.rollout
             self._admit(parked, config.rollout.num_workers - len(parked.rollout) if keeps_rollout else 0,
                         config.timeouts.start)
-            if new is not None and new.core == old.core:
-                fleet = self._reinit(parked, keeps_rollout, launcher, spec, model_path)
+            seats = self._seats(parked, new) if new is not None and new.core == old.core else None
+            if seats is not None:
+                fleet = self._reinit(parked, keeps_rollout, launcher, spec, model_path, seats)
                 if fleet is not None:
                     return fleet
             elif keeps_rollout:
@@ -140,19 +149,34 @@ class ParkingPool:
                 # core starts); the rest of it stops.
                 count = config.rollout.num_workers
                 kept, parked.rollout = parked.rollout[:count], parked.rollout[count:]
-                stop_fleet(parked)
+                self._stop(parked)
                 return self._around(kept, launcher, model_path)
             else:
-                stop_fleet(parked)
+                self._stop(parked)
         return launch_fleet(config, model_path, launcher)
 
-    @staticmethod
-    def _reinit(fleet: Fleet, keep_rollout: bool, launcher: PooledLauncher, spec: CoreSpec,
-                model_path: str) -> Fleet | None:
-        """The parked `fleet`'s learner, reference and reward models run again with this run's arguments; its rollout
-        workers too (as this run's rollout class) if `keep_rollout` (up to `num_workers` of them), the rest are
-        stopped and started. None (the fleet stopped) if a parked actor died or a constructor raised (which then
-        raises again on a fresh fleet)."""
+    def _seats(self, parked: Fleet, new: FleetShape) -> list[Any] | None:
+        """The parked ReferenceWorkers (its run's reference and teacher, and the spare ones) that take the roles of
+        `new.seats`, in its order, each of the same placement; the rest stay spare. None if a role has no such
+        worker (the core then starts afresh)."""
+        roles = [a for a in (parked.reference, parked.teacher) if a is not None]
+        free = list(zip(parked.launcher.shape.seats, roles)) + self.spare
+        taken = []
+        for place in new.seats:
+            match = next((seat for seat in free if seat[0] == place), None)
+            if match is None:
+                return None
+            free.remove(match)
+            taken.append(match[1])
+        self.spare = free
+        return taken
+
+    def _reinit(self, fleet: Fleet, keep_rollout: bool, launcher: PooledLauncher, spec: CoreSpec, model_path: str,
+                seats: list[Any]) -> Fleet | None:
+        """The parked `fleet`'s learner and reward models run again with this run's arguments, and its `seats`
+        (`_seats`) as its reference and teacher; its rollout workers too (as this run's rollout class) if
+        `keep_rollout` (up to `num_workers` of them), the rest are stopped and started. None (the fleet stopped) if a
+        parked actor died or a constructor raised (which then raises again on a fresh fleet)."""
         config = launcher.config
         ro = config.rollout
         keep = fleet.rollout[:ro.num_workers] if keep_rollout else []
@@ -163,6 +187,9 @@ class ParkingPool:
         restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, config.learner, 0,
                                                                                 **spec.rank_kwargs))]
         restarts += launcher.reinit(keep)
+        seats = iter(seats)
+        fleet.reference = next(seats) if spec.reference is not None else None
+        fleet.teacher = next(seats) if spec.teacher is not None else None
         if fleet.reference is not None:
             restarts.append(fleet.reference.__ray_call__.remote(reinit_actor, *spec.reference))
         if fleet.teacher is not None:
@@ -173,7 +200,7 @@ class ParkingPool:
             fleet.rollout += start_rollout_slots(launcher, list(range(len(keep), ro.num_workers)),
                                                  [s.node_id for s in keep])
         except BaseException:
-            stop_fleet(fleet)
+            self._stop(fleet)
             raise
         try:
             get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
@@ -182,10 +209,10 @@ class ParkingPool:
                 [f"reward model '{name}'" for name in spec.reward_models], "start")
             return fleet
         except RunError:  # a parked actor died (or a constructor raised): start afresh
-            stop_fleet(fleet)
+            self._stop(fleet)
             return None
         except BaseException:
-            stop_fleet(fleet)
+            self._stop(fleet)
             raise
 
     @staticmethod
@@ -222,7 +249,9 @@ class ParkingPool:
         actors only if they answer within `HEALTH_TIMEOUT`."""
         if not isinstance(fleet.launcher, PooledLauncher) or fleet.launcher.shape is None:
             return False  # any parked fleet stays parked (`take` started this one beside it)
+        spare, self.spare = self.spare, []  # this fleet's (`take` gave it)
         self.clear()
+        self.spare = spare
         if failed:
             stale, fleet.pending = list(fleet.pending), []
             # Answering a no-op call in time: alive, and not busy with another call.
@@ -232,9 +261,11 @@ class ParkingPool:
             fleet.rollout = [slot for slot, ok in zip(fleet.rollout, idle) if ok]
             fleet.launcher.stop(stale, timeout=self.STUCK_TIMEOUT)
             actors = [fleet.learner, fleet.reference, fleet.teacher, *fleet.reward_models.values()]
+            actors += [actor for _, actor in self.spare]
             try:
                 ray.get([a.__ray_ready__.remote() for a in actors if a is not None], timeout=self.HEALTH_TIMEOUT)
             except Exception:  # dead, or still busy with a call of the failed run
+                self.spare = []  # they go with the fleet's placement group
                 return False
         self.parked = fleet
         return True
@@ -266,7 +297,16 @@ class ParkingPool:
         """Stop the parked fleet, if any, releasing its resources."""
         parked, self.parked = self.parked, None
         if parked is not None:
-            stop_fleet(parked)
+            self._stop(parked)
+
+    def _stop(self, fleet: Fleet) -> None:
+        """Stop `fleet` and its spare ReferenceWorkers."""
+        spare, self.spare = self.spare, []
+        try:
+            stop_fleet(fleet)
+        finally:
+            for _, actor in spare:
+                ray.kill(actor)
 
 
 POOL = ParkingPool()

@@ -1,6 +1,7 @@
 """`ParkingPool` (tests/fleets.py): a run leaves its fleet parked; the next run of the same shape re-initialises those
 actor processes in place and trains exactly as on a fresh fleet. Rollout workers beyond a run's number are stopped,
-missing ones added, and kept ones re-initialised as the run's rollout class, while the learner and reference are kept;
+missing ones added, and kept ones re-initialised as the run's rollout class, while the learner and reference are kept
+(the reference's process serving as a teacher, or waiting for a run with a reference, when a run has no reference);
 a failed run parks the rollout workers that answer; another learner or reference shape starts those afresh (and keeps
 the rollout workers), a parked actor that died a fresh fleet."""
 
@@ -65,6 +66,12 @@ def assert_stopped(actors):
             ray.get(actor.__ray_ready__.remote(), timeout=60)
 
 
+# The run between: in float32 a distillation run without KL (the reference's process serves as its teacher), in
+# bfloat16 a run without KL (no reference: its process waits, spare, for the next run that has one).
+OTHER_ROLES = {"float32": ["learner.kl_coef=0", "learner.distill_coef=1", "teacher.path=demo"],
+               "bfloat16": ["learner.kl_coef=0"]}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_reused_fleet_trains_exactly_as_a_fresh_one(fleets, tmp_path, demo_model_dir, dtype):
     """On the session's pool, emptied first: the first run starts a fresh fleet."""
@@ -73,10 +80,18 @@ def test_a_reused_fleet_trains_exactly_as_a_fresh_one(fleets, tmp_path, demo_mod
     with cleared_on_failure(pool):
         fresh = train(tmp_path, demo_model_dir, "fresh", pool, f"model.dtype={dtype}")
         first = actor_ids(pool)
-        # Another run on those processes (another learning rate and seed), then the first config again.
-        train(tmp_path, demo_model_dir, "other", pool, f"model.dtype={dtype}", "learner.lr=1e-3", "seed=5")
+        reference = pool.parked.reference
+        # Another run on those processes (another learning rate and seed, other roles for the reference's process),
+        # then the first config again.
+        train(tmp_path, demo_model_dir, "other", pool, f"model.dtype={dtype}", "learner.lr=1e-3", "seed=5",
+              *OTHER_ROLES[dtype])
+        assert pool.parked.reference is None
+        if dtype == "float32":
+            assert pool.parked.teacher._actor_id == reference._actor_id and not pool.spare
+        else:
+            assert pool.parked.teacher is None and [actor for _, actor in pool.spare] == [reference]
         again = train(tmp_path, demo_model_dir, "again", pool, f"model.dtype={dtype}")
-        assert actor_ids(pool) == first  # the same actors all along
+        assert actor_ids(pool) == first and not pool.spare  # the same actors all along
         assert_same_run(again, fresh)
 
 
