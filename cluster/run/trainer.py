@@ -37,7 +37,7 @@ from cluster.run.replay import ReplayBuffer
 from cluster.run.sampling import Tally, add_round, choose
 from cluster.run.scoring import Scorer
 from rewards.steps import token_step_rewards
-from sync.calls import Later, RunError, get, time_left
+from sync.calls import Later, RunError, get, time_left, wait_all
 
 REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
@@ -98,7 +98,8 @@ class Trainer:
         self.weights_version = 0
         self.timings: dict[str, float] = {}
         self.control = control  # the run's RunControl actor (`relay scale`), if any
-        self.request = None  # its pending `relay scale` request, asked for after the last step (`publish`)
+        self.asks: list[tuple[Any, float]] = []  # its asks for `relay scale` requests: (ref, when asked)
+        self.control_up = False  # whether it has answered one
         # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
         self.learner_node = node_of(fleet.placement) if control is not None else None
         self.updated: float | None = None  # time.monotonic() when the learner's last update was done
@@ -451,11 +452,26 @@ class Trainer:
         new workers placed in the background), and let in the new workers whose engines are up."""
         if self.control is None:
             return
-        asked, self.request = self.request or self.control.take_request.remote(), None  # answered while we trained
-        request = get([asked], self.config.timeouts.sync, ["run control"], "sync")[0]
-        if request is not None:
-            self.scaling.resize(request["num_workers"], request["remove"])
+        if not self.asks:
+            self.ask()
+        requests = []
+        while self.asks:
+            asked, since = self.asks[0]
+            left = time_left(self.config.timeouts.sync, since)
+            # Until the control actor first answers, it is still starting (a run's first step), and no request can be
+            # there yet: the step does not wait for it, a later one takes the answers, within the same deadline.
+            if not self.control_up and wait_all([asked], 0, "sync")[0].kind == "late" and left > 0:
+                break
+            self.asks.pop(0)
+            requests += [r for r in get([asked], left, ["run control"], "sync") if r is not None]
+            self.control_up = True
+        if requests:  # a later request replaces an earlier one (`RunControl.request_scale`)
+            self.scaling.resize(requests[-1]["num_workers"], requests[-1]["remove"])
         self.scaling.admit()
+
+    def ask(self) -> None:
+        """Ask the control actor for its pending `relay scale` request; the asks are answered in order."""
+        self.asks.append((self.control.take_request.remote(), time.monotonic()))
 
     def publish(self, record: dict[str, Any]) -> None:
         """Tell the control actor what the fleet is after this step (`relay status` shows it)."""
@@ -471,7 +487,7 @@ class Trainer:
             "scale_failures": self.scaling.failures, "last_scale_error": self.scaling.last_error})
         # Ask for the next `relay scale` request now: the answer is there when the next step starts (no round trip in
         # it); a request made after this is taken one step later.
-        self.request = self.control.take_request.remote()
+        self.ask()
 
     def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
                step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:
