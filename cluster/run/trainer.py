@@ -371,8 +371,8 @@ class Trainer:
                      teacher_logprobs: Any = None) -> Update:
         """Send the update to the learner without waiting (`finish_train` waits), and record how long the learner
         waited since its last update was done (`time/learner_wait`)."""
-        from learner.passes.sequences import Rows
         from learner.learner import TrainBatch
+        from learner.passes.sequences import Rows
 
         self.rollouts.weights.check_pending()  # nothing trains on rollouts of weights not checked yet
         submitted = time.monotonic()

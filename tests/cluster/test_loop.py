@@ -19,8 +19,7 @@ from cluster.run.launch import run_training
 from learner.config import LearnerConfig
 from sync.calls import RunError
 from sync.receive import Loaded
-from sync.verify import SyncError
-from sync.verify import PROBE_NOISE_SEEDS
+from sync.verify import PROBE_NOISE_SEEDS, SyncError
 from tests.fleets import POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
@@ -152,9 +151,10 @@ def test_each_worker_loads_and_probes_inside_its_next_request(ray_local, tmp_pat
 
 def test_a_request_that_skips_the_probe_stops_the_run(ray_local, tmp_path, demo_model_dir):
     config = config_for(tmp_path, demo_model_dir, "max_steps=2")
-    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) was asked to run the "
-                                        r"probe with its request but returned none"):
-        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL, rollout_cls=NoProbeWorker)
+    with pytest.raises(SyncError, match=r"weight sync check failed: rollout worker 0 \(version 1\) was asked to run "
+                                        r"the probe with its request but returned none"):
+        run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                     rollout_cls=NoProbeWorker)
 
 
 @pytest.mark.parametrize("worker_cls, caught_by", [
