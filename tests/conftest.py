@@ -25,6 +25,13 @@ os.environ.setdefault("RELAY_CACHE_DIR", str(ROOT / ".cache" / "relay"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Bytecode as `make test` keeps it (Makefile: PYTHONPYCACHEPREFIX), for this process's later imports and every process
+# it starts, also when pytest runs directly: the environment is not compiled at set-up, and where
+# PYTHONDONTWRITEBYTECODE is set every process would compile all it imports.
+if "PYTHONPYCACHEPREFIX" not in os.environ:
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(ROOT / ".cache" / "pycache")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 # Ray 2.60's token authentication: the first `ray.init` that starts a local Ray turns it on and exports
 # RAY_AUTH_MODE=token, but a process reads the mode once. Pinned here, so a test that starts its own nodes gets the
 # same mode whether or not a `ray.init` ran before it in this process.

@@ -4,7 +4,7 @@ build-demo-model, verifier serve, env serve.
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
 Does not own: the run itself (cluster/run/launch.py), the Ray Jobs client (cluster/cli/jobs.py), the charts
-(cluster/cli/plot.py) or the run's control actor (cluster/fleet/control.py).
+(cluster/cli/plot.py) or the cluster's run registry (cluster/fleet/control.py).
 """
 
 from __future__ import annotations
@@ -287,9 +287,9 @@ def _control_command(args) -> int:
         control.connect(args.address)
         run = control.find_run(args.run)
         if args.command == "status":
-            print(json.dumps(control.call(run.status), indent=1))
+            print(json.dumps(control.call(run.status()), indent=1))
             return 0
-        reply = control.call(run.request_scale, args.rollout_workers, args.remove_worker)
+        reply = control.call(run.request_scale(args.rollout_workers, args.remove_worker))
     except control.ControlError as err:
         print(f"relay: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,18 @@
-"""Reaching a running run from outside: a named Ray actor per run, and the `relay scale` / `relay status` client.
+"""Reaching a running run from outside: every run's mailbox in one registry actor per cluster, and the `relay scale` /
+`relay status` client.
 
-Owns: `RunControl`, the run's mailbox (the driver publishes the fleet after every step: the workers serving and those
-on their way in; `relay scale` leaves a request that the driver takes at the start of the next step), its name
-(`relay/<run_dir name>` in Ray namespace `relay`), starting it as a named actor (`start_control`), and the client
-functions that find a run on a cluster and talk to it. Requests are checked here, against the fleet the driver last
-published, so a bad request fails in the user's terminal, not in the run.
+Owns: `RunControl`, a run's mailbox (the driver publishes the fleet after every step: the workers serving and those
+on their way in; `relay scale` leaves a request that the driver takes at the start of the next step), the cluster's
+`RunRegistry` holding every going run's mailbox by name (the run_dir's name), which a run's driver joins
+(`start_control`) and leaves when it ends, and the client functions that find a run on a cluster and talk to it.
+Requests are checked here, against the fleet the driver last published, so a bad request fails in the user's
+terminal, not in the run.
 Does not own: applying a request (`Scaling.resize` and `admit`, cluster/fleet/scaling.py, called by the
 driver between steps).
+
+One registry, not an actor per run: a Ray actor is a worker process of its own, whose start costs about a second
+of a core; the registry starts once per cluster and stays (detached, no CPU). A run whose driver died without
+leaving it (killed) is noticed by its token, an object the driver owns: Ray fails it once its owner is gone.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 NAMESPACE = "relay"
-PREFIX = "relay/"
+# The registry's name carries its interface's version: a cluster that outlives an upgrade gets a second registry
+# rather than calls the old one does not know.
+REGISTRY = "relay/runs-v1"
 MAX_WORKERS = 4096
 
 
@@ -66,27 +74,107 @@ class RunControl:
         return {"run_dir": self.run_dir, "pending": self.request, **self.fleet}
 
 
-def control_name(run_dir: str) -> str:
+class RunRegistry:
+    """The going runs' mailboxes by run name. A plain class: `registry()` makes it the cluster's detached actor."""
+
+    LIVENESS_TIMEOUT = 2.0  # s: a token not fetched by then counts as alive (its owner answers when it is)
+
+    def __init__(self) -> None:
+        self.runs: dict[str, tuple[RunControl, Any]] = {}  # name -> (mailbox, its driver's token)
+
+    def join(self, name: str, run_dir: str, token: list) -> None:
+        """Register run `name`, alive while the object `token[0]` (owned by its driver) is; refused while another
+        live run has that name."""
+        if name in self.runs and self._alive(name):
+            raise ControlError(f"a run named '{name}' is already going on this Ray cluster; give this run another "
+                               "run_dir name")
+        self.runs[name] = RunControl(run_dir), token[0]
+
+    def leave(self, name: str, token: list) -> None:
+        """Unregister run `name` if `token` is still the one it joined with (not a later run's of the same name)."""
+        if name in self.runs and self.runs[name][1] == token[0]:
+            del self.runs[name]
+
+    def names(self) -> list[str]:
+        """The going runs, dropping those whose driver is gone."""
+        return sorted(name for name in list(self.runs) if self._alive(name))
+
+    def call(self, name: str, method: str, *args: Any) -> Any:
+        """`RunControl.<method>(*args)` on run `name`'s mailbox."""
+        if name not in self.runs or not self._alive(name):
+            raise ControlError(f"no relay run named '{name}' on this cluster; running: "
+                               f"{', '.join(self.names()) or 'none'}")
+        return getattr(self.runs[name][0], method)(*args)
+
+    def _alive(self, name: str) -> bool:
+        import ray
+        from ray.exceptions import GetTimeoutError, ObjectLostError
+
+        try:
+            ray.get(self.runs[name][1], timeout=self.LIVENESS_TIMEOUT)
+        except ObjectLostError:  # its owner, the run's driver, is gone (OwnerDiedError)
+            del self.runs[name]
+            return False
+        except GetTimeoutError:
+            pass
+        return True
+
+
+class RunHandle:
+    """One run's mailbox in the registry; each method sends the call and returns its ObjectRef."""
+
+    def __init__(self, registry: Any, name: str, token: Any = None):
+        self.registry, self.name, self.token = registry, name, token
+
+    def publish(self, fleet: dict[str, Any]) -> Any:
+        return self.registry.call.remote(self.name, "publish", fleet)
+
+    def take_request(self) -> Any:
+        return self.registry.call.remote(self.name, "take_request")
+
+    def request_scale(self, num_workers: int | None = None, remove: list[int] | None = None) -> Any:
+        return self.registry.call.remote(self.name, "request_scale", num_workers, remove)
+
+    def status(self) -> Any:
+        return self.registry.call.remote(self.name, "status")
+
+    def leave(self, timeout: float = 10) -> None:
+        """Unregister the run this driver joined (`start_control`); waited for, within `timeout`, so that a next run
+        of the same name finds the name free."""
+        from sync.calls import wait_all
+
+        wait_all([self.registry.leave.remote(self.name, [self.token])], timeout, "control")
+
+
+def run_name(run_dir: str) -> str:
     from pathlib import Path
 
-    return PREFIX + Path(run_dir).resolve().name
+    return Path(run_dir).resolve().name
 
 
-def start_control(run_dir: str) -> Any:
-    """The run's named control actor (no CPU of its own; it dies with the driver)."""
+def registry() -> Any:
+    """The cluster's run registry, started by the first run that asks (detached, no CPU of its own)."""
     import ray
 
-    from sync.calls import RunError
+    return ray.remote(RunRegistry).options(name=REGISTRY, namespace=NAMESPACE, lifetime="detached",
+                                           get_if_exists=True, num_cpus=0).remote()
 
-    name = control_name(run_dir)
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        pass
-    else:
-        raise RunError(f"a run named '{name}' is already going on this Ray cluster; give this run another "
-                           "run_dir name")
-    return ray.remote(RunControl).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(run_dir)
+
+def start_control(run_dir: str) -> RunHandle:
+    """Join the registry as run `run_name(run_dir)`, alive while this driver is; refused (RunError) while another run
+    of that name is going."""
+    import ray
+
+    from sync.calls import RunError, wait_all
+
+    name, token = run_name(run_dir), ray.put(run_dir)
+    handle = RunHandle(registry(), name, token)
+    # The registry's first start (a new cluster) takes a worker process's start: within the start's deadline.
+    [outcome] = wait_all([handle.registry.join.remote(name, run_dir, [token])], 120, "control")
+    if not outcome.ok:
+        raise RunError(outcome.cause.removeprefix(f"{ControlError.__name__}: ") if outcome.kind != "late" else
+                       "the cluster's relay run registry did not answer within 120 s")
+    return handle
 
 
 def connect(address: str) -> None:
@@ -101,13 +189,16 @@ def connect(address: str) -> None:
             from None
 
 
-def find_run(run: str | None) -> Any:
-    """The control actor of run `run` (its run_dir name), or of the only run on the cluster when `run` is None."""
+def find_run(run: str | None, timeout: float = 30) -> RunHandle:
+    """The mailbox of run `run` (its run_dir name), or of the only run on the cluster when `run` is None."""
     import ray
 
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a.get("namespace") == NAMESPACE and a["name"].startswith(PREFIX))
-    runs = [name[len(PREFIX):] for name in names]
+    try:
+        reg = ray.get_actor(REGISTRY, namespace=NAMESPACE)
+    except ValueError:  # no run ever started on this cluster
+        reg, runs = None, []
+    else:
+        runs = call(reg.names.remote(), timeout=timeout)
     if run is None:
         if len(runs) != 1:
             raise ControlError("no relay run is going on this cluster" if not runs else
@@ -116,15 +207,15 @@ def find_run(run: str | None) -> Any:
         run = runs[0]
     if run not in runs:
         raise ControlError(f"no relay run named '{run}' on this cluster; running: {', '.join(runs) or 'none'}")
-    return ray.get_actor(PREFIX + run, namespace=NAMESPACE)
+    return RunHandle(reg, run)
 
 
-def call(method: Any, *args: Any, timeout: float = 30) -> Any:
-    """Call a control method with a deadline (sync/calls.py); a refused request, or a run that does not answer,
-    becomes ControlError (one line)."""
+def call(ref: Any, timeout: float = 30) -> Any:
+    """The result of a registry call (`RunHandle`'s methods give their ObjectRef) within a deadline (sync/calls.py);
+    a refused request, or a run that does not answer, becomes ControlError (one line)."""
     from sync.calls import wait_all
 
-    [outcome] = wait_all([method.remote(*args)], timeout, "control")
+    [outcome] = wait_all([ref], timeout, "control")
     if outcome.kind == "late":
         raise ControlError(f"the run did not answer within {timeout:g} s")
     if not outcome.ok:

@@ -8,7 +8,7 @@ wrapping of the rollout, reference, teacher and reward-model workers, starting a
 `stop_fleet`), the hook through which a pool of fleets kept between runs gives a run its fleet (`FleetPool`), and the
 Ray settings of a Ray instance relay starts (`RAY_SYSTEM_CONFIG`).
 Does not own: the learner's ranks as actors (cluster/fleet/learner_group.py, started here in the shared placement
-group), the control actor (cluster/fleet/control.py), calling the actors (sync/calls.py), what a step does
+group), the run registry (cluster/fleet/control.py), calling the actors (sync/calls.py), what a step does
 (cluster/run/trainer.py), or keeping and re-initialising fleets between runs (the tests' pool: tests/fleets.py).
 """
 

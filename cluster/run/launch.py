@@ -1,5 +1,5 @@
-"""Starting and ending a run: every input checked first, Ray, the control actor and the fleet started, the step loop,
-checkpoints written, and everything cleaned up however the run ends (`run_training`).
+"""Starting and ending a run: every input checked first, Ray, the run's registry entry and the fleet started, the step
+loop, checkpoints written, and everything cleaned up however the run ends (`run_training`).
 
 Owns: the checks made before anything starts or is written (`check_inputs`: model and dataset paths, datasets read and
 validated, logging, reward sources, the environment, the CPUs asked of a local Ray), the run directory, joining or
@@ -229,7 +229,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         cleanup.callback(lambda: recorder.close(failed=not finished))
         try:
             control = start_control(str(run_dir))
-            cleanup.callback(ray.kill, control)
+            cleanup.callback(control.leave)
             fleet = start_fleet(config, model_path, rollout_cls, pool)
 
             cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))

@@ -37,7 +37,7 @@ from cluster.run.replay import ReplayBuffer
 from cluster.run.sampling import Tally, add_round, choose
 from cluster.run.scoring import Scorer
 from rewards.steps import token_step_rewards
-from sync.calls import Later, RunError, get, time_left, wait_all
+from sync.calls import Later, RunError, get, time_left
 
 REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
@@ -97,9 +97,8 @@ class Trainer:
         self.fit_data: dict[int, dict[str, tuple[list, list, list]]] = {}  # step -> reward model -> its examples
         self.weights_version = 0
         self.timings: dict[str, float] = {}
-        self.control = control  # the run's RunControl actor (`relay scale`), if any
-        self.asks: list[tuple[Any, float]] = []  # its asks for `relay scale` requests: (ref, when asked)
-        self.control_up = False  # whether it has answered one
+        self.control = control  # the run's mailbox in the cluster's registry (`relay scale`: a RunHandle), if any
+        self.asked: tuple[Any, float] | None = None  # the pending ask for a `relay scale` request: (ref, when asked)
         # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
         self.learner_node = node_of(fleet.placement) if control is not None else None
         self.updated: float | None = None  # time.monotonic() when the learner's last update was done
@@ -452,32 +451,18 @@ class Trainer:
         new workers placed in the background), and let in the new workers whose engines are up."""
         if self.control is None:
             return
-        if not self.asks:
-            self.ask()
-        requests = []
-        while self.asks:
-            asked, since = self.asks[0]
-            left = time_left(self.config.timeouts.sync, since)
-            # Until the control actor first answers, it is still starting (a run's first step), and no request can be
-            # there yet: the step does not wait for it, a later one takes the answers, within the same deadline.
-            if not self.control_up and wait_all([asked], 0, "sync")[0].kind == "late" and left > 0:
-                break
-            self.asks.pop(0)
-            requests += [r for r in get([asked], left, ["run control"], "sync") if r is not None]
-            self.control_up = True
-        if requests:  # a later request replaces an earlier one (`RunControl.request_scale`)
-            self.scaling.resize(requests[-1]["num_workers"], requests[-1]["remove"])
+        asked, since = self.asked or (self.control.take_request(), time.monotonic())
+        self.asked = None
+        [request] = get([asked], time_left(self.config.timeouts.sync, since), ["run control"], "sync")
+        if request is not None:
+            self.scaling.resize(request["num_workers"], request["remove"])
         self.scaling.admit()
 
-    def ask(self) -> None:
-        """Ask the control actor for its pending `relay scale` request; the asks are answered in order."""
-        self.asks.append((self.control.take_request.remote(), time.monotonic()))
-
     def publish(self, record: dict[str, Any]) -> None:
-        """Tell the control actor what the fleet is after this step (`relay status` shows it)."""
+        """Tell the run's mailbox what the fleet is after this step (`relay status` shows it)."""
         if self.control is None:
             return
-        self.control.publish.remote({  # fire and forget: the step does not wait for it
+        self.control.publish({  # fire and forget: the step does not wait for it
             "step": record["step"], "weights_version": self.weights_version,
             "learner_node": self.learner_node,
             "workers": [{"id": s.id, "node_id": s.node_id} for s in self.fleet.rollout],
@@ -487,7 +472,7 @@ class Trainer:
             "scale_failures": self.scaling.failures, "last_scale_error": self.scaling.last_error})
         # Ask for the next `relay scale` request now: the answer is there when the next step starts (no round trip in
         # it); a request made after this is taken one step later.
-        self.ask()
+        self.asked = self.control.take_request(), time.monotonic()
 
     def record(self, step: int, rollouts: list[Any], learner_metrics: dict[str, float], probe_diff: float,
                step_seconds: float, sampling: dict[str, Any]) -> dict[str, Any]:

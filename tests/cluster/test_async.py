@@ -189,7 +189,7 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
     """`relay scale` removes worker 0 at step 2's boundary, when step 3's batch is already queued on it: its request
     goes to worker 1, and a new worker joins once its engine is up. Completions depend on the prompt's seed and the
     batch's version only, so the run is the clean one, metric for metric and weight for weight."""
-    from cluster.fleet.control import NAMESPACE, control_name
+    from cluster.fleet.control import find_run, run_name
 
     run_dir, started = tmp_path / "scaled", tmp_path / "started"
     worker_cls = type("Paced", (PacedWorker,), {"markers": str(started)})
@@ -199,8 +199,7 @@ def test_a_worker_removed_with_requests_queued_hands_them_on_and_the_run_is_unch
         try:
             while not started.exists():  # step 1's batches are out: the request is taken at step 2's start
                 time.sleep(0.05)
-            control = ray.get_actor(control_name(str(run_dir)), namespace=NAMESPACE)
-            seen["reply"] = ray.get(control.request_scale.remote(2, [0]), timeout=30)
+            seen["reply"] = ray.get(find_run(run_name(str(run_dir))).request_scale(2, [0]), timeout=30)
         except Exception as err:  # reported by the assertions below
             seen["error"] = repr(err)
 
@@ -278,10 +277,11 @@ def test_a_data_parallel_learner_exports_and_probes_every_version(ray_local, tmp
     draws the same probe sample (HF generate on the sharded model), rank 0 exports and writes the checkpoints (the
     final one's weights are loaded below); the pipeline is the one-rank pipeline. A fleet of several ranks cannot be
     parked (tests/fleets.py): it starts beside the session's parked fleet (a quarter CPU per rank and worker, so that
-    both fit), which the next module then still finds."""
+    both fit), which the next module then still finds. One rollout worker: the version rule is the fleet's, whatever
+    its size, and each engine of a fresh fleet is a process to start."""
     records, _ = run(tmp_path, demo_model_dir, "fsdp2", "float32", None, "learner.num_ranks=2",
                      "learner.strategy=fsdp2", "learner.num_threads=1", "learner.num_cpus=0.25",
-                     "rollout.num_cpus=0.25", pool=None)
+                     "rollout.num_cpus=0.25", "rollout.num_workers=1", pool=None)
     assert [r["rollout/version"] for r in records] == VERSIONS
     gaps = [r["sync/probe_max_diff"] for r in records]
     assert sum(gap == gap for gap in gaps) >= 4 and not any(gap >= 1e-4 for gap in gaps)

@@ -16,7 +16,7 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.fleet.control import NAMESPACE, control_name
+from cluster.fleet.control import find_run, run_name
 from cluster.run.launch import run_training
 from cluster.run.trainer import Trainer
 
@@ -94,14 +94,14 @@ def test_asking_for_more_workers_than_fit_keeps_training_and_adds_those_that_fit
         try:
             while len(read(run_dir)) < 2:
                 time.sleep(0.2)
-            control = ray.get_actor(control_name(str(run_dir)), namespace=NAMESPACE)
-            seen["reply"] = ray.get(control.request_scale.remote(5), timeout=30)
+            control = find_run(run_name(str(run_dir)))
+            seen["reply"] = ray.get(control.request_scale(5), timeout=30)
             seen["asked_after"] = len(read(run_dir))
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 last = read(run_dir)[-1]
                 if last["rollout/workers"] == 3 and last["rollout/scale_failures"] == 1:
-                    seen["status"] = ray.get(control.status.remote(), timeout=30)
+                    seen["status"] = ray.get(control.status(), timeout=30)
                     return
                 time.sleep(0.2)
         except Exception as err:  # reported by the assertions below

@@ -77,19 +77,17 @@ def kill_when(process: subprocess.Popen, condition, what: str) -> None:
 
 
 def wait_until_reaped(run_dir: Path, timeout: float = 60) -> None:
-    """Until the cluster has stopped the killed driver's named control actor: a run of the same `run_dir` started
-    before then is refused (another run of that name is going on)."""
-    import ray
-
-    from cluster.fleet.control import NAMESPACE, control_name
+    """Until the cluster's run registry has noticed that the killed driver is gone (its token failed): a run of the
+    same `run_dir` started before then is refused (another run of that name is going on)."""
+    from cluster.fleet.control import ControlError, find_run, run_name
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            ray.get_actor(control_name(str(run_dir)), namespace=NAMESPACE)
-        except ValueError:
+            find_run(run_name(str(run_dir)))
+        except ControlError:
             return
-        assert time.monotonic() < deadline, "the killed driver's Ray job was not cleaned up"
+        assert time.monotonic() < deadline, "the killed driver's run was not noticed gone"
         time.sleep(0.1)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.fleet.control import ControlError, RunControl, control_name
+from cluster.fleet.control import ControlError, RunControl, run_name
 
 
 def control_with_workers(ids):
@@ -45,8 +45,8 @@ def test_bad_requests_are_refused_with_one_line_and_leave_nothing_pending(num_wo
     assert control.take_request() is None
 
 
-def test_control_actor_is_named_after_the_run_directory():
-    assert control_name("/shared/runs/gsm8k-1/") == "relay/gsm8k-1"
+def test_a_run_is_named_after_its_run_directory():
+    assert run_name("/shared/runs/gsm8k-1/") == "gsm8k-1"
 
 
 class FakePool:
