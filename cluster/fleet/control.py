@@ -74,6 +74,10 @@ class RunControl:
         return {"run_dir": self.run_dir, "pending": self.request, **self.fleet}
 
 
+class NameTaken(ControlError):
+    """Another run of this name is going (`RunRegistry.join`)."""
+
+
 class RunRegistry:
     """The going runs' mailboxes by run name. A plain class: `registry()` makes it the cluster's detached actor."""
 
@@ -86,8 +90,8 @@ class RunRegistry:
         """Register run `name`, alive while the object `token[0]` (owned by its driver) is; refused while another
         live run has that name."""
         if name in self.runs and self._alive(name):
-            raise ControlError(f"a run named '{name}' is already going on this Ray cluster; give this run another "
-                               "run_dir name")
+            raise NameTaken(f"a run named '{name}' is already going on this Ray cluster; give this run another "
+                            "run_dir name")
         self.runs[name] = RunControl(run_dir), token[0]
 
     def leave(self, name: str, token: list) -> None:
@@ -160,21 +164,33 @@ def registry() -> Any:
                                            get_if_exists=True, num_cpus=0).remote()
 
 
+JOIN_TIMEOUT = 120.0  # s: the registry's first start on a cluster is a worker process's start
+# s: how long a run whose name is taken tries again. A driver killed a moment ago (resume=auto after a crash) looks
+# alive until Ray has noticed its owner gone, about a second later.
+NAME_GRACE = 5.0
+
+
 def start_control(run_dir: str) -> RunHandle:
     """Join the registry as run `run_name(run_dir)`, alive while this driver is; refused (RunError) while another run
-    of that name is going."""
+    of that name is going (after `NAME_GRACE`)."""
+    import time
+
     import ray
 
     from sync.calls import RunError, wait_all
 
     name, token = run_name(run_dir), ray.put(run_dir)
     handle = RunHandle(registry(), name, token)
-    # The registry's first start (a new cluster) takes a worker process's start: within the start's deadline.
-    [outcome] = wait_all([handle.registry.join.remote(name, run_dir, [token])], 120, "control")
-    if not outcome.ok:
-        raise RunError(outcome.cause.removeprefix(f"{ControlError.__name__}: ") if outcome.kind != "late" else
-                       "the cluster's relay run registry did not answer within 120 s")
-    return handle
+    deadline = time.monotonic() + NAME_GRACE
+    while True:
+        [outcome] = wait_all([handle.registry.join.remote(name, run_dir, [token])], JOIN_TIMEOUT, "control")
+        if outcome.ok:
+            return handle
+        if outcome.kind == "late":
+            raise RunError(f"the cluster's relay run registry did not answer within {JOIN_TIMEOUT:g} s")
+        if not outcome.cause.startswith(f"{NameTaken.__name__}: ") or time.monotonic() > deadline:
+            raise RunError(outcome.cause.removeprefix(f"{NameTaken.__name__}: "))
+        time.sleep(0.25)
 
 
 def connect(address: str) -> None:
