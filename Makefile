@@ -14,7 +14,7 @@ export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export RELAY_CACHE_DIR ?= $(CURDIR)/.cache/relay
 # Python's bytecode, too: compiled when a module is first imported, once for every process after it (also where
 # PYTHONDONTWRITEBYTECODE is set, which would make every process compile all it imports), instead of compiling the
-# whole environment at set-up (~32,000 files, 80 s on the 2-core CI machine, of which a run imports ~5,000).
+# whole environment at set-up (~32,000 files, 80 s on the 2-core CI machine; the whole test suite imports ~11,000).
 export PYTHONPYCACHEPREFIX ?= $(CURDIR)/.cache/pycache
 unexport PYTHONDONTWRITEBYTECODE
 
