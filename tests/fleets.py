@@ -33,7 +33,7 @@ from cluster.fleet.placement import (
     start_rollout_slots,
     stop_fleet,
 )
-from sync.calls import RunError, get, wait_all
+from sync.calls import RunError, wait_all
 
 
 class PooledLauncher(RolloutLauncher):
@@ -48,6 +48,11 @@ class PooledLauncher(RolloutLauncher):
         from tests.rehost import PooledRolloutWorker
 
         return PooledRolloutWorker, (self.rollout_cls, *self.args())
+
+    def concurrency_groups(self) -> dict[str, int]:
+        """Always in-flight updates' group, so that a parked worker serves a run with or without them: a call outside
+        the group runs in the actor's default group, one at a time, as in an actor without groups."""
+        return {"weights": 1}
 
     def reinit(self, slots: list[RolloutSlot]) -> list[Any]:
         """Re-initialise pooled rollout actors in place as this launcher's workers (`reinit_as`); the calls' refs."""
@@ -69,10 +74,11 @@ class FleetShape:
 
 
 def fleet_shape(config: RunConfig, spec: CoreSpec) -> FleetShape | None:
-    """The shape a `ParkingPool` matches fleets by; None for a fleet that cannot be re-initialised in place (several
-    learner ranks: their process group; sharded engines; the collective transport's groups)."""
+    """The shape a `ParkingPool` matches fleets by; None for a fleet that cannot be re-initialised in place (sharded
+    engines; the collective transport's groups). Learner ranks leave their process group when re-initialised
+    (`reinit_actor`), and the run's `LearnerGroup.connect` forms a new one."""
     lc, rc, ro = config.learner, config.reference, config.rollout
-    if lc.num_ranks > 1 or ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
+    if ro.tensor_parallel_size > 1 or config.sync.transport != "object_store":
         return None
 
     def place(section: Any) -> tuple:
@@ -83,20 +89,28 @@ def fleet_shape(config: RunConfig, spec: CoreSpec) -> FleetShape | None:
     reward_models = tuple((name, cls, place(config.reward.sources[name]))
                           for name, (cls, _, _) in spec.reward_models.items())
     return FleetShape(
-        core=(place(lc), reward_models, where),
+        core=(place(lc), lc.num_ranks, reward_models, where),
         seats=((place(rc),) if config.uses_reference else ()) + ((place(config.teacher),) if config.uses_teacher
                                                                  else ()),
-        rollout=(ro.in_flight_updates, ro.placement, place(ro), tuple(sorted(ro.node_labels.items())), where))
+        rollout=(ro.placement, place(ro), tuple(sorted(ro.node_labels.items())), where))
 
 
 def reinit_actor(instance: Any, *args: Any, **kwargs: Any) -> None:
     """Run inside an actor (`__ray_call__`): release what its object holds outside Python's memory (its `shutdown`,
-    if any: an engine, a shared-memory buffer), drop its state and run its constructor again with these
-    arguments, as if the process had just started it."""
+    if any: an engine, a shared-memory buffer), drop its state, leave its process group (a learner rank's: the
+    run's `LearnerGroup.connect` forms a new one) and run its constructor again with these arguments, as if the
+    process had just started it."""
+    import gc
+
+    import torch.distributed as dist
+
     shutdown = getattr(instance, "shutdown", None)
     if shutdown is not None:
         shutdown()
     instance.__dict__.clear()
+    if dist.is_initialized():
+        gc.collect()  # the old ranks' sharded model goes before its group
+        dist.destroy_process_group()
     type(instance).__init__(instance, *args, **kwargs)
 
 
@@ -175,8 +189,9 @@ class ParkingPool:
                 seats: list[Any]) -> Fleet | None:
         """The parked `fleet`'s learner and reward models run again with this run's arguments, and its `seats`
         (`_seats`) as its reference and teacher; its rollout workers too (as this run's rollout class) if
-        `keep_rollout` (up to `num_workers` of them), the rest are stopped and started. None (the fleet stopped) if a
-        parked actor died or a constructor raised (which then raises again on a fresh fleet)."""
+        `keep_rollout` (up to `num_workers` of them), the rest are stopped and started. If a parked actor died or a
+        constructor raised (which then raises again on a fresh one): a new core around the rollout workers if they
+        are up, else None (the fleet stopped)."""
         config = launcher.config
         ro = config.rollout
         keep = fleet.rollout[:ro.num_workers] if keep_rollout else []
@@ -184,8 +199,9 @@ class ParkingPool:
         fleet.rollout = [replace(slot, id=i) for i, slot in enumerate(keep)]
         fleet.launcher = launcher
         fleet.learner_group = LearnerGroup(fleet.learner_group.ranks, config.timeouts)
-        restarts = [fleet.learner.__ray_call__.remote(reinit_actor, *rank_args(model_path, config.learner, 0,
-                                                                                **spec.rank_kwargs))]
+        restarts = [rank.__ray_call__.remote(reinit_actor, *rank_args(model_path, config.learner, i,
+                                                                      **spec.rank_kwargs))
+                    for i, rank in enumerate(fleet.learner_group.ranks)]
         restarts += launcher.reinit(keep)
         seats = iter(seats)
         fleet.reference = next(seats) if spec.reference is not None else None
@@ -203,17 +219,36 @@ class ParkingPool:
             self._stop(fleet)
             raise
         try:
-            get(restarts, config.timeouts.start, ["learner", *fleet.rollout_names[:len(keep)]] +
-                (["reference"] if fleet.reference is not None else []) +
-                (["teacher"] if fleet.teacher is not None else []) +
-                [f"reward model '{name}'" for name in spec.reward_models], "start")
-            return fleet
-        except RunError:  # a parked actor died (or a constructor raised): start afresh
+            outcomes = wait_all(restarts, config.timeouts.start, "start")
+            if all(outcome.ok for outcome in outcomes):
+                fleet.learner_group.connect()  # several ranks: a new process group
+                return fleet
+        except RunError:
             self._stop(fleet)
             return None
         except BaseException:
             self._stop(fleet)
             raise
+        ranks = len(fleet.learner_group.ranks)
+        # A parked actor died (or a constructor raised, which raises again on a fresh one). Rollout workers that are
+        # up again serve a new core; else the whole fleet starts afresh.
+        kept = fleet.rollout if all(outcome.ok for outcome in outcomes[ranks:ranks + len(keep)]) else []
+        fleet.rollout = [slot for slot in fleet.rollout if slot not in kept]
+        self._stop(fleet)
+        if not kept:
+            return None
+        try:
+            new = start_core(config, model_path, launcher)
+        except BaseException:
+            launcher.stop(kept, timeout=0)
+            raise
+        new.rollout = kept
+        try:
+            connect_core(new, config.timeouts.start)
+        except BaseException:
+            stop_fleet(new)
+            raise
+        return new
 
     @staticmethod
     def _around(kept: list[RolloutSlot], launcher: PooledLauncher, model_path: str) -> Fleet:

@@ -195,8 +195,8 @@ class RolloutLauncher:
         ro = self.config.rollout
         sharded = ro.tensor_parallel_size > 1
         cls, args = self.actor()
-        # In-flight updates: `offer_weights` runs in its own thread while `generate` runs.
-        actor = ray.remote(concurrency_groups={"weights": 1})(cls) if ro.in_flight_updates else ray.remote(cls)
+        groups = self.concurrency_groups()
+        actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
         return actor.options(
             num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
             runtime_env={"env_vars": actor_env(ro.num_threads)},
@@ -208,6 +208,11 @@ class RolloutLauncher:
         """The class Ray starts a worker as, and its positional arguments (with `kwargs`): `rollout_cls` and `args`.
         The tests' pool starts a class that can later become another rollout class instead (tests/fleets.py)."""
         return self.rollout_cls, self.args()
+
+    def concurrency_groups(self) -> dict[str, int] | None:
+        """The actor's concurrency groups: with in-flight updates, `offer_weights` runs in a thread of its own while
+        `generate` runs."""
+        return {"weights": 1} if self.config.rollout.in_flight_updates else None
 
     def args(self) -> tuple:
         """A rollout worker's constructor arguments (with `kwargs`)."""

@@ -223,10 +223,10 @@ def test_without_the_probe_every_deferred_load_is_still_fingerprinted(ray_local,
 
 
 def test_worker_that_keeps_hanging_is_replaced_until_the_bound_then_stops_the_run(ray_local, tmp_path, tiny_model_dir):
-    config = config_for(tmp_path, tiny_model_dir, "max_steps=1", "timeouts.generate=5", "rollout.num_workers=1",
+    config = config_for(tmp_path, tiny_model_dir, "max_steps=1", "timeouts.generate=2", "rollout.num_workers=1",
                         "rollout.max_restarts=1")
     started = time.monotonic()
-    with pytest.raises(RunError, match=r"rollout worker 0 missed the 5 s deadline of 'generate', and 1 rollout "
+    with pytest.raises(RunError, match=r"rollout worker 0 missed the 2 s deadline of 'generate', and 1 rollout "
                                        r"workers were already replaced \(rollout.max_restarts=1\)"):
         run_training(config, tmp_path / "run", str(tiny_model_dir), display=False, pool=POOL, rollout_cls=HangingWorker)
     assert time.monotonic() - started < 120
