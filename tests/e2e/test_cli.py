@@ -88,7 +88,7 @@ def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
     from cluster.cli.plot import PANELS, load_run, plot_figure
 
     run_dir = tmp_path / "run"
-    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16")
+    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16", "rollout.num_workers=1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Ray dashboard: http://127.0.0.1:" in result.stdout + result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
