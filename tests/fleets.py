@@ -231,24 +231,11 @@ class ParkingPool:
             raise
         ranks = len(fleet.learner_group.ranks)
         # A parked actor died (or a constructor raised, which raises again on a fresh one). Rollout workers that are
-        # up again serve a new core; else the whole fleet starts afresh.
+        # up again serve a new core (`_around`); else the whole fleet starts afresh.
         kept = fleet.rollout if all(outcome.ok for outcome in outcomes[ranks:ranks + len(keep)]) else []
         fleet.rollout = [slot for slot in fleet.rollout if slot not in kept]
         self._stop(fleet)
-        if not kept:
-            return None
-        try:
-            new = start_core(config, model_path, launcher)
-        except BaseException:
-            launcher.stop(kept, timeout=0)
-            raise
-        new.rollout = kept
-        try:
-            connect_core(new, config.timeouts.start)
-        except BaseException:
-            stop_fleet(new)
-            raise
-        return new
+        return self._around(kept, launcher, model_path) if kept else None
 
     @staticmethod
     def _around(kept: list[RolloutSlot], launcher: PooledLauncher, model_path: str) -> Fleet:
