@@ -232,8 +232,9 @@ class ParkingPool:
         ranks = len(fleet.learner_group.ranks)
         # A parked actor died (or a constructor raised, which raises again on a fresh one). Rollout workers that are
         # up again serve a new core (`_around`); else the whole fleet starts afresh.
-        kept = fleet.rollout if all(outcome.ok for outcome in outcomes[ranks:ranks + len(keep)]) else []
-        fleet.rollout = [slot for slot in fleet.rollout if slot not in kept]
+        kept = []
+        if all(outcome.ok for outcome in outcomes[ranks:ranks + len(keep)]):
+            kept, fleet.rollout = fleet.rollout, []
         self._stop(fleet)
         return self._around(kept, launcher, model_path) if kept else None
 

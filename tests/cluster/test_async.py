@@ -277,8 +277,8 @@ def test_a_data_parallel_learner_exports_and_probes_every_version(ray_local, tmp
     draws the same probe sample (HF generate on the sharded model), rank 0 exports and writes the checkpoints (the
     final one's weights are loaded below); the pipeline is the one-rank pipeline. The run has a fleet of its own
     (`pool=None`), beside the session's parked fleet (a quarter CPU per rank and worker, so that both fit), which the
-    next module then still finds. One rollout worker: the version rule is the fleet's, whatever
-    its size, and each engine of a fresh fleet is a process to start."""
+    next module then still finds. One rollout worker: the version rule is the fleet's, whatever its size, and each
+    engine of a fresh fleet is a process to start."""
     records, _ = run(tmp_path, demo_model_dir, "fsdp2", "float32", None, "learner.num_ranks=2",
                      "learner.strategy=fsdp2", "learner.num_threads=1", "learner.num_cpus=0.25",
                      "rollout.num_cpus=0.25", "rollout.num_workers=1", pool=None)
