@@ -126,7 +126,8 @@ def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
     instead of vLLM's oneDNN kernels, which pre-pack a copy of each weight. A load then copies the new weights in
     place instead of re-packing every layer through vLLM's reload, which dominates a small model's sync, while
     oneDNN's matmuls sample a large model faster (docs/benchmarks.md, "Torch's linear in a small model's engines");
-    `auto` picks torch's below 1M parameters. The switch is the engine's process's, so only for an engine in it (`in_process`) with one shard."""
+    `auto` picks torch's below 1M parameters. The switch is the engine's process's, so only for an engine in it
+    (`in_process`) with one shard."""
     from learner.passes.device import SMALL_MODEL_PARAMETERS, count_parameters
 
     here = in_process and settings.tensor_parallel_size == 1

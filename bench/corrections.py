@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.algorithms import TARGET, WINDOW, steps_to_target
+from bench.algorithms import TARGET, WINDOW, steps_to_target  # noqa: E402  (after the sys.path line)
 
 REGIME = ["model.dtype=bfloat16", "rollout.max_staleness=1"]
 CISPO = ["learner.policy_loss=cispo", "learner.num_minibatches=2"]

@@ -134,7 +134,7 @@ def measure(model_path: str, dtype: str, lrs: list[float], seeds: list[int], pro
 
 def old_gap(engine: tuple[float, ...], learner: tuple[float, ...]) -> float:
     """The probe's gap before issue 43: the largest |engine - learner| logprob of its tokens."""
-    return max((abs(e - l) for e, l in zip(engine, learner)), default=0.0)
+    return max((abs(e - le) for e, le in zip(engine, learner)), default=0.0)
 
 
 def repeat_rule(before: Draw, after: Draw, floor: float) -> bool:

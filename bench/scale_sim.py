@@ -39,7 +39,7 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings
+from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings  # noqa: E402
 from sync.receive import Loaded  # noqa: E402  (torch and numpy, no vLLM)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below travel by value

@@ -117,7 +117,8 @@ class LearnerConfig(_Section):
     padding; attention gathers each row's tokens into a padded row of its own (the CPU equivalent of a GPU's
     variable-length attention; `learner.passes.packing`). The same logprobs, losses and gradients (up to float
     summation order), in less time than padded passes (docs/benchmarks.md, "Packed passes"); a value model
-    (`critic.enabled`) runs the policy's passes, packed too. Only for models whose attention is sdpa and keeps no sliding window (others run padded passes)."""
+    (`critic.enabled`) runs the policy's passes, packed too. Only for models whose attention is sdpa and keeps no
+    sliding window (others run padded passes)."""
     overlap_reference: Literal["auto"] | bool = "auto"
     """On-policy steps: send the update before the reference's logprobs have arrived, so that the learner's first
     training forward (a round's prompts and its first pass) runs while the reference computes; it waits for them

@@ -308,8 +308,8 @@ class RewardConfig(_Section):
     sources: dict[str, RewardSource] = Field(default_factory=lambda: {"correct": RuleSource()})
     """Named reward sources, each of `type` rule, remote or model, with a `weight`; the reward is the weighted sum.
     Giving `sources` (in YAML or as overrides) replaces the default `{correct: {type: rule, verifier:
-    exact_match}}` (`verifier: reasoning_gym` with `data.task=reasoning_gym`). Each source's mean goes in the metrics as `reward/<name>`. May be empty (`{}`) when an
-    environment (`env`) gives the rewards."""
+    exact_match}}` (`verifier: reasoning_gym` with `data.task=reasoning_gym`). Each source's mean goes in the metrics as
+    `reward/<name>`. May be empty (`{}`) when an environment (`env`) gives the rewards."""
     steps: StepsConfig = StepsConfig()
     """How completions are split into steps for the sources with `level: steps`."""
     overlong_buffer: int = Field(0, ge=0, le=1_000_000)

@@ -96,7 +96,7 @@ def probe_gap(engine: Sequence[float], learner: Sequence[float]) -> float:
         raise ValueError(f"the engine scored {len(engine)} probe tokens, the learner {len(learner)}")
     if not engine:
         return 0.0
-    return math.sqrt(math.fsum((e - l) ** 2 for e, l in zip(engine, learner)) / len(engine))
+    return math.sqrt(math.fsum((e - le) ** 2 for e, le in zip(engine, learner)) / len(engine))
 
 
 def probe_noise(draws: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:

@@ -6,9 +6,9 @@ bounded by `timeouts.train`), and calling the ranks together under a deadline: e
 (one object in the object store, read by each) and the same call, in the same order, because the calls run
 collectives. The first rank that fails ends the call (the others would wait in a collective until its timeout).
 With one rank the calls go to the one actor as they are (no process group, no `ray.put`).
-Does not own: placement groups or bundles (cluster/fleet/placement.py), what a step does (cluster/run/trainer.py), or the
-data-parallel arithmetic (learner/distributed.py). Weight transports and the pool's fingerprint check talk to `rank0`
-directly: rank 0 alone serves the `WeightPublisher` methods (sync/publisher.py).
+Does not own: placement groups or bundles (cluster/fleet/placement.py), what a step does (cluster/run/trainer.py), or
+the data-parallel arithmetic (learner/distributed.py). Weight transports and the pool's fingerprint check talk to
+`rank0` directly: rank 0 alone serves the `WeightPublisher` methods (sync/publisher.py).
 """
 
 from __future__ import annotations

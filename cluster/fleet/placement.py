@@ -98,7 +98,8 @@ class Fleet:
 
 def actor_env(threads: int) -> dict[str, str]:
     """The environment variables every actor of a run starts with."""
-    from learner.passes.device import CPU_BFLOAT16_MATMULS  # here, not above: the driver imports torch only to start actors
+    # Imported here, not above: the driver imports torch only to start actors.
+    from learner.passes.device import CPU_BFLOAT16_MATMULS
 
     env = {
         "OMP_NUM_THREADS": str(threads),

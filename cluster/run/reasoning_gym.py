@@ -83,8 +83,8 @@ def generate(config: DataConfig, seed: int) -> tuple[Any, list[dict[str, Any]]]:
 def export(config: DataConfig, seed: int, path: str | Path) -> int:
     """Writes the entries of `config.reasoning_gym` with their prompts (`render`: chat messages with
     `config.chat_template`, else text) to `path` (`.jsonl`, `.parquet` or a `datasets` directory:
-    `cluster.run.prompt_format.write_prompts`), each labelled with its whole entry; returns the rows written. Train on it with
-    `data.task=dataset data.label_format=json` and the `reasoning_gym` verifier. An entry that JSON cannot carry
+    `cluster.run.prompt_format.write_prompts`), each labelled with its whole entry; returns the rows written. Train on
+    it with `data.task=dataset data.label_format=json` and the `reasoning_gym` verifier. An entry that JSON cannot carry
     faithfully (its dataset scores its own answer differently after a JSON round trip: tuples become lists) is a
     DataError naming the dataset: train that one with `data.task=reasoning_gym`."""
     dataset, entries = generate(config, seed)

@@ -17,9 +17,9 @@ Decisions:
   relay's. What relay's client sends is answered as before; only a reset body without `prompt` and `label` (a 422
   before) changed owner.
 - One pool of sessions: a WebSocket holds one of the service's sessions (sessions.py) from its connection on, and
-  each stateless reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted, answered
-  `CAPACITY_REACHED` and closed, as OpenEnv's server does; a stateless call gets relay's 503. A reset on an open
-  WebSocket starts a new episode on a new environment object (relay's environments are one per episode).
+  each stateless reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted,
+  answered `CAPACITY_REACHED` and closed, as OpenEnv's server does; a stateless call gets relay's 503. A reset on an
+  open WebSocket starts a new episode on a new environment object (relay's environments are one per episode).
 - Calls keep relay's rules: `step_timeout` (past it: `EXECUTION_ERROR`), an environment that raises gives a generic
   message (the text goes to the log), an idle connection expires after `session_ttl` (`SESSION_ERROR`, closed).
 - The token guards every route here; a WebSocket without it is refused at the handshake (HTTP 403: uvicorn logs a

@@ -20,8 +20,8 @@ Decisions:
   `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
   raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is safe
   because the request carries its `turn`: the service answers a repeated (session, turn) with its first reply, or
-  waits for the first attempt's call, and never applies the action twice. Not retried: 4xx (401 token, 404 unknown or expired session, 409 turn out of order,
-  413, 422), which the same request would get again.
+  waits for the first attempt's call, and never applies the action twice. Not retried: 4xx (401 token, 404 unknown or
+  expired session, 409 turn out of order, 413, 422), which the same request would get again.
 - A retried `reset` goes to the next URL (a dead replica costs one retry). It is not idempotent: a reset whose
   reply was lost leaves a session on the service that expires after its `session_ttl`.
 - `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the

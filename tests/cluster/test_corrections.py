@@ -55,7 +55,8 @@ def test_corrections_on_policy_in_float32_change_nothing_but_report_themselves(r
                 assert r[f"{CORRECTION}capped_fraction"] == 0
     # cispo with a tight upper bound on its weight and two updates a step: the second one's ratios leave 1, some
     # weights are clipped; the first one's are exactly 1
-    records = train(tmp_path, demo_model_dir, "float32", "cispo", "learner.num_minibatches=2", "learner.clip_high=0.001")
+    records = train(tmp_path, demo_model_dir, "float32", "cispo",
+                    "learner.num_minibatches=2", "learner.clip_high=0.001")
     assert all(0 < r["clip_fraction"] <= 0.5 for r in records)  # a mean over the two updates, the first clips none
     assert all(r["ratio_mean"] != 1 and abs(r["ratio_mean"] - 1) < 0.5 for r in records)
     assert not any(k.startswith(CORRECTION) for r in records for k in r)  # no correction asked for

@@ -111,7 +111,8 @@ def test_a_non_finite_update_is_skipped_and_counted_and_the_run_goes_on(ray_loca
 
 def test_non_finite_updates_in_a_row_stop_the_run_with_one_line(ray_local, tmp_path, demo_model_dir):
     with pytest.raises(RunError, match=r"learner failed during 'train': NonFiniteError: 2 updates in a row had a "
-                                       r"non-finite loss or gradient; lower learner.lr or check the rewards; no checkpoint was written yet$"):
+                                       r"non-finite loss or gradient; lower learner.lr or check the rewards; "
+                                       r"no checkpoint was written yet$"):
         run(tmp_path, demo_model_dir, "nan", None, "max_steps=5", "rollout.num_workers=1",
             "learner.max_nonfinite_steps=2", f"reward.sources.c.verifier={__name__}:overflowing_reward")
 

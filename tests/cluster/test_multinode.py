@@ -136,6 +136,7 @@ def test_run_across_three_nodes_grows_and_shrinks_with_relay_scale(three_nodes, 
     # Each change took effect at exactly one step boundary, and the weights never lagged behind the learner:
     # the new worker's rollouts (steps after `grown`) have behaviour logprobs equal to the learner's.
     sizes = [r["rollout/workers"] for r in lines]
-    assert sizes == [2] * (grown["step"] - 1) + [3] * (shrunk["step"] - grown["step"]) + [2] * (last - shrunk["step"] + 1)
+    assert sizes == ([2] * (grown["step"] - 1) + [3] * (shrunk["step"] - grown["step"])
+                     + [2] * (last - shrunk["step"] + 1))
     assert all(r["weights/version"] == r["step"] for r in lines)
     assert max(r["logprob/mismatch"] for r in lines) < 1e-4

@@ -112,7 +112,8 @@ def chat_model_dir(tmp_path_factory):
 
     path = make_random_model_dir(tmp_path_factory.mktemp("models") / "chat", seed=3)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+                               "{% endfor %}")
     tokenizer.save_pretrained(path)
     return path
 

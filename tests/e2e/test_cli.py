@@ -39,7 +39,8 @@ def test_help_lists_every_command():
     (["data.task=dataset", "data.path={bad_jsonl}"], "line 2"),
     (["reward.sources.c.verifier=nope"], "reward.sources.c: "),
     (["reward.sources.c.verifier=no_such_module:score"], "no_such_module"),
-    (["reward.sources.c.type=remote", "reward.sources.c.urls=[http://127.0.0.1:9]", "reward.sources.c.token_env=RELAY_UNSET_TOKEN"],
+    (["reward.sources.c.type=remote", "reward.sources.c.urls=[http://127.0.0.1:9]",
+      "reward.sources.c.token_env=RELAY_UNSET_TOKEN"],
      "RELAY_UNSET_TOKEN"),
     (["reward.sources.rm.type=model", "reward.sources.rm.path=/nonexistent"], "reward.sources.rm.path '/nonexistent'"),
 ])

@@ -1,5 +1,6 @@
 """`relay submit` / `relay jobs` / `relay stop` against a Ray head this test starts on its own ports (through
-`ray start --block` in its own process group) and stops itself: never `ray stop`, which would kill every Ray process on the machine."""
+`ray start --block` in its own process group) and stops itself: never `ray stop`, which would kill every Ray process
+on the machine."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ BAD = [
     (["rollout.in_flight_updates=true"], "rollout.in_flight_updates=true needs asynchronous training: set "
                                          "rollout.max_staleness >= 1"),
     (["rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1 (got 0)"),
-    (["learner.advantage=ppo"], "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae', 'reinforce' or 'distill' (got 'ppo')"),
+    (["learner.advantage=ppo"],
+     "learner.advantage: Input should be 'grpo', 'rloo', 'reinforce_pp', 'gae', 'reinforce' or 'distill' (got 'ppo')"),
     (["learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["max_steps=-1"], "max_steps: Input should be greater than or equal to 1"),
     (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),

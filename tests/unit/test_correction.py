@@ -147,7 +147,8 @@ def test_seq_mask_tis_masks_whole_sequences_by_their_geometric_mean_and_truncate
     weights, metrics = rollout_correction(SEQ_OLD, SEQ_BEHAVIOR, SEQ_MASK, "seq_mask_tis", cap=1.8, low=0.5, high=1.4)
     torch.testing.assert_close(weights, torch.tensor([[1.8, 0.5], [0.0, 1.0], [0.0, 0.0]]))
     assert metrics["rollout_correction/masked_fraction"].item() == pytest.approx(3 / 5)
-    assert metrics["rollout_correction/capped_fraction"].item() == pytest.approx(1 / 5)  # row 1's 3 is masked, not capped
+    # row 1's 3 is masked, not capped
+    assert metrics["rollout_correction/capped_fraction"].item() == pytest.approx(1 / 5)
     assert metrics["rollout_correction/weight_mean"].item() == pytest.approx((1.8 + 0.5) / 5)
     # band [0.5, 1.6]: row 2 is kept, each token min(1.5, 1.8) = 1.5
     weights, metrics = rollout_correction(SEQ_OLD, SEQ_BEHAVIOR, SEQ_MASK, "seq_mask_tis", cap=1.8, low=0.5, high=1.6)

@@ -72,7 +72,10 @@ def test_recorder_writes_jsonl_and_tensorboard_every_step(tmp_path):
     # A value that does not apply (NaN: the probe was off) is null in metrics.jsonl, which strict JSON readers take
     # (bare NaN is not JSON), and no point in TensorBoard.
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    strict = [json.loads(line, parse_constant=lambda name: pytest.fail(f"bare {name} in metrics.jsonl")) for line in lines]
+    def refuse(name):
+        pytest.fail(f"bare {name} in metrics.jsonl")
+
+    strict = [json.loads(line, parse_constant=refuse) for line in lines]
     assert strict[0] == {**record(1, 0.25), "sync/probe_max_diff": None}
     assert "sync/probe_max_diff" not in scalar_tags(tmp_path / "tensorboard")
     assert [r["sync/probe_max_diff"] for r in read_records(tmp_path / "metrics.jsonl")] == [None] * 3

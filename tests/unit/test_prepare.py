@@ -45,7 +45,8 @@ def test_a_run_that_asks_a_local_ray_for_more_cpus_than_it_has_is_refused_at_onc
     # The demo books 2 CPUs (learner 0.5, reference 0.5, two engines of 0.5); a reward model's 0.5 more is too many.
     config = load_config(None, TRAINED_RM)
     with pytest.raises(ConfigError, match=r"asks Ray for 2.5 CPUs \(learner.num_cpus x num_ranks 0.5 \+ "
-                                          r"reference.num_cpus 0.5 \+ rollout.num_cpus x num_workers x tensor_parallel_size 1 \+ "
+                                          r"reference.num_cpus 0.5 \+ "
+                                          r"rollout.num_cpus x num_workers x tensor_parallel_size 1 \+ "
                                           r"reward.sources.rm.num_cpus 0.5\) but the local Ray instance has 2"):
         check_inputs(config, None)
     for fits in (["reward.sources.rm.num_cpus=0.25", "reference.num_cpus=0.25"], ["ray.num_cpus=3"]):
