@@ -13,8 +13,8 @@ import pytest
 
 from cluster.config import load_config
 from cluster.run.launch import run_training
-from tests.cluster.test_evaluation import assert_resume_repeats
 from tests.fleets import POOL
+from tests.resume import assert_resume_repeats
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 

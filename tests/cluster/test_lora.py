@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from cluster.config import load_config
 from cluster.run.export import export_checkpoint
 from cluster.run.launch import run_evaluation, run_training
-from tests.cluster.test_evaluation import assert_resume_repeats
 from tests.fleets import POOL
+from tests.resume import assert_resume_repeats
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fleets")]  # runs share fleets (tests/fleets.py)
 
