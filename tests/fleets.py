@@ -236,14 +236,19 @@ class ParkingPool:
         if all(outcome.ok for outcome in outcomes[ranks:ranks + len(keep)]):
             kept, fleet.rollout = fleet.rollout, []
         self._stop(fleet)
-        return self._around(kept, launcher, model_path) if kept else None
+        if not kept:
+            return None
+        # Already this run's workers: the new core needs only that they still answer.
+        return self._around(kept, launcher, model_path, [slot.actor.__ray_ready__.remote() for slot in kept])
 
     @staticmethod
-    def _around(kept: list[RolloutSlot], launcher: PooledLauncher, model_path: str) -> Fleet:
+    def _around(kept: list[RolloutSlot], launcher: PooledLauncher, model_path: str,
+                restarts: list[Any] | None = None) -> Fleet:
         """A new learner, reference and reward models around the `kept` rollout workers, re-initialised as this run's
-        meanwhile; a kept worker that cannot be (it died while parked) is stopped and replaced by a new one."""
+        meanwhile (unless `restarts`, a call per kept worker, says they already are); a kept worker whose call fails
+        (it died while parked) is stopped and replaced by a new one."""
         config = launcher.config
-        restarts = launcher.reinit(kept)
+        restarts = launcher.reinit(kept) if restarts is None else restarts
         try:
             fleet = start_core(config, model_path, launcher)
         except BaseException:
