@@ -220,13 +220,22 @@ class VllmEngine:
                                "set rollout.cpu_linear=onednn or auto")
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
-        # A request's logprobs are the same bits whatever else is in its batch: measured on vLLM's CPU backend (the
-        # demo's and a 25M Qwen2, float32 and bfloat16, batches of 2 to 257 sequences; tests/actors/
-        # test_rollout_worker.py checks it), on GPUs only in vLLM's batch-invariant mode. The sync probe rides in a
-        # request's batch only where it holds.
+        # Whether a request's logprobs are the same bits whatever else is in its batch, and however the driver split
+        # the step's prompts between the workers. On vLLM's CPU backend they are with its oneDNN kernels (measured:
+        # the demo's model and a 25M Qwen2, float32 and bfloat16), and with torch's linear once its rows are padded
+        # to whole blocks (`torch_linear`), which is checked here, on this machine's kernels and threads; on GPUs
+        # only in vLLM's batch-invariant mode. tests/actors/test_rollout_worker.py checks the whole engine. The
+        # sync probe rides in a request's batch only where it holds, and a run repeats bit for bit whatever the
+        # split only where it holds (docs/operations.md, exact resume).
         from vllm import envs
 
-        self.batch_invariant = self._cpu or bool(envs.VLLM_BATCH_INVARIANT)
+        if self._cpu and self.direct_loads:
+            from actors.vllm_extension import rows_invariant, torch_linear
+
+            model = self.llm.llm_engine.model_config
+            self.batch_invariant = rows_invariant(torch_linear, model.get_hidden_size(), model.dtype)
+        else:
+            self.batch_invariant = self._cpu or bool(envs.VLLM_BATCH_INVARIANT)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:

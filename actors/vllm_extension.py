@@ -18,11 +18,39 @@ import torch
 from sync.fingerprint import fingerprint as relay_fingerprint
 from sync.group import GroupSpec, WeightGroup
 
+# Rows `torch_linear` pads its input to a multiple of. Torch's float32 CPU matmul computes the rows left over after
+# the last full block of its micro-kernel (per thread's share of the rows) with another kernel, whose sums round
+# differently: a sequence's logprobs would then depend on how many others its decode step held (docs/vllm-cpu.md,
+# batch invariance). Padded to whole blocks, each row gets the same bits in any batch; the engine checks it on the
+# machine it runs on (`rows_invariant`).
+ROW_BLOCK = 4
+
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The CPU kernel of a linear layer in an engine started with `rollout.cpu_linear` torch: torch's linear on the
-    layer's weight as it is at the call, so a weight copied in place is the one used."""
-    return torch.nn.functional.linear(x, weight, bias)
+    layer's weight as it is at the call, so a weight copied in place is the one used; over rows padded with zeros
+    to a multiple of `ROW_BLOCK`, so that each row's result does not depend on the batch's size."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows % ROW_BLOCK == 0:
+        return torch.nn.functional.linear(x, weight, bias)
+    padded = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, ROW_BLOCK - rows % ROW_BLOCK))
+    return torch.nn.functional.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rows_invariant(kernel: Callable, width: int, dtype: torch.dtype, batches: int = 48) -> bool:
+    """Whether `kernel(x, weight, bias)` gives each row of `x` the same bits in batches of every size from 1 to
+    `batches` rows, at any position, as in one batch of them all: with this process's threads, on random rows of
+    `width` features (a model's hidden size) in `dtype`."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batches, width, generator=generator).to(dtype)
+    weight = torch.randn(2 * width, width, generator=generator).to(dtype)
+    everything = kernel(x, weight, None)
+    order = torch.randperm(batches, generator=generator)
+    for size in range(1, batches):
+        rows = order[:size]
+        if not torch.equal(kernel(x[rows], weight, None), everything[rows]):
+            return False
+    return True
 
 
 def torch_linear_dispatch(vllm_dispatch: Callable) -> Callable:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# The shared run checks' asserts (tests/resume.py, tests/fleets.py) explain a failure as a test module's do
+pytest.register_assert_rewrite("tests.resume", "tests.fleets")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 if "VLLM_CACHE_ROOT" not in os.environ:  # `make test` sets it (the checkout's .cache/vllm); else a disposable one

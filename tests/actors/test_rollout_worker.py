@@ -82,11 +82,30 @@ def test_texts_and_logprobs_are_what_vllm_itself_detokenizes_and_reports(worker)
     assert any(r.text for g in ours for r in g) and any(r.finish_reason == "stop" for g in ours for r in g)
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(worker):
-    sampling = SamplingSettings(group_size=3, max_new_tokens=6)
-    alone = worker.generate(["12+34="], [7], sampling)[0]
-    mixed = worker.generate(["5+5=", "12+34=", "9+9="], [1, 7, 2], sampling)[1]
-    assert [r.response_ids for r in alone] == [r.response_ids for r in mixed]
+def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_between_requests(worker):
+    """The driver splits a step's prompts between the workers by their measured speed (`rollout.balance`), so which
+    prompts share an engine batch, and how many sequences each of its forward passes holds, depend on timing; a
+    prompt's completions, tokens and logprobs, must not, or a run would not repeat bit for bit (resume). Torch's
+    float32 linear (this engine's kernel: the tiny model's, `cpu_linear` auto) computes a batch's leftover rows with
+    another kernel; `torch_linear` pads them to whole blocks, which the engine checks at its start."""
+    assert worker.engine.batch_invariant
+    prompts = [f"{a}+{b}=" for a, b in zip(range(3, 90, 7), range(80, 1, -6))]  # 13 prompts
+    seeds = list(range(100, 100 + len(prompts)))
+    sampling = SamplingSettings(group_size=3, max_new_tokens=8)  # 3 per prompt: batches of every size
+
+    def sampled(splits: list[list[int]]) -> dict[int, list]:
+        out = {}
+        for part in splits:
+            groups = worker.generate([prompts[i] for i in part], [seeds[i] for i in part], sampling)
+            out.update({i: [(list(r.response_ids), list(r.behavior_logprobs)) for r in g]
+                        for i, g in zip(part, groups)})
+        return out
+
+    whole = sampled([list(range(len(prompts)))])
+    order = [int(i) for i in np.random.default_rng(0).permutation(len(prompts))]
+    for sizes in ((1, 2, 3, 7), (5, 1, 1, 6), (4, 9)):
+        splits = [order[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+        assert sampled(splits) == whole, sizes
 
 
 def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):

@@ -1,6 +1,6 @@
 """Choices made from the policy's size and the threads before the actors start: which kernel a CPU engine's linear
-layers take (`rollout.cpu_linear`), and whether on-policy steps send the update before the reference's logprobs
-arrive (`learner.overlap_reference`)."""
+layers take (`rollout.cpu_linear`), that torch's gives each row the same bits in a batch of any size, and whether
+on-policy steps send the update before the reference's logprobs arrive (`learner.overlap_reference`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.engine import EngineSettings, wants_torch_linear
+from actors.vllm_extension import rows_invariant, torch_linear
 from cluster.config import ConfigError, load_config
 from cluster.fleet.placement import with_default_threads
 from cluster.run.trainer import overlaps_reference
@@ -57,3 +58,35 @@ def test_auto_overlaps_the_learner_and_reference_where_they_do_not_compete_for_t
                                                      "learner.overlap_reference=false"]))
     with pytest.raises(ConfigError, match="learner.overlap_reference"):
         load_config(None, ["learner.overlap_reference=sometimes"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_linear_gives_each_row_the_same_bits_in_a_batch_of_any_size(threads, dtype):
+    """An engine's `torch_linear` pads its rows to whole blocks of torch's CPU matmul, so a sequence's logits do not
+    depend on how many others its forward pass held (docs/vllm-cpu.md, batch invariance); the same values as torch's
+    linear, in any shape of leading dimensions."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert rows_invariant(torch_linear, 128, dtype)
+    finally:
+        torch.set_num_threads(before)
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(5, 8, generator=generator), torch.randn(5, generator=generator)
+    for shape in ((3, 8), (2, 3, 8), (4, 8), (8,)):
+        x = torch.randn(*shape, generator=generator)
+        out = torch_linear(x, weight, bias)
+        assert out.shape == (*shape[:-1], 5)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+
+
+def test_the_engines_start_check_finds_a_kernel_whose_rows_depend_on_the_batch():
+    """`rows_invariant`, which decides whether an engine is batch-invariant, can fail: a kernel whose result moves
+    with the batch's row count in the last bit only."""
+
+    def uneven(x, weight, bias):
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out if x.shape[0] % 3 else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    assert not rows_invariant(uneven, 64, torch.float32)
