@@ -82,12 +82,9 @@ def test_texts_and_logprobs_are_what_vllm_itself_detokenizes_and_reports(worker)
     assert any(r.text for g in ours for r in g) and any(r.finish_reason == "stop" for g in ours for r in g)
 
 
-def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_between_requests(worker):
-    """The driver splits a step's prompts between the workers by their measured speed (`rollout.balance`), so which
-    prompts share an engine batch, and how many sequences each of its forward passes holds, depend on timing; a
-    prompt's completions, tokens and logprobs, must not, or a run would not repeat bit for bit (resume). Torch's
-    float32 linear (this engine's kernel: the tiny model's, `cpu_linear` auto) computes a batch's leftover rows with
-    another kernel; `torch_linear` pads them to whole blocks, which the engine checks at its start."""
+def assert_split_invariant(worker: RolloutWorker) -> None:
+    """A prompt's completions, tokens and logprobs, are the same bits whichever of the step's prompts shared its
+    requests: the step whole, or split into requests of 1 to 9 prompts in another order."""
     assert worker.engine.batch_invariant
     prompts = [f"{a}+{b}=" for a, b in zip(range(3, 90, 7), range(80, 1, -6))]  # 13 prompts
     seeds = list(range(100, 100 + len(prompts)))
@@ -106,6 +103,16 @@ def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_betwe
     for sizes in ((1, 2, 3, 7), (5, 1, 1, 6), (4, 9)):
         splits = [order[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
         assert sampled(splits) == whole, sizes
+
+
+def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_between_requests(worker):
+    """The driver splits a step's prompts between the workers by their measured speed (`rollout.balance`), so which
+    prompts share an engine batch, and how many sequences each of its forward passes holds, depend on timing; a
+    prompt's completions must not, or a run would not repeat bit for bit (resume). Torch's float32 linear (this
+    engine's kernel: the tiny model's, `cpu_linear` auto) computes a batch's leftover rows with another kernel;
+    `torch_linear` pads them to whole blocks, which the engine checks at its start. The other kernels and bfloat16:
+    `test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone`."""
+    assert_split_invariant(worker)
 
 
 def test_prompts_given_as_token_ids_sample_exactly_like_their_text(worker):
@@ -293,11 +300,12 @@ def test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone(tiny_mode
     the weights (one engine batch, not two): its tokens and logprobs are bit for bit those of the probe alone, which
     `stale_probe` compares across a worker's loads whatever else its requests held; its cache hits count only what
     survived the load, though the request's own prompts include the probe's. An engine that is not batch-invariant
-    runs the probe alone first, with the same result. With either kernel of the CPU's linear layers."""
+    runs the probe alone first, with the same result. With either kernel of the CPU's linear layers; their
+    completions do not depend on how a step is split between requests either (`assert_split_invariant`)."""
     worker.shutdown()  # one engine at a time in this process
     w = RolloutWorker(EngineSettings(model_path=str(tiny_model_dir), dtype=dtype, cpu_linear=cpu_linear))
     try:
-        assert w.engine.batch_invariant
+        assert_split_invariant(w)
         args = (PROBE, 8, 1.0, 1)
         sampling = SamplingSettings(group_size=8, max_new_tokens=8)
         tol = 1e-4 if dtype == "float32" else 0.05
