@@ -30,7 +30,7 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """The CPU kernel of a linear layer in an engine started with `rollout.cpu_linear` torch: torch's linear on the
     layer's weight as it is at the call, so a weight copied in place is the one used; over rows padded with zeros
     to a multiple of `ROW_BLOCK`, so that each row's result does not depend on the batch's size."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.numel() // x.shape[-1]
     if rows % ROW_BLOCK == 0:
         return torch.nn.functional.linear(x, weight, bias)
     padded = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, ROW_BLOCK - rows % ROW_BLOCK))
