@@ -1,0 +1,142 @@
+"""Batch invariance of a CPU engine with torch's linear (`rollout.cpu_linear` torch, the demo's kernel): whether a
+row's, and a prompt's, bits depend on what else its batch held, with `torch_linear`'s row padding and without it.
+
+Usage: python bench/batch_invariance.py [--trials 12] [--repeats 30]
+Three tables, each printed as Markdown:
+1. torch's linear alone, random float32 and bfloat16 matrices of the demo's width (128 -> 256) and a 0.5B model's
+   (896 -> 4864): the batch sizes (1-299 rows) whose rows differ from the same rows in a batch of 300, at 1, 2, 8, 16
+   and 32 threads, unpadded and padded (`torch_linear`); and how long the engine's start check (`rows_invariant`)
+   takes at the demo's width.
+2. The demo model's engine in float32 (one, in-process, as a rollout worker holds it), 16 demo prompts x 8 (up to 8
+   new tokens): the step whole, then `--trials` random splits of it into 2-5 requests in random order; how many of
+   the 128 completions got other tokens or other logprobs than the whole step's, unpadded and padded.
+3. The same request whole, `--repeats` alternated pairs padded and unpadded: median milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import actors.vllm_extension as extension  # noqa: E402
+
+SHAPES = ((128, 256), (896, 4864))  # (in, out): the demo's MLP, a 0.5B model's
+THREADS = (1, 2, 8, 16, 32)
+
+
+def differing_sizes(width: int, out: int, dtype: torch.dtype, padded: bool) -> list[int]:
+    """Batch sizes whose rows are not the bits of the same rows in a batch of 300."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(300, width, generator=generator).to(dtype)
+    weight = torch.randn(out, width, generator=generator).to(dtype)
+    kernel = extension.torch_linear if padded else torch.nn.functional.linear
+    everything = kernel(x, weight, None)
+    return [m for m in range(1, 300) if not torch.equal(kernel(x[:m], weight, None), everything[:m])]
+
+
+def kernel_table() -> None:
+    before = torch.get_num_threads()
+    print("| dtype | threads | shape (in -> out) | batch sizes that differ, unpadded | padded |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for width, out in SHAPES:
+                plain = differing_sizes(width, out, dtype, padded=False)
+                padded = differing_sizes(width, out, dtype, padded=True)
+                shown = f"{len(plain)}, up to {max(plain)}" if plain else "none"
+                print(f"| {str(dtype)[6:]} | {threads} | {width} -> {out} | {shown} | {len(padded) or 'none'} |")
+    print()
+    print("| start check (`rows_invariant`, width 128) | threads | ms (median of 5) | invariant |")
+    print("|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            times = []
+            for _ in range(5):
+                started = time.perf_counter()
+                ok = extension.rows_invariant(extension.torch_linear, 128, dtype)
+                times.append(time.perf_counter() - started)
+            print(f"| {str(dtype)[6:]} | {threads} | {statistics.median(times) * 1000:.1f} | {ok} |")
+    torch.set_num_threads(before)
+    print()
+
+
+def engine_tables(trials: int, repeats: int) -> None:
+    from actors.engine import EngineSettings
+    from actors.rollout import RolloutWorker
+    from actors.rollout_types import SamplingSettings
+    from cluster.demo.cache import ensure_demo_model
+    from cluster.demo.task import make_problems
+
+    worker = RolloutWorker(EngineSettings(model_path=str(ensure_demo_model(log=lambda _: None)), cpu_linear="torch"))
+    prompts = [p.prompt for p in make_problems(random.Random(0), 16)]
+    seeds = list(range(100, 116))
+    sampling = SamplingSettings(group_size=8, max_new_tokens=8)
+    padding = extension.ROW_BLOCK
+
+    def sampled(splits: list[list[int]]) -> dict[int, list]:
+        out = {}
+        for part in splits:
+            groups = worker.generate([prompts[i] for i in part], [seeds[i] for i in part], sampling)
+            out.update({i: [(tuple(r.response_ids), tuple(r.behavior_logprobs)) for r in g]
+                        for i, g in zip(part, groups)})
+        return out
+
+    try:
+        print("| torch_linear | split (prompts per request) | completions with other tokens | other logprobs |")
+        print("|---|---|---|---|")
+        for block in (1, padding):
+            extension.ROW_BLOCK = block  # the engine's layers call the module's function, which reads it per call
+            whole = sampled([list(range(16))])
+            rng = random.Random(1)
+            for _ in range(trials):
+                order = rng.sample(range(16), 16)
+                cuts = sorted(rng.sample(range(1, 16), rng.randint(1, 4)))
+                splits = [order[a:b] for a, b in zip([0, *cuts], [*cuts, 16])]
+                got = sampled(splits)
+                pairs = [(got[i][j], whole[i][j]) for i in range(16) for j in range(8)]
+                tokens = sum(a[0] != b[0] for a, b in pairs)
+                logprobs = sum(a[1] != b[1] for a, b in pairs)
+                label = "unpadded" if block == 1 else f"padded to {block} rows"
+                print(f"| {label} | {[len(s) for s in splits]} | {tokens} | {logprobs} |")
+        print()
+        times: dict[int, list[float]] = {1: [], padding: []}
+        for _ in range(repeats):
+            for block in times:
+                extension.ROW_BLOCK = block
+                started = time.perf_counter()
+                worker.generate(prompts, seeds, sampling)
+                times[block].append(time.perf_counter() - started)
+        print("| one request of 16 prompts x 8 | ms (median) |")
+        print("|---|---|")
+        for block, values in times.items():
+            print(f"| {'unpadded' if block == 1 else f'padded to {block} rows'} | "
+                  f"{statistics.median(values) * 1000:.1f} |")
+    finally:
+        extension.ROW_BLOCK = padding
+        worker.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=12, help="random splits of the step per kernel")
+    parser.add_argument("--repeats", type=int, default=30, help="alternated timing pairs")
+    args = parser.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+          f"torch {torch.__version__}\n")
+    kernel_table()
+    engine_tables(args.trials, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
