@@ -13,6 +13,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,8 +164,11 @@ def test_a_dead_replica_is_skipped_by_the_retry(service_url):
 
 @pytest.mark.parametrize("policy", ["fail", "default"])
 def test_reply_slower_than_the_deadline_follows_the_policy(policy):
-    def slow(completion, label):
-        time.sleep(0.8)
+    release, replied = threading.Event(), []
+
+    def slow(completion, label):  # replies only once the client has given up
+        release.wait(30)
+        replied.append(label)
         return 1.0
 
     samples = make_samples(2)
@@ -173,7 +177,8 @@ def test_reply_slower_than_the_deadline_follows_the_policy(policy):
                         max_retries=1)
         with RemoteVerifier("judge", config) as verifier:
             outcome, elapsed = score_timed(verifier, samples)
-    assert elapsed < 0.7  # 2 attempts of 0.2 s + one backoff, not the verifier's 0.8 s
+        replied_before, _ = list(replied), release.set()
+    assert replied_before == [] and elapsed >= 2 * 0.2  # 2 attempts of 0.2 s, not the verifier's reply
     if policy == "fail":
         assert isinstance(outcome, RemoteVerifierError)
         assert str(outcome) == f"verifier 'judge' at {url} failed: 1 retries exhausted: no reply within " \
@@ -253,8 +258,8 @@ def test_4xx_is_not_retried():
     app = fake_service(lambda samples, request: JSONResponse({"detail": "bad request"}, status_code=400))
     samples = make_samples(8)
     with run_in_thread(app) as url, RemoteVerifier("judge", source([url])) as verifier:
-        error, elapsed = score_timed(verifier, samples)
-    assert isinstance(error, RemoteVerifierError) and app.state.calls == 1 and elapsed < 1.0
+        error, _ = score_timed(verifier, samples)
+    assert isinstance(error, RemoteVerifierError) and app.state.calls == 1
     assert str(error) == f"verifier 'judge' at {url} failed: HTTP 400, not retried: {{\"detail\":\"bad request\"}} " \
                          "(8 samples unscored)"
     assert error.metrics == {"failures": 8.0, "retries": 0.0, "requests": 1.0, "latency_mean_s": 0.0,
@@ -382,41 +387,55 @@ def test_service_rejects_bad_requests_clearly():
 
 
 def test_one_slow_sample_does_not_hold_up_the_others():
+    slow = threading.Barrier(3, timeout=10)  # passed only while the three slow samples run at once
+    fast, fast_done = [], threading.Event()
+
     def sometimes_slow(completion, label):
-        if label in ("1", "3", "5"):
-            time.sleep(0.6)
+        if label in ("1", "3", "5"):  # each finishes only after the other slow ones started and the rest are scored
+            slow.wait()
+            if not fast_done.wait(10):
+                raise RuntimeError("the fast samples waited for the slow ones")
+        else:
+            fast.append(label)
+            if len(fast) == 29:
+                fast_done.set()
         return exact_match(completion, label)
 
     samples = make_samples(32)
     with run_in_thread(create_app(sometimes_slow, workers=4)) as url:
         with RemoteVerifier("judge", source([url], batch_size=32)) as verifier:
-            scores, elapsed = score_timed(verifier, samples)
-    assert scores.rewards == expected(samples)
-    assert 0.6 <= elapsed < 1.2  # one slow sample's time, not the 1.8 s sum of the three
+            scores, _ = score_timed(verifier, samples)
+    assert scores.rewards == expected(samples) and scores.metrics["failures"] == 0
 
 
 def test_a_sample_past_sample_timeout_gets_an_error_and_the_rest_are_scored():
-    def hangs_on_one(completion, label):
+    release = threading.Event()
+
+    def hangs_on_one(completion, label):  # hangs until the test is done with the service
         if label == "2":
-            time.sleep(1.5)
+            release.wait(30)
         return exact_match(completion, label)
 
     samples = make_samples(8)
     with run_in_thread(create_app(hangs_on_one, workers=2, sample_timeout=0.3)) as url:
         with RemoteVerifier("judge", source([url], on_failure="drop")) as verifier:
-            scores, elapsed = score_timed(verifier, samples)
+            scores, _ = score_timed(verifier, samples)
         stalled = httpx.get(f"{url}/health").status_code
         with RemoteVerifier("judge", source([url], max_retries=0)) as verifier:
             error, _ = score_timed(verifier, samples[1:2])
+        release.set()
+    # Scored while the hung sample's call still ran: the reply did not wait for it.
     assert scores.rewards == [None if s.label == "2" else r for s, r in zip(samples, expected(samples))]
-    assert scores.metrics["failures"] == 1 and elapsed < 1.0
+    assert scores.metrics["failures"] == 1
     assert stalled == 200  # one of the two workers is still held: the replica can still serve
     assert "service error: verifier took longer than sample_timeout=0.3s" in str(error)
 
+    release = threading.Event()
     with run_in_thread(create_app(hangs_on_one, workers=1, sample_timeout=0.1)) as url:
         one = {"id": "a", "prompt": "", "completion": "", "label": "2"}
         stuck = httpx.post(f"{url}/verify", json={"samples": [one]})
         health = httpx.get(f"{url}/health")
+        release.set()
     assert stuck.json() == {"results": [{"id": "a", "error": "verifier took longer than sample_timeout=0.1s"}]}
     assert health.status_code == 503 and "all 1 workers are held" in health.json()["detail"]
 
@@ -562,6 +581,8 @@ def test_bad_step_rewards_fail_that_sample_without_retry(case, last, message):
 
 
 def test_service_step_verifier_faults_are_per_sample_errors():
+    release = threading.Event()
+
     def faulty(steps, label):
         if label == 1:
             return [1.0] * (len(steps) + 1)
@@ -571,8 +592,8 @@ def test_service_step_verifier_faults_are_per_sample_errors():
             raise ZeroDivisionError("/secret/path")
         if label == 4:
             return "1.0"
-        if label == 5:
-            time.sleep(0.6)
+        if label == 5:  # hangs until the test is done with the service
+            release.wait(30)
         return count_up(steps, label)
 
     samples = make_step_samples(8)
@@ -582,6 +603,7 @@ def test_service_step_verifier_faults_are_per_sample_errors():
         reply = httpx.post(f"{url}/verify", json={"samples": [
             {"id": s.id, "prompt": s.prompt, "completion": s.completion, "label": s.label, "steps": s.steps}
             for s in samples[:6]]})
+        release.set()
     assert scores.rewards == [count_up(s.steps, s.label) if s.label in (0, 6, 7) else None for s in samples]
     assert scores.metrics["failures"] == 5 and scores.metrics["retries"] == 0
     assert {r["id"]: r.get("error") for r in reply.json()["results"]} == {
