@@ -10,7 +10,6 @@ environment that raises, a slow step, sessions counted while they are open.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
@@ -72,13 +71,14 @@ class ShellObservation(Observation):
 class Shell(Environment[ShellAction, ShellObservation, State]):
     """Other field names (`command` in, `output` out) and OpenEnv's default null reward: answers each command with
     `ran: <command>`, no reward; the command `exit` earns 1.0 and ends the episode; `boom` raises (the environment's
-    error); `slow` sleeps 0.5 s first. `opened` counts the instances alive (made and not yet closed), `most` the largest
-    count seen, `steps` every command received."""
+    error); `slow` first waits until the test sets `release` (30 s at most). `opened` counts the instances alive
+    (made and not yet closed), `most` the largest count seen, `steps` every command received."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
     lock = threading.Lock()
     opened = most = 0
     steps: list[str] = []
+    release = threading.Event()
 
     def __init__(self):
         super().__init__()
@@ -94,7 +94,7 @@ class Shell(Environment[ShellAction, ShellObservation, State]):
         if action.command == "boom":
             raise RuntimeError("boom: no such command\nsecond line")
         if action.command == "slow":
-            time.sleep(0.5)
+            Shell.release.wait(30)
         if action.command == "exit":
             return ShellObservation(output="bye", reward=1.0, done=True)
         return ShellObservation(output=f"ran: {action.command}")
@@ -112,3 +112,4 @@ class Shell(Environment[ShellAction, ShellObservation, State]):
         with cls.lock:
             cls.opened = cls.most = 0
             cls.steps = []
+            cls.release = threading.Event()
