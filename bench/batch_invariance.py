@@ -43,6 +43,16 @@ def differing_sizes(width: int, out: int, dtype: torch.dtype, padded: bool) -> l
     return [m for m in range(1, 300) if not torch.equal(kernel(x[:m], weight, None), everything[:m])]
 
 
+def sample_splits(worker, prompts: list, seeds: list[int], sampling, splits: list[list[int]]) -> dict[int, list]:
+    """{prompt index: its completions' (token ids, logprobs)}, the prompts sampled by `worker` one request per part
+    of `splits` (lists of indices), in that order."""
+    out = {}
+    for part in splits:
+        groups = worker.generate([prompts[i] for i in part], [seeds[i] for i in part], sampling)
+        out.update({i: [(tuple(r.response_ids), tuple(r.behavior_logprobs)) for r in g] for i, g in zip(part, groups)})
+    return out
+
+
 def kernel_table() -> None:
     before = torch.get_num_threads()
     print("| dtype | threads | shape (in -> out) | batch sizes that differ, unpadded | padded |")
@@ -83,27 +93,18 @@ def engine_tables(trials: int, repeats: int) -> None:
     seeds = list(range(100, 116))
     sampling = SamplingSettings(group_size=8, max_new_tokens=8)
     padding = extension.ROW_BLOCK
-
-    def sampled(splits: list[list[int]]) -> dict[int, list]:
-        out = {}
-        for part in splits:
-            groups = worker.generate([prompts[i] for i in part], [seeds[i] for i in part], sampling)
-            out.update({i: [(tuple(r.response_ids), tuple(r.behavior_logprobs)) for r in g]
-                        for i, g in zip(part, groups)})
-        return out
-
     try:
         print("| torch_linear | split (prompts per request) | completions with other tokens | other logprobs |")
         print("|---|---|---|---|")
         for block in (1, padding):
             extension.ROW_BLOCK = block  # the engine's layers call the module's function, which reads it per call
-            whole = sampled([list(range(16))])
+            whole = sample_splits(worker, prompts, seeds, sampling, [list(range(16))])
             rng = random.Random(1)
             for _ in range(trials):
                 order = rng.sample(range(16), 16)
                 cuts = sorted(rng.sample(range(1, 16), rng.randint(1, 4)))
                 splits = [order[a:b] for a, b in zip([0, *cuts], [*cuts, 16])]
-                got = sampled(splits)
+                got = sample_splits(worker, prompts, seeds, sampling, splits)
                 pairs = [(got[i][j], whole[i][j]) for i in range(16) for j in range(8)]
                 tokens = sum(a[0] != b[0] for a, b in pairs)
                 logprobs = sum(a[1] != b[1] for a, b in pairs)

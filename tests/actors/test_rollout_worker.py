@@ -10,6 +10,7 @@ import torch
 from actors.engine import EngineSettings
 from actors.rollout import RolloutWorker, SamplingSettings
 from actors.vllm_extension import torch_linear
+from bench.batch_invariance import sample_splits
 from sync.fingerprint import fingerprint
 
 pytestmark = pytest.mark.slow
@@ -90,19 +91,11 @@ def assert_split_invariant(worker: RolloutWorker) -> None:
     seeds = list(range(100, 100 + len(prompts)))
     sampling = SamplingSettings(group_size=3, max_new_tokens=8)  # 3 per prompt: batches of every size
 
-    def sampled(splits: list[list[int]]) -> dict[int, list]:
-        out = {}
-        for part in splits:
-            groups = worker.generate([prompts[i] for i in part], [seeds[i] for i in part], sampling)
-            out.update({i: [(list(r.response_ids), list(r.behavior_logprobs)) for r in g]
-                        for i, g in zip(part, groups)})
-        return out
-
-    whole = sampled([list(range(len(prompts)))])
+    whole = sample_splits(worker, prompts, seeds, sampling, [list(range(len(prompts)))])
     order = [int(i) for i in np.random.default_rng(0).permutation(len(prompts))]
     for sizes in ((1, 2, 3, 7), (5, 1, 1, 6), (4, 9)):
         splits = [order[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
-        assert sampled(splits) == whole, sizes
+        assert sample_splits(worker, prompts, seeds, sampling, splits) == whole, sizes
 
 
 def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_between_requests(worker):
