@@ -138,15 +138,6 @@ def test_bad_files(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
-def test_configuration_doc_is_generated_from_the_tree():
-    from pathlib import Path
-
-    from cluster.config import config_reference
-
-    doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == config_reference(), "regenerate: python -m cluster.config > docs/configuration.md"
-
-
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "reinforce"]
 
