@@ -365,6 +365,10 @@ def _inconsistencies(config: RunConfig):
                f"({rollout.max_model_len}), which holds the prompt and the completion")
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
+    if rollout.dynamic_sampling and config.learner.distill_coef > 0:
+        yield ("rollout.dynamic_sampling with learner.distill_coef > 0 would drop groups the teacher's advantage trains "
+               "on (every token has one, whatever the rewards): set rollout.dynamic_sampling=false or "
+               "learner.distill_coef=0")
 
 
 def _format_error(err: ValidationError) -> str:

@@ -99,6 +99,11 @@ BAD = [
     (["learner.loss_agg=sum"], "learner.loss_agg: Input should be 'token-mean'"),
     (["reward.overlong_buffer=8"], "reward.overlong_buffer (8) must be below rollout.max_new_tokens (8)"),
     (["rollout.dynamic_sampling=true", "rollout.group_size=1"], "rollout.dynamic_sampling needs rollout.group_size"),
+    # Distillation gives every token the teacher's advantage: a group of equal rewards still teaches.
+    (["rollout.dynamic_sampling=true", "learner.distill_coef=1", "teacher.path=demo"],
+     "rollout.dynamic_sampling with learner.distill_coef > 0 would drop groups the teacher's advantage trains on"),
+    (["rollout.dynamic_sampling=true", "learner.advantage=distill", "learner.distill_coef=1", "teacher.path=demo"],
+     "rollout.dynamic_sampling with learner.distill_coef > 0 would drop groups"),
     (["learner.advantage=rloo", "rollout.group_size=1"], "learner.advantage=rloo needs rollout.group_size >= 2"),
     (["reward.sources={}"], "reward.sources is empty and no environment gives rewards"),
     (["rollout.stop=[']']"], "rollout.stop ends a model turn of an episode: set env.spec or env.urls"),
