@@ -61,15 +61,18 @@ def apply_chat_template(config: DataConfig, tokenizer: Any, where: str, messages
 
 def write_prompts(path: str | Path, rows: list[dict[str, Any]], label_field: str = "label") -> None:
     """Writes `rows` ({prompt field: ..., `label_field`: any JSON value, ...}) where `data.path` reads them: JSONL
-    (`.jsonl`, labels as JSON values), Parquet (`.parquet`) or a `datasets` directory (any other path), whose
-    label column holds each label as JSON text, since a columnar file would merge labels of different shapes into
-    one type and fill the gaps with nulls. Read back with `data.label_format=json`: every format gives the labels
-    `json.loads(json.dumps(label))`."""
+    (`.jsonl`, labels as JSON values, except that a string label is written as JSON text: `data.label_format=json`
+    decodes every string label, so "42" written as itself would come back as 42), Parquet (`.parquet`) or a
+    `datasets` directory (any other path), whose label column holds each label as JSON text, since a columnar file
+    would merge labels of different shapes into one type and fill the gaps with nulls. Read back with
+    `data.label_format=json`: every format gives the labels `json.loads(json.dumps(label))`."""
     if not rows:
         raise ValueError(f"write_prompts: no rows to write to {path}")
     path = Path(path)
     if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        lines = [{**row, label_field: json.dumps(row[label_field], ensure_ascii=False)}
+                 if isinstance(row.get(label_field), str) else row for row in rows]
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in lines), encoding="utf-8")
         return
     encoded = [{**row, label_field: json.dumps(row[label_field], ensure_ascii=False)} for row in rows]
     columns = {key: [row[key] for row in encoded] for key in encoded[0]}

@@ -378,6 +378,19 @@ def test_label_format_json_decodes_string_labels_in_every_format(tmp_path, token
         dataset(bad, tokenizer, label_format="json")
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.parquet", "rows_dir"])
+def test_write_prompts_gives_every_label_back_under_label_format_json(tmp_path, name):
+    from cluster.run.prompt_format import write_prompts
+
+    # Strings that read as other JSON values must come back as the strings they were, beside the values themselves.
+    labels = ["42", "-0.5", "1e3", "true", "null", '"6"', '{"a": 1}', "[1, 2]", "", " 7 ", "four", "\u00e9\u4e00",
+              42, 4.5, True, {"a": "1", "b": ["2", None]}, ["42", 42], {}]
+    write_prompts(tmp_path / name, [{"prompt": f"{i}=", "label": label} for i, label in enumerate(labels)])
+    read = dataset(tmp_path / name, byte_tokenizer(), label_format="json").problems
+    assert [p.label for p in read] == labels
+    assert [type(p.label) for p in read] == [type(label) for label in labels]  # 42 and 42.0, True and 1 kept apart
+
+
 # --- the tokenizer round trip -------------------------------------------------------------------------------------
 
 
