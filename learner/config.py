@@ -199,7 +199,8 @@ class LearnerConfig(_Section):
 
 class CriticConfig(_Section):
     enabled: bool = False
-    """Train a value model (PPO); required by and only used with `learner.advantage=gae`."""
+    """Train a value model; required by and only used with an advantage that reads one: `learner.advantage=gae` (PPO),
+    or `reinforce` with `learner.baseline=value`."""
     path: str | None = None
     """Hugging Face directory the value model starts from (a scalar head is added); empty: the policy's checkpoint."""
     lr: float = Field(1e-4, gt=0, le=1)
