@@ -145,7 +145,9 @@ class EvalConfig(_Section):
     """Reward sources (names in `reward.sources`) whose weighted sum is the evaluation reward, each also reported as
     `eval/reward/<name>`; empty: every training source. An episode's environment (`env`) always scores."""
     pass_threshold: float = 1.0
-    """A completion passes (`eval/pass@k`) when its evaluation reward is at least this (a verifier's full marks: 1)."""
+    """A completion passes (`eval/pass@k`) when its evaluation reward is at least this share of full marks: the reward
+    when every evaluation source gives a verifier's full marks, 1 (0 for a source of negative weight), i.e. the sum of
+    their positive weights. 1: full marks from every source, whatever the weights sum to."""
     disjoint: bool = True
     """Refuse evaluation prompts that training also draws (an `eval.data` overlapping `data`): the point of a held-out
     set. false: evaluate on them anyway."""

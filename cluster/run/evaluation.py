@@ -4,8 +4,9 @@
 Owns: the evaluation prompts (`eval.data`, or the training data's held-out problems, `data.held_out`), the check that
 training does not draw them (`eval.disjoint`), their sampling (the run's engines, their own seeds, the same every
 time, an even split over the workers, their own prefix-cache space: nothing the training batches get changes), their
-reward (the weighted sum of `eval.sources`), and the metrics: `eval/reward/mean`, `eval/reward/<source>`,
-`eval/response_length/mean`, `eval/pass@k` (the unbiased estimator of Chen et al. 2021) and `eval/mean@n`.
+reward (the weighted sum of `eval.sources`) and its full marks (`full_marks`: what `eval.pass_threshold` is a share of),
+and the metrics: `eval/reward/mean`, `eval/reward/<source>`, `eval/response_length/mean`, `eval/pass@k` (the unbiased
+estimator of Chen et al. 2021) and `eval/mean@n`.
 Does not own: when the step dispatches and collects it (cluster/run/trainer.py), the requests (cluster/fleet/
 rollout_pool.py), the verifiers (rewards/), or starting a fleet for `relay eval` (cluster/run/launch.py).
 """
@@ -64,6 +65,19 @@ def eval_metrics(rewards: list[list[float]], per_source: dict[str, list[float]],
     if n:
         metrics[f"eval/mean@{n}"] = statistics.fmean(statistics.fmean(g) for g in rewards)
     return metrics
+
+
+def full_marks(config: RunConfig) -> float:
+    """The evaluation reward of a completion that every evaluation source gives full marks: 1 for a source of positive
+    weight (a verifier's right answer), 0 for one of negative weight (a penalty not incurred). That is the sum of the
+    positive weights of `eval.sources`' outcome sources (step sources are not in the evaluation reward), and of
+    `env.weight` when an episode's rewards add to the outcome (`env.turn_rewards=outcome`). A completion passes
+    (`eval/pass@k`) when its reward is at least `eval.pass_threshold` x this."""
+    sources = config.reward.sources
+    weights = [sources[name].weight for name in config.eval.sources or sources if sources[name].level == "outcome"]
+    if config.env.enabled and config.env.turn_rewards == "outcome":
+        weights.append(config.env.weight)
+    return sum(max(weight, 0.0) for weight in weights)
 
 
 def eval_seeds(seed: int, n: int) -> list[int]:
@@ -165,6 +179,7 @@ class Evaluation:
         self.sampling = SamplingSettings(ev.num_samples, ev.max_new_tokens or ro.max_new_tokens, ev.temperature,
                                          ro.top_p, cache_salt=CACHE_SALT)
         self.pending: deque[tuple[int, Any]] = deque()  # (the step whose weights it samples, its batch), oldest first
+        self.threshold = ev.pass_threshold * full_marks(config)  # the reward a completion passes at
 
     def due(self, step: int) -> bool:
         every = self.config.eval.every
@@ -184,8 +199,7 @@ class Evaluation:
         scores = self.scorer.score(self.problems, groups)
         kept = [i for i, dropped in enumerate(scores.dropped) if not dropped]
         metrics = eval_metrics([scores.rewards[i] for i in kept], scores.per_source,
-                               [len(r.response_ids) for group in groups for r in group],
-                               self.config.eval.pass_threshold)
+                               [len(r.response_ids) for group in groups for r in group], self.threshold)
         return {"eval/step": step, **metrics, "eval/dropped_groups": float(len(groups) - len(kept)),
                 "time/eval": time.perf_counter() - started}
 
@@ -205,6 +219,12 @@ def eval_scorer(config: RunConfig) -> Any:
 
 def evaluation_inputs(config: RunConfig, model_path: str | None, training: Any) -> tuple[list[Problem], Any]:
     """What a run with `eval.every` (or `relay eval`) evaluates with, checked before anything starts: the prompts
-    (`eval_problems`) and the Scorer of `eval.sources`. Raises ConfigError (one line) on bad input."""
+    (`eval_problems`) and the Scorer of `eval.sources`. Raises ConfigError (one line) on bad input, or when no
+    completion could pass (`full_marks` 0: no evaluation source of positive weight)."""
+    if full_marks(config) <= 0:
+        names = ", ".join(config.eval.sources or config.reward.sources) or "none"
+        raise ConfigError(f"eval.pass_threshold is a share of full marks, the sum of the positive weights of the "
+                          f"evaluation's outcome sources ({names}; env.weight with env.turn_rewards=outcome), and "
+                          "there are none, so no completion could pass: evaluate with a source of positive weight")
     problems = eval_problems(config, model_path, training)
     return problems, eval_scorer(config)

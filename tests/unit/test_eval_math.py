@@ -122,6 +122,50 @@ def test_bad_evaluation_keys_get_one_line():
         load_config(None, ["data.held_out=0.1", "eval.every=5", "eval.max_new_tokens=100000"])
 
 
+def evaluate_once(overrides: list[str], rewards: list[float]) -> dict[str, float]:
+    """The metrics `Evaluation.collect` reports for one prompt whose completions got `rewards` (the Scorer's weighted
+    sums), with the pool and the scorer stood in for."""
+    from cluster.run.evaluation import Evaluation
+
+    config = load_config(None, ["data.held_out=0.1", "eval.every=1", f"eval.num_samples={len(rewards)}", *overrides])
+    pool = SimpleNamespace(dispatch=lambda *args, **kwargs: "batch",
+                           collect=lambda batch: [[SimpleNamespace(response_ids=[1, 2]) for _ in rewards]])
+    scorer = SimpleNamespace(score=lambda problems, groups: SimpleNamespace(rewards=[rewards], dropped=[False],
+                                                                            per_source={}))
+    evaluation = Evaluation(config, pool, scorer, [Problem("1+1=", "2")], ["1+1="])
+    evaluation.dispatch(1, 1)
+    return evaluation.collect()
+
+
+def test_pass_threshold_is_a_share_of_full_marks_whatever_the_weights_sum_to():
+    # Full marks: every evaluation source gives 1 (a verifier's), the reward its weighted sum.
+    half = ["reward.sources={correct: {verifier: exact_match, weight: 0.5}}"]
+    assert evaluate_once(half, [0.5, 0.0])["eval/pass@1"] == 0.5  # 0.5 is 0.5's full marks: one of two passes
+    two = ["reward.sources={correct: {verifier: exact_match}, fmt: {verifier: format, weight: 0.2}}"]
+    assert evaluate_once(two, [1.2, 1.0, 0.2, 0.0])["eval/pass@1"] == 0.25  # only 1.2 is full marks
+    assert evaluate_once([*two, "eval.pass_threshold=0.8"], [1.2, 1.0, 0.2, 0.0])["eval/pass@1"] == 0.5  # >= 0.96
+    assert evaluate_once([*two, "eval.sources=[correct]"], [1.0, 0.0])["eval/pass@1"] == 0.5  # fmt not evaluated
+    # A source of negative weight (a penalty) scores full marks at 0: 1 - 0.5 x 0 is the best reward, 1.
+    penalty = ["reward.sources={correct: {verifier: exact_match}, long: {verifier: format, weight: -0.5}}"]
+    assert evaluate_once(penalty, [1.0, 0.5, 0.0])["eval/pass@1"] == pytest.approx(1 / 3)
+
+
+def test_full_marks_by_hand_and_none_is_refused_in_one_line():
+    from cluster.run.evaluation import evaluation_inputs, full_marks
+
+    config = load_config(None, ["data.held_out=0.1", "eval.every=1", "reward.steps.delimiter=' '",
+                                "reward.sources={a: {verifier: exact_match, weight: 0.5}, b: {verifier: format, "
+                                "weight: -2}, s: {verifier: step_match, level: steps, weight: 3}}"])
+    assert full_marks(config) == 0.5  # a's 0.5; b's best is 0; s scores steps, not the evaluation reward
+    refused = load_config(None, ["data.held_out=0.1", "eval.every=1",
+                                 "reward.sources={a: {verifier: exact_match, weight: -1}}"])
+    assert full_marks(refused) == 0.0
+    training = make_prompt_source(refused.data, 0, 4, None, 100)
+    with pytest.raises(ConfigError) as err:
+        evaluation_inputs(refused, None, training)
+    assert str(err.value).startswith("eval.pass_threshold") and "\n" not in str(err.value)
+
+
 def test_a_run_evaluates_at_every_multiple_and_the_last_step():
     from cluster.run.evaluation import Evaluation
 
