@@ -34,7 +34,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """Hugging Face model directory of the initial policy; empty means the built-in demo model (built on first use)."""
+    """Hugging Face model directory of the initial policy; empty means the demo model of `data.task`, which ships with
+    relay (`cluster/demo/models/`, copied to the cache on first use)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: the engines' and the reference's weights, the learner's forward and backward (autocast when its
     parameters are float32: `learner.master_dtype`), and the saved policy's."""

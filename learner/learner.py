@@ -141,9 +141,10 @@ class Learner(WeightPublisher):
         # old_logprobs then equal the training forward's own, detached (ratio 1), so the separate no-grad pass over
         # the batch is skipped; its metrics and the rollout correction's weights (per token, or per sequence: a row
         # is never split across passes) come from the training forward.
-        # (Distillation's advantage needs them before the update too.)
+        # (Distillation's advantage needs them before the update too.) Not with LoRA dropout: the training forward
+        # drops, and pi_old must be the policy the engines serve, without dropout (a no-gradient pass then).
         self.single_update = (config.ppo_epochs == 1 and config.num_minibatches == 1 and config.kl_reward_coef == 0
-                              and config.distill_coef == 0)
+                              and config.distill_coef == 0 and not (config.lora.enabled and config.lora.dropout > 0))
         # With LoRA the reference (the initial policy) is the base: the learner computes its logprobs itself with the
         # adapters disabled, and no reference actor holds a second copy of the base (the driver starts none).
         self.base_reference = self.lora and (config.kl_coef > 0 or config.kl_reward_coef > 0)

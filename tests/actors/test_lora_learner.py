@@ -139,6 +139,24 @@ def test_dropout_is_in_the_training_passes_only(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("correction", ["tis", "icepop"])
+def test_old_logprobs_are_the_policy_without_dropout(tiny_model_dir, dtype, correction):
+    """pi_old is the policy the engines serve, without dropout, also when the batch gets one update (where it would
+    otherwise come from the training forward, which drops): behavior logprobs from an eval-mode forward equal it bit
+    for bit, so logprob/mismatch and mismatch/kl are 0 and every correction weight is 1."""
+    config = LearnerConfig(lr=2e-2, warmup_steps=0, kl_coef=0.1, num_threads=2, rollout_correction=correction,
+                           lora=LoraConfig(rank=8, dropout=0.5))
+    learner = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0, norm_length=4)
+    for rewards in REWARDS[:2]:
+        learner.train_step(batch(learner, rewards))  # the adapters' B is non-zero now: dropout changes outputs
+    metrics = learner.train_step(batch(learner, REWARDS[2]))  # behavior: compute_logprobs, an eval-mode forward
+    assert metrics["logprob/mismatch"] == 0.0 and metrics["mismatch/kl"] == 0.0
+    assert metrics["rollout_correction/weight_mean"] == 1.0
+    share = "rollout_correction/capped_fraction" if correction == "tis" else "rollout_correction/masked_fraction"
+    assert metrics[share] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_merges_the_adapters_into_a_model_with_the_policys_logprobs(tiny_model_dir, tmp_path, dtype):
     from transformers import AutoModelForCausalLM
 

@@ -21,7 +21,7 @@ def paragraph(doc: str, start: str) -> str:
 
 
 def test_the_critic_rule_names_every_advantage_that_reads_a_value_model():
-    names = {field: typing.get_args(LearnerConfig.model_fields[field].annotation) for field in ("advantage", "baseline")}
+    names = {name: typing.get_args(LearnerConfig.model_fields[name].annotation) for name in ("advantage", "baseline")}
     accepted = set()
     for advantage, baseline in itertools.product(names["advantage"], names["baseline"]):
         try:
@@ -52,3 +52,21 @@ def test_a_saved_config_runs_again_and_continues_with_the_commands_the_docs_give
     resumed = re.search(r"`relay train PATH/config.yaml([^`]*)` continues it", operations)
     assert resumed, "docs/operations.md no longer says how to continue a saved config's run"
     assert resolve_run_dir(load_config(run / "config.yaml", resumed.group(1).split())) == run
+
+
+def test_the_demo_models_ship_and_nothing_says_they_are_built_on_first_use():
+    shipped = {p.name for p in (ROOT / "cluster" / "demo" / "models").iterdir() if (p / "config.json").exists()}
+    assert {"demo-model-v1", "demo-chain-model-v1", "demo-calc-model-v1"} <= shipped
+    packages = ("cluster", "actors", "learner", "rewards", "sync")
+    texts = [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "configs").glob("*.yaml"),
+             *(p for package in packages for p in (ROOT / package).rglob("*.py"))]
+    saying = [str(p.relative_to(ROOT)) for p in texts if "built on first use" in " ".join(p.read_text().split())]
+    assert not saying, f"{saying} say the demo models are built on first use; relay ships them"
+
+
+def test_the_readme_gives_the_demo_one_duration():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    make_demo = re.search(r'GRPO on "a\+b=" arithmetic \(~(\d+) min\)', readme)
+    tour = re.search(r"the whole run takes about (\d+) minutes", readme)
+    assert make_demo and tour, "README.md no longer states the demo's time where it did"
+    assert make_demo.group(1) == tour.group(1)

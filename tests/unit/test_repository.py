@@ -31,7 +31,8 @@ def test_ray_remote_is_applied_only_in_the_files_the_architecture_names():
 
 def test_every_cited_file_is_in_the_repository():
     texts = [*sources(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py"), *(ROOT / "docs").glob("*.md"),
-             ROOT / "README.md", ROOT / "deploy" / "README.md", *(ROOT / "configs").glob("*.yaml")]
+             ROOT / "README.md", *(p for p in (ROOT / "deploy").rglob("*") if p.is_file()),
+             *(ROOT / "configs").glob("*.yaml")]
     cited = {(path, name) for path in texts for name in CITED.findall(path.read_text())}
     missing = sorted(f"{path.relative_to(ROOT)}: {name}" for path, name in cited
                      if not (ROOT / name).exists() and name not in EXTERNAL and not _placeholder(name))
