@@ -16,11 +16,13 @@ Decisions:
 - OpenRLHF sends the prompt and the response decoded together with their special tokens
   (`decode(..., skip_special_tokens=False)`): the completion is the query after its prompt, with every special
   token removed, which is the text relay's own rollouts give a verifier (vLLM's `skip_special_tokens=True`).
-- A query that does not start with its prompt is scored whole (special tokens removed) and flagged in
-  `extra_logs.prompt_mismatch`, rather than refused: OpenRLHF causes it itself (it cuts long prompts on the left;
-  a tokenizer whose decode does not give the text back, e.g. `clean_up_tokenization_spaces`), its reference
-  server scores whole queries anyway, and the protocol has no per-query error: OpenRLHF's client retries any 4xx
-  five times and then leaves the sample without a reward.
+- A query that does not start with its prompt is not scored whole: OpenRLHF causes that itself (a BOS before the
+  prompt; a tokenizer whose decode does not give the text back, e.g. `clean_up_tokenization_spaces`; prompts cut on
+  the left), and the whole query would score the prompt's text as the answer (`numeric_match` reads its numbers).
+  With special tokens removed on both sides, the query starts with the prompt or, spaces aside, with an end of it:
+  the completion follows that, flagged in `extra_logs.prompt_mismatch` unless the prompt was found whole. A query
+  that starts with no end of its prompt raises ValueError in `completion_of`: a failure of that query (the route's
+  to report, rewards/service.py), never a reward. Only a query sent without a prompt is scored whole.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def request_body(queries: Sequence[str], prompts: Sequence[str], labels: Sequenc
 
 
 def special_tokens_from(path: str) -> tuple[str, ...]:
-    """The special tokens (`all_special_tokens`) of the tokenizer at `path` (a directory or a Hugging Face name);
-    ValueError (one line) if it cannot be loaded."""
+    """The special tokens of the tokenizer at `path` (a directory or a Hugging Face name): its `all_special_tokens`
+    and every added token marked special (Llama 3's `<|python_tag|>`), the tokens `decode(...,
+    skip_special_tokens=True)` drops, as relay's rollouts do; ValueError (one line) if it cannot be loaded."""
     try:
         from transformers import AutoTokenizer
 
@@ -73,7 +76,8 @@ def special_tokens_from(path: str) -> tuple[str, ...]:
     except Exception as err:  # OSError, ValueError, ...: the user named the wrong thing
         raise ValueError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({type(err).__name__}); give the "
                          "policy model's directory or Hugging Face name") from None
-    return tuple(tokenizer.all_special_tokens)
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    return tuple(dict.fromkeys([*tokenizer.all_special_tokens, *(token.content for token in added if token.special)]))
 
 
 def longest_first(tokens: Iterable[str]) -> tuple[str, ...]:
@@ -83,20 +87,69 @@ def longest_first(tokens: Iterable[str]) -> tuple[str, ...]:
 
 
 def completion_of(query: str, prompt: str | None, special_tokens: Sequence[str]) -> tuple[str, bool]:
-    """(the completion a verifier scores, whether the query started with its prompt).
+    """(the completion a verifier scores, whether the query started with its prompt as sent).
 
-    The completion is the query after `prompt` (the whole query when it does not start with it, or without a
-    prompt), with each of `special_tokens` removed wherever it occurs; give them `longest_first`.
+    Each of `special_tokens` (give them `longest_first`) is removed from the query and the prompt wherever it
+    occurs; the completion is the query after the prompt. A query that does not start with its prompt (a tokenizer
+    cleaned up its spaces; OpenRLHF cut it on the left) starts with an end of it: compared without spaces, the
+    longest end of the prompt that starts the query is its prompt (`_prompt_end`), and the completion follows it.
+    Without a prompt the whole query is the completion (and did not start with its prompt). A query that starts with
+    no end of its prompt is a ValueError: the prompt's text is never scored as an answer.
     """
-    matched = prompt is not None and query.startswith(prompt)
-    text = query[len(prompt):] if matched else query
     for token in special_tokens:
-        text = text.replace(token, "")
-    return text, matched
+        query = query.replace(token, "")
+        prompt = prompt.replace(token, "") if prompt is not None else None
+    if prompt is None:
+        return query, False
+    if query.startswith(prompt):
+        return query[len(prompt):], True
+    end = _prompt_end(query, prompt)
+    if end is None:
+        raise ValueError("the query does not start with its prompt nor with any end of it (special tokens and "
+                         "spaces aside); send each query as its prompt followed by the response")
+    return query[end:], False
+
+
+def _prompt_end(query: str, prompt: str) -> int | None:
+    """Where the prompt ends in `query`, or None: the longest end of `prompt` that starts `query`, both compared
+    without spaces (U+0020: clean-up and SentencePiece add or drop them) and the query without the replacement
+    characters a cut through a character leaves; then as many of the query's spaces as the prompt ends with."""
+    text = query.lstrip("\ufffd")
+    kept = [i for i, c in enumerate(text) if c != " "]  # where each compared character of the query is
+    head, tail = "".join(text[i] for i in kept), prompt.replace(" ", "")
+    if not tail:
+        matched = 0
+    else:
+        matched = _longest_end_starting(tail, head[:len(tail)])
+        if matched == 0:
+            return None
+    end = len(query) - len(text) + (kept[matched - 1] + 1 if matched else 0)
+    spaces = len(prompt) - len(prompt.rstrip(" "))
+    while spaces and query[end:end + 1] == " ":
+        end, spaces = end + 1, spaces - 1
+    return end
+
+
+def _longest_end_starting(text: str, start: str) -> int:
+    """The length of the longest end (suffix) of `text` that is a beginning (prefix) of `start`: Knuth-Morris-Pratt,
+    `start` as the pattern run over `text`, linear in both."""
+    fail, k = [0] * len(start), 0  # fail[i]: the longest proper prefix of start[:i + 1] that also ends it
+    for i in range(1, len(start)):
+        while k and start[i] != start[k]:
+            k = fail[k - 1]
+        k += start[i] == start[k]
+        fail[i] = k
+    k = 0
+    for c in text:
+        while k and (k == len(start) or c != start[k]):
+            k = fail[k - 1]
+        k += k < len(start) and c == start[k]
+    return k
 
 
 def reward_reply(rewards: list[float], mismatched: list[bool]) -> dict[str, Any]:
     """The body of a 200 reply: one reward per query, the same numbers as `scores` (OpenRLHF's dynamic filtering
-    reads them), and per query 1.0 in `extra_logs.prompt_mismatch` where the query was scored whole."""
+    reads them), and per query 1.0 in `extra_logs.prompt_mismatch` where the query did not start with its prompt as
+    sent (`completion_of`)."""
     return {"rewards": rewards, "scores": rewards,
             "extra_logs": {"prompt_mismatch": [1.0 if m else 0.0 for m in mismatched]}}

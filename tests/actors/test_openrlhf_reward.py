@@ -27,10 +27,10 @@ from pydantic import ValidationError
 from actors.rollout_types import Rollout
 from cluster.demo.task import Problem
 from rewards.config import RemoteSource, RewardConfig
-from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS
+from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS, completion_of, longest_first, special_tokens_from
 from rewards.remote import RemoteVerifier, RemoteVerifierError, VerifierSample
 from rewards.service import app_from_spec, create_app, run_in_thread
-from rewards.verifiers import exact_match
+from rewards.verifiers import exact_match, numeric_match
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TOKENIZER = ROOT / "cluster" / "demo" / "models" / "demo-model-v1"  # special tokens: <eos>, <pad>
@@ -68,14 +68,15 @@ def reference_server(rewards_of=lambda queries: [float(q.endswith("4")) for q in
 
 
 class Recorder:
-    """exact_match that records each completion it is given."""
+    """`verifier` (exact_match) that records each completion it is given."""
 
-    def __init__(self):
+    def __init__(self, verifier=exact_match):
         self.completions: list[str] = []
+        self.verifier = verifier
 
     def __call__(self, completion: str, label) -> float:
         self.completions.append(completion)
-        return exact_match(completion, label)
+        return self.verifier(completion, label)
 
 
 # Serving: OpenRLHF's client against relay.
@@ -84,13 +85,48 @@ def test_openrlhf_client_reads_relays_rewards_for_queries_with_special_tokens():
     recorder = Recorder()
     queries = [CHAT + "4<|im_end|><|endoftext|>",  # right: the completion is "4" once the special tokens are gone
                CHAT + "5<|im_end|>",  # wrong
-               CHAT[20:] + "4<|im_end|>"]  # OpenRLHF cut the prompt on the left: scored whole, flagged
+               CHAT[20:] + "4<|im_end|>"]  # OpenRLHF cut the prompt on the left: found by its tail, flagged
     with run_in_thread(create_app(recorder, workers=2)) as url:
         replies = openrlhf_rewards(f"{url}/get_reward", queries, [CHAT] * 3, ["4"] * 3)
-    whole = (CHAT[20:] + "4").replace("<|im_start|>", "").replace("<|im_end|>", "")
-    assert replies == [{"rewards": [1.0, 0.0, 0.0], "scores": [1.0, 0.0, 0.0],
+    assert replies == [{"rewards": [1.0, 0.0, 1.0], "scores": [1.0, 0.0, 1.0],
                         "extra_logs": {"prompt_mismatch": [0.0, 0.0, 1.0]}}]
-    assert sorted(recorder.completions) == sorted(["4", "5", whole])
+    assert sorted(recorder.completions) == ["4", "4", "5"]
+
+
+# A question whose own numbers end with the label: scored whole, a non-answer would read 8 and score 1.0.
+SPIDER = "How many legs does 1 spider have ? Count them , not the 8 eyes . Answer :"
+
+
+def test_a_query_whose_prompt_changed_is_scored_on_its_response_alone():
+    from transformers import AutoTokenizer
+
+    cleaned = AutoTokenizer.from_pretrained(DEMO_TOKENIZER).clean_up_tokenization(SPIDER)  # what decode may give
+    assert cleaned != SPIDER
+    recorder = Recorder(numeric_match)
+    queries = ["<s>" + SPIDER + " I am not sure.</s>",  # a BOS before the prompt
+               cleaned + " I am not sure.</s>",  # the tokenizer cleaned up the prompt's spaces
+               SPIDER[30:] + " I am not sure.</s>",  # OpenRLHF cut the prompt on the left
+               "<s>" + SPIDER + " 8</s>"]  # right
+    with run_in_thread(create_app(recorder, workers=1)) as url:
+        replies = openrlhf_rewards(f"{url}/get_reward", queries, [SPIDER] * 4, ["8"] * 4)
+    assert recorder.completions == [" I am not sure."] * 3 + [" 8"]
+    assert replies == [{"rewards": [0.0, 0.0, 0.0, 1.0], "scores": [0.0, 0.0, 0.0, 1.0],
+                        "extra_logs": {"prompt_mismatch": [0.0, 1.0, 1.0, 0.0]}}]
+
+
+def test_a_query_that_does_not_hold_its_prompt_is_not_scored():
+    # Neither the prompt nor any tail of it starts the query: its text is not scored as an answer.
+    strip = longest_first(DEFAULT_SPECIAL_TOKENS)
+    with pytest.raises(ValueError, match=r"^the query does not start with its prompt nor with any end of it"):
+        completion_of("<s>Legs: 8</s>", SPIDER, strip)
+    assert completion_of("<s>Legs: 8</s>", None, strip) == ("Legs: 8", False)  # no prompt sent: scored whole
+    assert completion_of("<s>Legs: 8</s>", "<s>", strip) == ("Legs: 8", True)  # a prompt of special tokens only
+    recorder = Recorder(numeric_match)
+    with run_in_thread(create_app(recorder)) as url:
+        reply = httpx.post(f"{url}/get_reward", json={"query": ["<s>Legs: 8</s>"], "prompts": [SPIDER],
+                                                      "labels": ["8"]})
+    assert recorder.completions == []
+    assert reply.status_code != 200 or reply.json()["rewards"] != [1.0]
 
 
 def test_relay_verifier_serve_answers_openrlhfs_client(serve_verifier):
@@ -109,6 +145,26 @@ def test_a_tokenizers_special_tokens_replace_the_default_list():
     assert replies[0]["rewards"] == [1.0, 0.0] and "<|im_end|>" in DEFAULT_SPECIAL_TOKENS
     with pytest.raises(ValueError, match="--tokenizer '/no/such/dir': cannot load a tokenizer from it"):
         app_from_spec("exact_match", tokenizer="/no/such/dir")
+
+
+def test_a_tokenizers_added_special_tokens_are_stripped_too(tmp_path):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    # Llama-3's <|python_tag|> is an added token with special=True, outside `all_special_tokens`.
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    tokenizer.add_tokens([AddedToken("<|python_tag|>", special=True), AddedToken("<|text|>", special=False)])
+    tokenizer.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert "<|python_tag|>" not in tokenizer.all_special_tokens
+    response = tokenizer("3<|python_tag|><|text|><eos>", add_special_tokens=False)["input_ids"]
+    seen = tokenizer.decode(response, skip_special_tokens=True)  # what relay's rollouts give a verifier
+    assert seen == "3<|text|>"
+    recorder = Recorder()
+    app = create_app(recorder, special_tokens=special_tokens_from(str(tmp_path)))
+    with run_in_thread(app) as url:
+        replies = openrlhf_rewards(f"{url}/get_reward", ["1+2=3<|python_tag|><|text|><eos>"], ["1+2="], [seen])
+    assert recorder.completions == [seen] and replies[0]["rewards"] == [1.0]
 
 
 def test_service_refuses_bad_openrlhf_requests_clearly():
