@@ -18,37 +18,88 @@ import torch
 from sync.fingerprint import fingerprint as relay_fingerprint
 from sync.group import GroupSpec, WeightGroup
 
-# Rows `torch_linear` pads its input to a multiple of. Torch's float32 CPU matmul computes the rows left over after
-# the last full block of its micro-kernel (per thread's share of the rows) with another kernel, whose sums round
-# differently: a sequence's logprobs would then depend on how many others its decode step held (docs/vllm-cpu.md,
-# batch invariance). Padded to whole blocks, each row gets the same bits in any batch; the engine checks it on the
-# machine it runs on (`rows_invariant`).
-ROW_BLOCK = 4
+# The row counts `torch_linear`'s matmuls may have, in the order tried (`row_block`). Torch's CPU matmul computes
+# some rows of a batch with another micro-kernel than others (its leftover rows, per thread's share), and which rows
+# depends on the CPU, the thread count and the layer's shape (docs/vllm-cpu.md, batch invariance): a sequence's
+# logprobs would then depend on how many others its forward pass held. `torch_linear` runs every matmul on exactly
+# `row_block` rows (the last block padded with zeros), so the kernel's code path never changes with the batch; a row
+# can still land at any position of a block, so a block size is taken only once every position is shown to compute
+# the same bits (`positions_alike`). One row at a time (1) always holds: the last resort, and the slowest.
+ROW_BLOCKS = (16, 32, 64, 24, 48, 28, 14, 12, 8, 6, 4, 2, 1)
+
+# (in features, out features, dtype, bias, threads, matmul) -> the block `row_block` chose for them in this process.
+_blocks: dict[tuple, int] = {}
+
+
+def positions_alike(matmul: Callable, rows: int, width: int, out: int, dtype: torch.dtype, bias: bool) -> bool:
+    """Whether `matmul(x, weight, bias)` on exactly `rows` rows of `width` features gives a row the same bits at every
+    position of the batch, with whatever rows beside it: two random batches, each row put at every position (all
+    cyclic shifts), in this process's threads. Kernels do not branch on values, so random rows show a position whose
+    arithmetic differs."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out, width, generator=generator).to(dtype)
+    b = torch.randn(out, generator=generator).to(dtype) if bias else None
+    for _ in range(2):
+        x = torch.randn(rows, width, generator=generator).to(dtype)
+        first = matmul(x, weight, b)
+        for shift in range(1, rows):
+            if not torch.equal(matmul(x.roll(shift, 0), weight, b).roll(-shift, 0), first):
+                return False
+    return True
+
+
+def row_block(width: int, out: int, dtype: torch.dtype, bias: bool,
+              matmul: Callable = torch.nn.functional.linear) -> int:
+    """The first of `ROW_BLOCKS` whose every position computes the same bits (`positions_alike`) for a layer of this
+    shape on this machine and thread count: found once per process, at the layer's first call."""
+    key = (width, out, dtype, bias, torch.get_num_threads(), matmul)
+    if key not in _blocks:
+        _blocks[key] = next(rows for rows in ROW_BLOCKS if positions_alike(matmul, rows, width, out, dtype, bias))
+    return _blocks[key]
+
+
+def blocked_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 matmul: Callable = torch.nn.functional.linear) -> torch.Tensor:
+    """`matmul(x, weight, bias)` (a linear layer's) computed in matmuls of exactly `row_block` rows each, every one
+    on its own aligned copy of the rows: a row's bits depend on the row and the weights only, not on the batch."""
+    width = x.shape[-1]
+    rows = x.numel() // width
+    block = row_block(width, weight.shape[0], weight.dtype, bias is not None, matmul)
+    count = -(-rows // block)
+    padded = x.new_zeros(count * block, width)  # a fresh allocation: each block starts as aligned as the first
+    padded[:rows] = x.reshape(rows, width)
+    aligned = (block * width * padded.element_size()) % 64 == 0
+    parts = [matmul(part if aligned or i == 0 else part.clone(), weight, bias)
+             for i, part in enumerate(padded.split(block))]
+    out = parts[0] if count == 1 else torch.cat(parts)
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The CPU kernel of a linear layer in an engine started with `rollout.cpu_linear` torch: torch's linear on the
-    layer's weight as it is at the call, so a weight copied in place is the one used; over rows padded with zeros
-    to a multiple of `ROW_BLOCK`, so that each row's result does not depend on the batch's size."""
-    rows = x.numel() // x.shape[-1]
-    if rows % ROW_BLOCK == 0:
-        return torch.nn.functional.linear(x, weight, bias)
-    padded = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, ROW_BLOCK - rows % ROW_BLOCK))
-    return torch.nn.functional.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    layer's weight as it is at the call, so a weight copied in place is the one used; in blocks of a fixed number
+    of rows (`blocked_rows`), so that each row's result does not depend on the batch."""
+    return blocked_rows(x, weight, bias)
 
 
-def rows_invariant(kernel: Callable, width: int, dtype: torch.dtype, batches: int = 48) -> bool:
-    """Whether `kernel(x, weight, bias)` gives each row of `x` the same bits in batches of every size from 1 to
-    `batches` rows, at any position, as in one batch of them all: with this process's threads, on random rows of
-    `width` features (a model's hidden size) in `dtype`."""
+ROWS_CHECKED = (*range(1, 49), 64, 97)  # batch sizes `rows_invariant` compares: several blocks, too
+
+
+def rows_invariant(kernel: Callable, width: int, dtype: torch.dtype, out: int | None = None,
+                   weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
+    """Whether `kernel(x, weight, bias)` gives each row of `x` the same bits in batches of every size of
+    `ROWS_CHECKED`, at any position, as in one batch of them all: with this process's threads, on random rows of
+    `width` features (a layer's input size) in `dtype`, and `weight` (random, `out` x `width`, if not given)."""
     generator = torch.Generator().manual_seed(0)
+    batches = max(ROWS_CHECKED) + 1
     x = torch.randn(batches, width, generator=generator).to(dtype)
-    weight = torch.randn(2 * width, width, generator=generator).to(dtype)
-    everything = kernel(x, weight, None)
+    if weight is None:
+        weight = torch.randn(out or 2 * width, width, generator=generator).to(dtype)
+    everything = kernel(x, weight, bias)
     order = torch.randperm(batches, generator=generator)
-    for size in range(1, batches):
+    for size in ROWS_CHECKED:
         rows = order[:size]
-        if not torch.equal(kernel(x[rows], weight, None), everything[rows]):
+        if not torch.equal(kernel(x[rows], weight, bias), everything[rows]):
             return False
     return True
 
@@ -75,6 +126,36 @@ class RelayWorkerExtension:
         kernels = [m.cpu_linear for m in self.model_runner.get_model().modules() if hasattr(m, "cpu_linear")]
         self._relay_direct = bool(kernels) and all(kernel is torch_linear for kernel in kernels)
         return self._relay_direct
+
+    def relay_batch_invariance(self) -> dict:
+        """Whether each CPU linear kernel of the model gives every row the same bits in a batch of any size
+        (`rows_invariant`, on the layer's own weights and bias, in this worker's threads), checked once per kernel
+        kind and shape: {"invariant": bool, "detail": a line saying which kernels, and which layers failed}."""
+        model = self.model_runner.get_model()
+        dtype = self.model_config.dtype
+        checked: dict[tuple, bool] = {}
+        failed: list[str] = []
+        with torch.inference_mode():
+            for name, layer in model.named_modules():
+                kernel, shape = getattr(layer, "cpu_linear", None), _linear_shape(layer)
+                if kernel is None or shape is None:
+                    continue
+                key = (kernel is torch_linear, shape, getattr(layer, "bias", None) is not None)
+                if key not in checked:
+                    weight = layer.weight if layer.weight.ndim == 2 and layer.weight.numel() else None
+                    checked[key] = rows_invariant(kernel, shape[0], dtype, out=shape[1], weight=weight,
+                                                  bias=getattr(layer, "bias", None))
+                if not checked[key]:
+                    failed.append(name)
+        ours = [k for k in checked if k[0]]
+        kinds = ("torch's linear in blocks of " + ", ".join(
+            sorted({f"{row_block(w, o, dtype, b)} rows" for _, (w, o), b in ours})) if ours else "")
+        if len(ours) < len(checked):
+            kinds += ("; " if kinds else "") + "vLLM's CPU kernels"
+        detail = f"{kinds}: " + (f"rows depend on the batch in {', '.join(failed[:4])}"
+                                 + (f" and {len(failed) - 4} more" if len(failed) > 4 else "")
+                                 if failed else f"every row the same bits in batches of 1-{max(ROWS_CHECKED)} rows")
+        return {"invariant": not failed and bool(checked), "detail": detail}
 
     def relay_reload_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
                              path: str | None = None) -> int:
@@ -132,3 +213,17 @@ class RelayWorkerExtension:
         self._relay_weight_group = None
         if group is not None:
             group.close()
+
+
+def _linear_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a vLLM CPU linear layer or output head, whether or not its kernel dropped the weight."""
+    weight = getattr(layer, "weight", None)
+    if weight is None or weight.is_meta:
+        return None
+    if weight.ndim == 2 and weight.numel():
+        return weight.shape[1], weight.shape[0]
+    for width, out in (("input_size_per_partition", "output_size_per_partition"),
+                       ("embedding_dim", "num_embeddings_per_partition")):
+        if hasattr(layer, width) and hasattr(layer, out):
+            return getattr(layer, width), getattr(layer, out)
+    return None
