@@ -1,12 +1,15 @@
 """The rollout fleet's, the reference worker's and the teacher's settings: engines, sampling, placement knobs of the
 workers.
 
-Owned here, beside the workers they configure; `cluster/config.py` composes them into the run config. Imports
-only pydantic, so validating a config needs neither torch nor vLLM.
+Owned here, beside the workers they configure; `cluster/config.py` composes them into the run config, and takes the
+engine's sizes a model's own config.json sets (`sizes_for_model`). Imports only pydantic (and json to read that file),
+so validating a config needs neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +17,36 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+MAX_CONTEXT = 4096  # a longer context is not taken as max_model_len: every engine's KV cache scales with it
+KV_SEQUENCES = 8  # full-length sequences the KV cache a model sets holds (the demo's group of 8 at once)
+DEMO_KV_CACHE_BYTES = 64 * 2**20
+
+
+def sizes_for_model(model_dir: str | None, max_model_len: int | None = None) -> dict[str, int]:
+    """The rollout sizes that the model in `model_dir` sets where the user did not: `max_model_len` is its config's
+    context (`max_position_embeddings`) up to MAX_CONTEXT tokens; `max_new_tokens` an eighth of max_model_len (the
+    user's, if given; the prompt gets the rest: the demo's 8 of 64, 512 of 4096); `kv_cache_bytes` room for
+    KV_SEQUENCES sequences of max_model_len tokens at 4 bytes a value (twice as many in bfloat16), and at least the
+    demo's 64 MiB. Empty when `model_dir` holds no readable config.json with a context (the run's start reports a
+    missing model)."""
+    try:
+        model = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir else {}
+    except (OSError, ValueError):
+        return {}
+    model = model.get("text_config") or model if isinstance(model, dict) else {}
+    context = model.get("max_position_embeddings")
+    if not isinstance(context, int) or context < 16:
+        return {}
+    length = max_model_len if isinstance(max_model_len, int) and max_model_len >= 16 else min(context, MAX_CONTEXT)
+    sizes = {"max_model_len": length, "max_new_tokens": length // 8}
+    layers, heads = model.get("num_hidden_layers"), model.get("num_attention_heads")
+    if isinstance(layers, int) and isinstance(heads, int) and isinstance(model.get("hidden_size"), int):
+        head_dim = model.get("head_dim") or model["hidden_size"] // heads
+        per_token = 2 * layers * (model.get("num_key_value_heads") or heads) * head_dim * 4  # keys and values, float32
+        sizes["kv_cache_bytes"] = max(DEMO_KV_CACHE_BYTES, -(-KV_SEQUENCES * length * per_token // 2**20) * 2**20)
+    return sizes
 
 
 class RolloutConfig(_Section):
@@ -45,7 +78,7 @@ class RolloutConfig(_Section):
     """Completions sampled per prompt (G)."""
     max_new_tokens: int = Field(8, ge=1, le=1_000_000)
     """Maximum response tokens per completion; of a multi-turn episode (`env`), its model and environment tokens
-    together."""
+    together. Below `max_model_len`. Unset with `model.path`: an eighth of `max_model_len` (`sizes_for_model`)."""
     max_turns: int = Field(4, ge=1, le=10_000)
     """Multi-turn episodes (`env`): model turns per episode at most; after the last one the episode ends."""
     stop: list[str] = []
@@ -59,9 +92,11 @@ class RolloutConfig(_Section):
     that renormalisation (the run warns at start). With `learner.rollout_correction` (which asynchronous training and
     replay set by default) it is refused: the importance weights would be biased below 1."""
     max_model_len: int = Field(64, ge=8, le=1_048_576)
-    """Longest prompt+response the engine accepts."""
+    """Longest prompt+response the engine accepts. Unset with `model.path`: the model's context
+    (`max_position_embeddings` in its config.json), at most 4096 (`sizes_for_model`)."""
     kv_cache_bytes: int = Field(64 * 2**20, ge=2**20)
-    """KV-cache memory per engine, in bytes (needed on CPU, where vLLM cannot measure free memory)."""
+    """KV-cache memory per engine, in bytes (needed on CPU, where vLLM cannot measure free memory). Unset with
+    `model.path`: room for 8 sequences of `max_model_len` tokens in float32, at least 64 MiB (`sizes_for_model`)."""
     enforce_eager: bool = True
     """Skip torch.compile and graph capture, which dominate an engine's start-up on CPU (docs/vllm-cpu.md)."""
     cpu_linear: Literal["auto", "torch", "onednn"] = "auto"

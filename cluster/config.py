@@ -11,13 +11,14 @@ and config validation are instant and need neither torch nor vLLM.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from actors.config import ReferenceConfig, RolloutConfig, TeacherConfig
+from actors.config import ReferenceConfig, RolloutConfig, TeacherConfig, sizes_for_model
 from cluster.data_config import DataConfig, EvalConfig, ReasoningGymConfig, ReasoningGymDataset  # noqa: F401
 from learner.config import CriticConfig, LearnerConfig
 from rewards.config import SOURCE_TYPES, EnvironmentConfig, RewardConfig
@@ -159,6 +160,12 @@ class RunConfig(_Section):
     """A deadline for every remote call."""
     ray: RayConfig = RayConfig()
     """The Ray cluster to run on."""
+    _from_model: tuple[str, ...] = PrivateAttr(default=())  # the keys `_sized_by_the_model` set
+
+    @property
+    def from_model(self) -> dict[str, Any]:
+        """The keys the model in `model.path` set because the user did not (`rollout.max_model_len`, ...): values."""
+        return {f"rollout.{name}": getattr(self.rollout, name) for name in self._from_model}
 
     @property
     def scores_steps(self) -> bool:
@@ -189,6 +196,22 @@ class RunConfig(_Section):
         replay = _given(data.get("data"), "replay_fraction", 0)
         replayed = isinstance(replay, (int, float)) and not isinstance(replay, bool) and replay > 0
         return _unset_to(data, "learner", "rollout_correction", "tis") if _asynchronous(data) or replayed else data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _sized_by_the_model(cls, data: Any, handler: Any) -> RunConfig:
+        """With `model.path`, the rollout sizes the demo tuned for its own model (`max_model_len`, `max_new_tokens`,
+        `kv_cache_bytes`) come from that model's config.json where the user did not set them
+        (`actors.config.sizes_for_model`)."""
+        rollout = data.get("rollout", {}) if isinstance(data, dict) else None
+        sizes = sizes_for_model(_given(data.get("model") or {}, "path", None), rollout.get("max_model_len")) \
+            if isinstance(rollout, dict) else {}
+        unset = {name: value for name, value in sizes.items() if name not in rollout}
+        if not unset:
+            return handler(data)
+        config = handler({**data, "rollout": {**rollout, **unset}})
+        config._from_model = tuple(unset)
+        return config
 
     @model_validator(mode="before")
     @classmethod
@@ -283,6 +306,9 @@ def _inconsistencies(config: RunConfig):
     if learner.rollout_correction in ("icepop", "seq_mask_tis") and learner.rollout_correction_level != "token":
         yield ("learner.rollout_correction_level=sequence applies to tis and mis; "
                f"rollout_correction={learner.rollout_correction} defines its own level: remove it")
+    if rollout.max_new_tokens >= rollout.max_model_len:
+        yield (f"rollout.max_new_tokens ({rollout.max_new_tokens}) must be below rollout.max_model_len "
+               f"({rollout.max_model_len}), which holds the prompt and the completion: lower one or raise the other")
     if config.reward.overlong_buffer >= rollout.max_new_tokens:
         yield (f"reward.overlong_buffer ({config.reward.overlong_buffer}) must be below rollout.max_new_tokens "
                f"({rollout.max_new_tokens}); the penalty ramps over the last overlong_buffer tokens")
@@ -372,6 +398,12 @@ def _inconsistencies(config: RunConfig):
                "learner.distill_coef=0")
 
 
+# The fields' patterns, said as sentences (pydantic's message shows the regular expression).
+_PATTERNS = {r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$": "must be 'package.module:Name', a module then a colon and the "
+             "class or function in it (e.g. mypkg.envs:Game), importable from the current directory or PYTHONPATH",
+             r"^[A-Za-z_][A-Za-z0-9_]*$": "must be a name of letters, digits and _, not starting with a digit"}
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     # A reward source's location holds its union tag (`reward.sources.judge.remote.urls`): drop it.
@@ -379,12 +411,14 @@ def _format_error(err: ValidationError) -> str:
     key = ".".join(str(p) for p in loc)
     if first["type"] == "extra_forbidden":
         allowed = _allowed_keys(tuple(first["loc"][:-1]))
-        return f"unknown config key '{key}'; allowed here: {', '.join(allowed)}"
+        close = difflib.get_close_matches(str(first["loc"][-1]), allowed, n=1)
+        hint = f"did you mean '{'.'.join([*key.split('.')[:-1], close[0]])}'? " if close else ""
+        return f"unknown config key '{key}'; {hint}allowed here: {', '.join(allowed)}"
     if first["type"] == "union_tag_invalid":
         return f"{key}.type: must be one of {', '.join(SOURCE_TYPES)} (got {first['ctx']['tag']!r})"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {value!r})"
-    msg = first["msg"].removeprefix("Value error, ")
+    msg = _PATTERNS.get(first.get("ctx", {}).get("pattern"), first["msg"].removeprefix("Value error, "))
     return f"{key}: {msg}{shown}" if key else msg
 
 

@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         args.items += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # The user's own verifiers, environments and tools (`mypkg.rewards:score`) import from the current directory, as
+    # with `python -m`: the `relay` script's own directory is on the path instead. Ray's workers add it themselves.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)

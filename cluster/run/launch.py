@@ -2,8 +2,10 @@
 loop, checkpoints written, and everything cleaned up however the run ends (`run_training`).
 
 Owns: the checks made before anything starts or is written (`check_inputs`: model and dataset paths, datasets read and
-validated, logging, reward sources, the environment, the CPUs asked of a local Ray), the run directory, joining or
-starting Ray, and the loop over `Trainer.step` with its checkpoints.
+validated, logging, reward sources, the environment, the CPUs asked of a local Ray), what the user's model sets
+(`model_settings`: `model.dtype` from the hardware, and the one line naming every value the model set), the run
+directory, joining or starting Ray, and the loop over `Trainer.step` with its checkpoints (and the warning when many
+completions are cut at `rollout.max_new_tokens`).
 Does not own: the step (cluster/run/trainer.py), placement (cluster/fleet/placement.py), checkpoint files
 (cluster/run/checkpoint.py), which checkpoint to resume from (cluster/run/resume.py).
 """
@@ -43,6 +45,8 @@ from cluster.run.trainer import Trainer
 from rewards.config import ModelSource
 from sync.calls import RunError
 
+TRUNCATED_WARNING = 0.5  # a step whose completions are cut at rollout.max_new_tokens in more than this share warns
+
 
 class RunFinished(Exception):
     """`resume` named a run that already reached `max_steps`: nothing to do (not an error)."""
@@ -75,7 +79,8 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
 
     if model_path is not None and not (Path(model_path) / "config.json").is_file():
         raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
-                          "pass model.path=DIR or leave it empty for the demo model")
+                          "download one, e.g. huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "
+                          "models/Qwen2.5-0.5B-Instruct, and pass model.path=DIR, or leave it empty for the demo model")
     for name, source in config.reward.sources.items():
         if isinstance(source, ModelSource) and source.path is not None and \
                 not (Path(source.path) / "config.json").is_file():
@@ -128,6 +133,42 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
               "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
               "(docs/operations.md)", file=sys.stderr, flush=True)
     return data, scorer
+
+
+def model_settings(config: RunConfig) -> RunConfig:
+    """`config` with what the user's model (`model.path`) sets where the user did not, and one line on stderr naming
+    every such value: the rollout sizes (set when the config was built: `RunConfig.from_model`) and `model.dtype`,
+    bfloat16 for a model stored in 16 bits (its config.json's `torch_dtype`) where the hardware computes bfloat16
+    natively (`native_bfloat16`), else float32 (a model stored in float32, like the demo's, stays float32)."""
+    path = config.model.path
+    if not path or not (Path(path) / "config.json").is_file():
+        return config
+    derived = dict(config.from_model)
+    if "dtype" not in config.model.model_fields_set:
+        stored = json.loads((Path(path) / "config.json").read_text())
+        sixteen = (stored.get("torch_dtype") or stored.get("dtype")) in ("bfloat16", "float16")
+        dtype = "bfloat16" if sixteen and native_bfloat16(config) else "float32"
+        config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": dtype})})
+        derived["model.dtype"] = dtype
+    if derived:
+        shown = ", ".join(f"{key}={value}" for key, value in derived.items())
+        print(f"relay: from the model in {path}: {shown} (set any of them to override)", file=sys.stderr, flush=True)
+    return config
+
+
+def native_bfloat16(config: RunConfig) -> bool:
+    """Whether the run's hardware computes bfloat16 natively. A run that asks for GPUs (`num_gpus` > 0): CUDA's own
+    check where this driver sees a GPU, else yes (a CPU head node; the GPUs docs/gpu.md covers compute it). On CPU: the
+    AVX512_BF16 or AMX-BF16 instructions in /proc/cpuinfo's flags (without them bfloat16 is emulated, and slower)."""
+    if config.rollout.num_gpus or config.learner.num_gpus:
+        import torch
+
+        return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def check_teacher(config: RunConfig, model_path: str | None) -> None:
@@ -203,6 +244,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
 
     Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
     when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
+    config = model_settings(config)  # before comparing with a checkpoint's config, which holds the derived values
     point = resume.find(config, run_dir)
     if point is not None and point.step >= config.max_steps:
         raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
@@ -308,7 +350,7 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
 def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: str, first: int, display: bool
           ) -> list[dict[str, Any]]:
     """The steps from `first` to `max_steps`, each recorded and published, checkpoints written; their records."""
-    config, records = trainer.config, []
+    config, records, warned = trainer.config, [], False
     trainer.publish({"step": first - 1})
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
     with progress or nullcontext(), _stop_on_interrupt() as interrupted:
@@ -321,12 +363,25 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
                 trainer.publish(record)
                 if progress:
                     progress.update(record)
+                warned = warned or _warn_truncated(record, config.rollout.max_new_tokens)
             every = config.checkpoint.every
             if step == config.max_steps or (every and step % every == 0):
                 trainer.save_checkpoint(run_dir, step, resolved)
     if progress:
         progress.summary()
     return records
+
+
+def _warn_truncated(record: dict[str, Any], max_new_tokens: int) -> bool:
+    """Print one warning if more than TRUNCATED_WARNING of a step's completions were cut at `max_new_tokens`; whether
+    it did (the run warns once)."""
+    cut = record.get("response/truncated_fraction", 0.0)
+    if cut <= TRUNCATED_WARNING:
+        return False
+    print(f"relay: warning: step {record.get('step')}: {cut:.0%} of the completions were cut at "
+          f"rollout.max_new_tokens={max_new_tokens} (response/truncated_fraction); raise rollout.max_new_tokens (and "
+          "rollout.max_model_len) if the answers need more tokens", file=sys.stderr, flush=True)
+    return True
 
 
 class RunInterrupted(RunError):

@@ -18,7 +18,7 @@ from cluster.cli.commands import main
 # the fixture below writes the bad files.
 CORPUS = [
     # config keys and values
-    (["train", "learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here:"),
+    (["train", "learner.lrr=1"], "unknown config key 'learner.lrr'; did you mean 'learner.lr'? allowed here:"),
     (["train", "nope=1"], "unknown config key 'nope'"),
     (["train", "learner.lr=abc"], "learner.lr: Input should be a valid number"),
     (["train", "rollout.num_workers=0"], "rollout.num_workers: Input should be greater than or equal to 1"),

@@ -62,7 +62,7 @@ def test_every_field_is_documented():
 
 
 BAD = [
-    (["learner.lrr=1"], "unknown config key 'learner.lrr'; allowed here: num_cpus"),
+    (["learner.lrr=1"], "unknown config key 'learner.lrr'; did you mean 'learner.lr'? allowed here: num_cpus"),
     (["nope=1"], "unknown config key 'nope'"),
     (["learner.baseline=group_mean"], "learner.baseline applies to advantage=reinforce only"),
     (["learner.advantage=reinforce", "learner.baseline=value"], "learner.baseline=value needs a value model: set "
@@ -111,7 +111,7 @@ BAD = [
                                                    "both set; keep one"),
     (["env.params={x: 1}"], "params are the constructor arguments of an in-process environment: set spec too"),
     (["env.urls=[ftp://h]"], "url 'ftp://h' is not of the form http(s)://host[:port]"),
-    (["env.spec=nocolon"], "env.spec: String should match pattern"),
+    (["env.spec=nocolon"], "env.spec: must be 'package.module:Name'"),
     (["env.spec=a.b:C", "reward.sources={env: {verifier: exact_match}}"], "reward source name 'env' would hide"),
     (["env.spec=a.b:C", "rollout.max_staleness=1", "rollout.in_flight_updates=true"],
      "env episodes and rollout.in_flight_updates are not supported together"),
