@@ -3,7 +3,8 @@ step's record as a gauge and the run's failures, drops, retries and restarts as 
 
 Owns: the names (`metric_name`: a record key made a valid Prometheus name), which keys also count (`STEP_COUNTS`,
 `RUN_COUNTS`), the HTTP server's life (a daemon thread, started with the recorder, shut down when the run ends, its
-port released) and the check, before anything starts, that its address can be bound (`check_prometheus`).
+port released, a warning when it is bound beyond loopback) and the check, before anything starts, that its address can
+be bound (`check_prometheus`).
 Does not own: the records (cluster/run/metrics.py fans them out to every sink) or the dashboard
 (deploy/grafana/relay-dashboard.json). prometheus_client is imported only when a run serves metrics.
 
@@ -20,6 +21,8 @@ import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from rewards.config import is_loopback
 
 PREFIX = "relay_"
 # Keys a record holds as this step's count: their counter grows by the value.
@@ -78,11 +81,13 @@ class PrometheusExporter:
     """Serves the latest record at http://`host`:`port`/metrics (port 0: any free one, `url` says which) from a
     private registry, so several runs in one process do not clash. Every label set is `{run="<run>"}`.
 
-    Gauges: every key a record has, named by `metric_name`, at its latest finite value: a key whose value is NaN or
-    None, or that a record lacks (`eval/*` between evaluations), keeps the value it last had (`relay_step` and
-    `relay_eval_step` say which step they are from); a key no record had a number for is not served.
-    Counters: `counter_name(key)` for every key of `STEP_COUNTS` (grown by each record's value) and `RUN_COUNTS`
-    (grown by each increase, the first value counting whole), from 0 when this process started serving.
+    Gauges: every key a record has a number for, named by `metric_name`, at its latest value, NaN and the infinities
+    included (a loss that diverged shows as NaN, not as its last finite value; a NaN that means "does not apply",
+    such as `sync/probe_max_diff` without a probe, shows the same way): a key whose value is None, or that a record
+    lacks (`eval/*` between evaluations), keeps the value it last had (`relay_step` and `relay_eval_step` say which
+    step they are from); a key no record had a number for is not served.
+    Counters: `counter_name(key)` for every key of `STEP_COUNTS` (grown by each record's finite value) and
+    `RUN_COUNTS` (grown by each increase, the first value counting whole), from 0 when this process started serving.
     Two keys with one name: the first one seen is served, the other is left out with a warning."""
 
     def __init__(self, host: str, port: int, run: str):
@@ -103,15 +108,19 @@ class PrometheusExporter:
                              f"there ({err.strerror}); pick another port, or 0 for any free one") from None
         self.port = self._server.server_port
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
+        if not is_loopback(host):  # as the services do (rewards/service.py); /metrics has no token to ask for
+            print(f"relay: warning: serving metrics on {host}, beyond loopback, without authentication: anyone who "
+                  f"can reach port {self.port} can read them; set logging.prometheus_host=127.0.0.1 unless a "
+                  "firewall or network policy keeps others out", file=sys.stderr, flush=True)
 
     def update(self, record: dict[str, Any]) -> None:
         """Take `record` (one step's metrics) into the snapshot the next scrape reads."""
         gauges, counters = (dict(served) for served in self._snapshot)
         for key, value in record.items():
-            if not _is_number(value) or not self._claim(metric_name(key), key):
+            if not isinstance(value, (int, float)) or not self._claim(metric_name(key), key):
                 continue
             gauges[metric_name(key)] = (key, float(value))
-            if key in STEP_COUNTS or key in RUN_COUNTS:
+            if (key in STEP_COUNTS or key in RUN_COUNTS) and math.isfinite(value):  # a NaN would stick for good
                 grown = value if key in STEP_COUNTS else _increase(self._last_run_counts.get(key, 0.0), value)
                 self._last_run_counts[key] = float(value)
                 name = metric_name(key) + COUNTER_SUFFIX
@@ -154,10 +163,6 @@ class PrometheusExporter:
 def _increase(previous: float, value: float) -> float:
     """How much a count kept so far grew; a count that went down started again (as Prometheus reads a reset)."""
     return value - previous if value >= previous else value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _import_prometheus() -> Any:

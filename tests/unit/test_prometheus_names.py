@@ -63,13 +63,13 @@ def exporter():
     served.close()
 
 
-def test_gauges_hold_the_latest_finite_values_and_counters_add_up(exporter):
+def test_gauges_hold_the_latest_values_and_counters_add_up(exporter):
     assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics" and exporter.port > 0
     assert scrape(exporter.url) == {}  # nothing before the first record
     exporter.update({"step": 1, "reward/mean": 0.25, "kl/mean": 0.5, "eval/pass@1": 0.75, "verifier/failures": 2.0,
                      "verifier/retries": 3.0, "rollout/restarts": 1, "train/skipped_updates": 0.0,
                      "note": "text", "rollout/completions": 64, "converged": True})
-    exporter.update({"step": 2, "reward/mean": 0.5, "kl/mean": math.nan, "sync/probe_max_diff": None,
+    exporter.update({"step": 2, "reward/mean": 0.5, "sync/probe_max_diff": None,
                      "verifier/failures": 1.0, "verifier/retries": 0.0, "rollout/restarts": 3,
                      "train/skipped_updates": 1.0, "rollout/completions": 32})
     for openmetrics in (False, True):
@@ -77,8 +77,7 @@ def test_gauges_hold_the_latest_finite_values_and_counters_add_up(exporter):
         gauges = {name: value for name, (kind, _, value) in samples.items() if kind == "gauge"}
         assert gauges == {
             "relay_step": 2.0, "relay_reward_mean": 0.5, "relay_rollout_completions": 32.0, "relay_converged": 1.0,
-            "relay_kl_mean": 0.5,  # NaN at step 2: unchanged
-            "relay_eval_pass_at_1": 0.75,  # not in step 2's record: unchanged
+            "relay_kl_mean": 0.5, "relay_eval_pass_at_1": 0.75,  # not in step 2's record: unchanged
             "relay_verifier_failures": 1.0, "relay_verifier_retries": 0.0, "relay_rollout_restarts": 3.0,
             "relay_train_skipped_updates": 1.0}  # no string, no sync/probe_max_diff (never a number)
         counters = {name: value for name, (kind, _, value) in samples.items() if kind == "counter"}
@@ -87,6 +86,21 @@ def test_gauges_hold_the_latest_finite_values_and_counters_add_up(exporter):
                             "relay_train_skipped_updates_cumulative_total": 1.0,
                             "relay_rollout_restarts_cumulative_total": 3.0}  # so far: 1, then up by 2
         assert {tuple(labels.items()) for _, labels, _ in samples.values()} == {(("run", "try1"),)}
+
+
+def test_a_value_that_turns_non_finite_is_served_as_such_not_as_its_last_finite_one(exporter):
+    # A loss that diverges must not look healthy: NaN and the infinities are served as they are (both formats carry
+    # them); a key a record lacks, or holds None for, keeps its last value.
+    exporter.update({"step": 1, "loss/policy": 0.5, "grad_norm": 2.0, "kl/mean": 0.1, "eval/pass@1": 0.75})
+    exporter.update({"step": 2, "loss/policy": math.nan, "grad_norm": math.inf, "kl/mean": -math.inf})
+    for openmetrics in (False, True):
+        samples = scrape(exporter.url, openmetrics)
+        assert math.isnan(samples["relay_loss_policy"][2]), samples["relay_loss_policy"]
+        assert samples["relay_grad_norm"][2] == math.inf and samples["relay_kl_mean"][2] == -math.inf
+        assert samples["relay_eval_pass_at_1"][2] == 0.75 and samples["relay_step"][2] == 2.0
+    exporter.update({"step": 3, "loss/policy": 0.25, "grad_norm": None})
+    samples = scrape(exporter.url)
+    assert samples["relay_loss_policy"][2] == 0.25 and samples["relay_grad_norm"][2] == math.inf
 
 
 def test_a_count_kept_so_far_that_falls_counts_as_started_again(exporter):
@@ -112,6 +126,19 @@ def test_close_releases_the_port():
     again = PrometheusExporter("127.0.0.1", served.port, "r")  # the same port at once, as the next run would
     again.close()
     served.close()  # twice: nothing happens
+
+
+def test_serving_beyond_loopback_warns_once_in_one_line_and_loopback_does_not(capsys):
+    for host in ("127.0.0.1", "localhost"):
+        PrometheusExporter(host, 0, "r").close()
+    assert "warning" not in capsys.readouterr().err
+    served = PrometheusExporter("0.0.0.0", 0, "r")  # every address of this machine: the network's too
+    served.update({"step": 1, "reward/mean": 1.0})
+    assert scrape(f"http://127.0.0.1:{served.port}/metrics")["relay_reward_mean"][2] == 1.0
+    served.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relay: warning: ") and "0.0.0.0" in err, err
+    assert "logging.prometheus_host=127.0.0.1" in err
 
 
 @pytest.fixture
@@ -170,6 +197,44 @@ def test_the_dashboard_charts_only_metrics_a_run_serves():
     assert {"relay_reward_mean", "relay_eval_reward_mean", "relay_kl_mean", "relay_async_staleness",
             "relay_logprob_mismatch", "relay_mismatch_kl", "relay_sync_probe_max_diff",
             "relay_throughput_tokens_per_s"} <= named
+
+
+def emitted_reward_names() -> set[str]:
+    """The Prometheus names of the reward metrics an iterative GRPO run (configs/iterative_grpo.yaml: a verifier and a
+    reward model it fine-tunes) records: `reward/*`, and `reward_model/<name>/*` with the keys its fit returns (its
+    losses' own metrics and units, actors/reward_model.py)."""
+    import torch
+
+    from actors.reward_model import REWARD_MODEL_LOSSES
+    from cluster.config import load_config
+
+    sources = load_config(ROOT / "configs" / "iterative_grpo.yaml").reward.sources
+    fitted = {"loss", "loss_before", "grad_norm", "updates", "skipped_updates"}
+    for loss in REWARD_MODEL_LOSSES.values():
+        fit = loss(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]), 2)
+        fitted |= {fit.unit, *fit.metrics, *(f"{name}_before" for name in fit.metrics)}
+    keys = {"reward/mean", "reward/std", *(f"reward/{name}" for name in sources),
+            *(f"reward_model/{name}/{key}" for name, source in sources.items() if getattr(source, "train", None)
+              for key in fitted)}
+    return {metric_name(key) for key in keys}
+
+
+def selects(expr: str, name: str) -> bool:
+    """Whether PromQL selector `expr`'s `__name__` matchers (`=~`, `!~`: RE2, anchored at both ends) take `name`."""
+    matchers = re.findall(r'__name__\s*(=~|!~)\s*"((?:[^"\\]|\\.)*)"', expr)
+    assert matchers, expr
+    return all(bool(re.fullmatch(pattern.replace("\\\\", "\\"), name)) == (op == "=~") for op, pattern in matchers)
+
+
+def test_the_dashboards_reward_sources_are_the_reward_sources_and_nothing_else():
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "relay-dashboard.json").read_text())
+    [expr] = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]
+              if "relay_reward_" in t["expr"] and "__name__" in t["expr"]]
+    names = emitted_reward_names()
+    assert {"relay_reward_correct", "relay_reward_rm", "relay_reward_model_rm_loss",
+            "relay_reward_model_rm_accuracy", "relay_reward_model_rm_pairs"} <= names  # what the check rests on
+    assert {name for name in names if selects(expr, name)} == {"relay_reward_correct", "relay_reward_rm"}
+    assert selects(expr, "relay_reward_model")  # a source named `model`; `model_*` ones read as a reward model's
 
 
 def test_every_counted_key_is_a_documented_metric():
