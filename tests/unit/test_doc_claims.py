@@ -1,8 +1,10 @@
 """Sentences of the docs that state what the code does, checked against the code: the critic rule, the placement of
-the demo's actors, the commands the docs give for a finished run, the files the Dockerfiles cite."""
+the demo's shipped models, the commands the docs give for a finished run, the demo's time, and the table of invalid
+combinations against the checks the config models make."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 import typing
@@ -70,3 +72,54 @@ def test_the_readme_gives_the_demo_one_duration():
     tour = re.search(r"the whole run takes about (\d+) minutes", readme)
     assert make_demo and tour, "README.md no longer states the demo's time where it did"
     assert make_demo.group(1) == tour.group(1)
+
+
+CONFIG_MODULES = ["cluster/config.py", "cluster/data_config.py", "actors/config.py", "learner/config.py",
+                  "rewards/config.py", "sync/config.py"]
+
+
+def literal_parts(node: ast.AST) -> list[str]:
+    """The literal text of a message expression: its strings, an f-string's constant parts, both sides of a `+`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [part.value for part in node.values if isinstance(part, ast.Constant)]
+    if isinstance(node, ast.BinOp):
+        return literal_parts(node.left) + literal_parts(node.right)
+    return []
+
+
+def config_checks() -> list[tuple[str, str]]:
+    """(where, the longest literal part of its message) of every check the config modules make: each message a
+    `_inconsistencies` rule yields, each `ValueError` a validator raises, each message a public `*_error` helper
+    returns (a check that validators share, as `clear_text_token_error`)."""
+    checks = []
+    for path in CONFIG_MODULES:
+        tree = ast.parse((ROOT / path).read_text())
+        helpers = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name.endswith("_error")
+                   and not f.name.startswith("_")]  # `_format_error` words pydantic's errors, not a check
+        returned = [n.value for f in helpers for n in ast.walk(f) if isinstance(n, ast.Return) and n.value]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Yield) and node.value is not None:
+                message = node.value
+            elif (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
+                  and getattr(node.exc.func, "id", None) == "ValueError"):
+                message = node.exc.args[0]
+            elif any(node is value for value in returned):
+                message = node
+            else:
+                continue
+            parts = [" ".join(part.split()) for part in literal_parts(message)]
+            if any(parts):  # `raise ValueError(problem)` re-raises a message found elsewhere
+                checks.append((f"{path}:{node.lineno}", max(parts, key=len).strip()))
+    return checks
+
+
+def test_the_invalid_combinations_table_lists_every_check_of_the_config():
+    checks = config_checks()
+    assert len(checks) > 60, checks  # _inconsistencies' rules and the sections' validators were all found
+    algorithms = (ROOT / "docs" / "algorithms.md").read_text()
+    table = algorithms[algorithms.index("## Invalid combinations"):]
+    table = " ".join(table[:table.index("\n## ")].split())
+    missing = [f"{where}: {text}" for where, text in checks if text not in table]
+    assert not missing, f"docs/algorithms.md, \"Invalid combinations\", lacks these checks: {missing}"
