@@ -65,7 +65,8 @@ class LoggingConfig(_Section):
     printed at start); empty: not served. docs/operations.md, "Prometheus and Grafana"."""
     prometheus_host: str = Field("127.0.0.1", min_length=1)
     """Address the metrics server binds (with `prometheus_port`): this machine only by default; `0.0.0.0` lets other
-    machines (a Prometheus server) scrape it."""
+    machines (a Prometheus server) scrape it, and anyone else who can reach the port (no authentication: the run
+    warns)."""
 
 
 class TimeoutConfig(_Section):
