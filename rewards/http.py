@@ -7,8 +7,9 @@ the retry loop (`retrying`, with full-jitter exponential backoff, and its faults
 refused where it would cross the network in clear text) and `is_finite_number`. For the services
 (rewards/service.py, rewards/environments/service.py, openenv_service.py): the token from the environment
 (`token_from_env`), the bearer-token check of a request and its 401 reply (`authorized`, `UNAUTHORIZED`,
-`unauthorized`), FastAPI's own pages behind the token (`guard_docs`), and reading a body within its limit
-(`read_body`).
+`unauthorized`), FastAPI's own pages behind the token (`guard_docs`), reading a body within its limit
+(`read_body`), and what keeps web pages in a browser out of every service (`BrowserGuard`: foreign `Origin`s unless
+allowed by `allowed_origins`, bodies not declared JSON, other hosts' names on loopback).
 Does not own: what any protocol sends or answers (the modules above), where a token may travel and loopback detection
 (rewards/config.py: config validation needs them, and config modules import nothing of the project), nor serving an
 app (rewards/service.py's `run_app`, `run_in_thread`).
@@ -17,6 +18,10 @@ Decisions:
 - Nothing of a web framework is imported at the top: the clients import this module, and a rollout worker needs
   httpx, not FastAPI. `guard_docs` imports Starlette when a service calls it.
 - A token is compared in constant time (`hmac.compare_digest`).
+- `BrowserGuard` is a middleware, not a check in each route: every route of every service (relay's protocols,
+  OpenEnv's WebSocket, OpenRLHF's `/get_reward`, FastAPI's pages) is behind it, routes added later included. Whether
+  a request came on loopback is read from the connection's own address (ASGI `server`), not from the address the
+  service was asked to bind, so an app served any way gets it.
 - `guard_docs` wraps the routes FastAPI adds itself rather than matching paths in a middleware: the guard goes with
   the route, whatever prefix (`root_path`) it is reached under.
 """
@@ -33,10 +38,11 @@ import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
-from rewards.config import clear_text_token_error
+from rewards.config import clear_text_token_error, is_loopback
 
 if TYPE_CHECKING:  # only named in annotations
     from fastapi import FastAPI
@@ -263,6 +269,95 @@ async def read_body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def allowed_origins(origins: Sequence[str], setting: str = "--allow-origin") -> frozenset[str]:
+    """`origins` as `BrowserGuard` compares them (lower case, no trailing slash); a one-line `ValueError` naming
+    `setting` for one that is not `scheme://host[:port]` (http or https, no path)."""
+    out = set()
+    for origin in origins:
+        parts = urlsplit(origin.strip().rstrip("/").lower())
+        try:
+            parts.port  # noqa: B018  (raises ValueError for a port that is not a number)
+        except ValueError:
+            parts = parts._replace(netloc="")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment:
+            raise ValueError(f"{setting} {origin!r} is not an origin: give scheme://host[:port], e.g. "
+                             "https://dashboard.example:8443")
+        out.add(f"{parts.scheme}://{parts.netloc}")
+    return frozenset(out)
+
+
+class BrowserGuard:
+    """ASGI middleware every service puts in front of its routes, so a web page in a browser on this machine cannot
+    use a service it can reach (docs/operations.md, "Security"). In order:
+
+    - a request or WebSocket handshake reached on a loopback address whose `Host` names another host is refused
+      (403): a page whose DNS name was rebound to 127.0.0.1 sends its own name there;
+    - one with an `Origin` (browsers send it on every WebSocket handshake and cross-origin request; relay's, OpenEnv's
+      and OpenRLHF's clients never do) is refused (403) unless the origin is allowed (`allowed`, from
+      `allowed_origins`) or is the service's own on loopback (its `/docs` page);
+    - a POST, PUT or PATCH whose body is not declared `application/json` gets 415: a page may send `text/plain`
+      anywhere without asking (no CORS preflight), and the body would otherwise be read as JSON all the same.
+
+    A refused handshake is closed before it is accepted (HTTP 403). Plain ASGI: nothing of a web framework imported.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], allowed: frozenset[str] = frozenset(),
+                 serve_command: str = "relay verifier serve"):
+        self.app, self.allowed, self.serve_command = app, allowed, serve_command
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] in ("http", "websocket"):
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await _refuse(scope, receive, send, *refusal)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: dict[str, Any]) -> tuple[int, str] | None:
+        """(status, one line) refusing the request, or None to let it through."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        host = headers.get("host", "")
+        server = scope.get("server") or ("", None)
+        on_loopback = is_loopback(server[0])
+        if on_loopback and host and not is_loopback(_hostname(host)):
+            return 403, (f"Host {host} is not this machine: a service reached on loopback answers requests to "
+                         "localhost, 127.0.0.1 or [::1] only (DNS rebinding)")
+        origin = headers.get("origin")
+        if origin is not None and not self._admits(origin, host, on_loopback):
+            return 403, (f"Origin {origin} may not use this service: web pages are refused unless allowed "
+                         f"({self.serve_command} --allow-origin ORIGIN)")
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "PATCH"):
+            declared = headers.get("content-type", "")
+            if declared.split(";")[0].strip().lower() != "application/json":
+                got = repr(declared) if declared else "none"
+                return 415, (f"Content-Type must be application/json (got {got}); send the body as JSON with that "
+                             "header")
+        return None
+
+    def _admits(self, origin: str, host: str, on_loopback: bool) -> bool:
+        origin = origin.strip().rstrip("/").lower()
+        if origin in self.allowed:
+            return True
+        scheme, _, netloc = origin.partition("://")  # the service's own pages: same origin, on loopback
+        return on_loopback and scheme in ("http", "https") and netloc == host.lower() and is_loopback(_hostname(host))
+
+
+def _hostname(host: str) -> str:
+    """The name in a `Host` header: without its port, an IPv6 address without its brackets."""
+    return urlsplit(f"//{host}").hostname or ""
+
+
+async def _refuse(scope: dict[str, Any], receive: Callable, send: Callable, status: int, detail: str) -> None:
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008})  # before accepting: the handshake's answer is HTTP 403
+        return
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def guard_docs(app: FastAPI, token: str | None) -> None:

@@ -23,9 +23,11 @@ Decisions:
   reward that is not a finite number; with `level: steps`, `step_rewards` missing, of the wrong length or not all
   finite numbers), which a deterministic verifier would repeat. A service too old to know `steps` ignores them
   and answers `reward` only: every sample of it fails with an error saying so, and nothing is retried.
-- OpenRLHF's protocol has no per-sample errors: a reply that is not a `rewards` list of one finite number per query
-  is malformed (retried, then the failure policy). Its `scores` and `extra_logs` are ignored: `extra_logs` have no
-  fixed meaning, and relay's metrics are its own per-step counters.
+- OpenRLHF's protocol: a `null` reward is that query's failure (relay's service answers it for a query it could not
+  score, with the reason in `errors`): counted and not retried, as an `"error"` result. A reply that is not a
+  `rewards` list of one finite number or null per query is malformed (retried, then the failure policy). Its
+  `scores` and `extra_logs` are ignored: `extra_logs` have no fixed meaning, and relay's metrics are its own per-step
+  counters.
 - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
   so a dead service fails fast; the exception carries the metrics gathered so far.
 - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message; a URL
@@ -251,8 +253,9 @@ class RemoteVerifier(Redacting):
         return results
 
     async def _post_openrlhf(self, batch: _Batch) -> list[dict]:
-        """POST the batch in OpenRLHF's shape; return its rewards as relay's results (`{"id", "reward"}`, in order)
-        if the reply holds one finite number per query, else raise `Retryable` (malformed)."""
+        """POST the batch in OpenRLHF's shape; return its rewards as relay's results (`{"id", "reward"}`, in order;
+        `{"id", "error"}` for a null reward) if the reply holds one finite number or null per query, else raise
+        `Retryable` (malformed)."""
         samples = batch.samples
         body = request_body([s.query if s.query is not None else s.prompt + s.completion for s in samples],
                             [s.prompt for s in samples], [s.label for s in samples])
@@ -262,11 +265,15 @@ class RemoteVerifier(Redacting):
             raise Retryable('malformed reply: expected {"rewards": [one number per query, ...]}')
         if len(rewards) != len(samples):
             raise Retryable(f"malformed reply: {len(rewards)} rewards for {len(samples)} queries")
-        bad = next((i for i, r in enumerate(rewards) if not is_finite_number(r)), None)
+        bad = next((i for i, r in enumerate(rewards) if r is not None and not is_finite_number(r)), None)
         if bad is not None:
             raise Retryable(f"malformed reply: reward {bad} is {self._excerpt(json.dumps(rewards[bad]), 50)}, not a "
                             "finite number")
-        return [{"id": s.id, "reward": r} for s, r in zip(samples, rewards)]
+        errors = reply.get("errors")
+        errors = errors if isinstance(errors, list) and len(errors) == len(samples) else [None] * len(samples)
+        return [{"id": s.id, "reward": r} if r is not None else
+                {"id": s.id, "error": e if isinstance(e, str) and e else "the service returned no reward (null)"}
+                for s, r, e in zip(samples, rewards, errors)]
 
     def _read_results(self, batch: _Batch, results: list[dict]) -> None:
         steps = {s.id: s.steps for s in batch.samples}

@@ -9,7 +9,7 @@ verifiers by name or `package.module:function`), `run_app` (serve an app with uv
 both warn when an app without a token is served beyond loopback.
 Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py), nor the plumbing
 shared with the environment service (rewards/http.py: the token from the environment, the bearer-token check,
-FastAPI's pages behind it, reading a body within its limit).
+FastAPI's pages behind it, reading a body within its limit, the guard against web pages).
 
 This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
 in any language. Decisions:
@@ -24,8 +24,11 @@ in any language. Decisions:
 - `/health` needs no token (load balancers probe it); `/verify`, `/get_reward` and FastAPI's own pages
   (`/openapi.json`, `/docs`, `/redoc`) do when a token is set. Unknown sample fields are ignored, so newer clients
   can add fields without breaking older services.
-- `/get_reward` (OpenRLHF) has no per-sample errors: a query that cannot be scored fails its request with a 500
-  naming it and `"retryable": false` (OpenRLHF sends one query per request, so this is per query there).
+- `/get_reward` (OpenRLHF): a query that cannot be scored gets `null` in `rewards` and `scores` and its error in
+  `errors` (one entry per query, null for the scored ones; absent when all were scored), and the others are scored:
+  relay's client batches queries and counts that one as its failure. When no query could be scored the reply is a
+  500 naming the first, with `"retryable": false`: OpenRLHF's own client sends one query per request and cannot
+  read a null reward, but leaves a sample without one after a failed request.
 - Steps are optional both ways: a sample with `steps` goes to the step verifier if there is one (reply
   `step_rewards`), else to the outcome verifier on its `completion` (reply `reward`, as an old service would); a
   sample without `steps` needs the outcome verifier.
@@ -49,7 +52,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rewards.config import is_loopback
-from rewards.http import authorized, guard_docs, read_body, token_from_env, unauthorized
+from rewards.http import (
+    BrowserGuard,
+    allowed_origins,
+    authorized,
+    guard_docs,
+    read_body,
+    token_from_env,
+    unauthorized,
+)
 from rewards.openrlhf import DEFAULT_SPECIAL_TOKENS, RewardRequest, completion_of, longest_first, reward_reply
 
 log = logging.getLogger(__name__)
@@ -218,7 +229,8 @@ def _step_result(sample_id: str, value: Any, num_steps: int) -> Result:
 
 def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier | None = None, max_batch: int = 1024,
                max_body_bytes: int = 8 * 2**20, workers: int = 4, sample_timeout: float = 30.0,
-               token: str | None = None, special_tokens: Sequence[str] | None = None) -> FastAPI:
+               token: str | None = None, special_tokens: Sequence[str] | None = None,
+               allow_origins: Sequence[str] = ()) -> FastAPI:
     """A FastAPI app serving `verifier` and/or `step_verifier` (at least one) with the remote verifier protocol, and
     `verifier` with OpenRLHF's (`POST /get_reward`).
 
@@ -229,11 +241,15 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
     an error. token: bearer token required by `/verify`, `/get_reward` and FastAPI's `/openapi.json`, `/docs` and
     `/redoc` (None: no authentication).
     special_tokens: stripped from a `/get_reward` query's completion (None: `rewards.openrlhf.DEFAULT_SPECIAL_TOKENS`).
+    allow_origins: web pages (`scheme://host[:port]`) allowed to call the service from a browser; every other
+    `Origin` is refused, as are POSTs not declared `application/json` and, on loopback, other hosts' names
+    (rewards/http.py's `BrowserGuard`).
 
     Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
     each a few lines, written where FastAPI registers them."""
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
         raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
+    origins = allowed_origins(allow_origins)
     verifiers = _Verifiers(verifier, step_verifier)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="relay-verify")
     stuck = _StuckCalls()
@@ -247,6 +263,7 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
                   description="The remote verifier protocol of relay (`/verify`), and OpenRLHF's "
                               "(`/get_reward`): docs/verifiers.md.")
     app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
+    app.add_middleware(BrowserGuard, allowed=origins, serve_command="relay verifier serve")
 
     async def score(samples: list[Sample]) -> list[Result]:
         """Every sample's result, from the worker pool under the per-sample deadline (both routes)."""
@@ -305,14 +322,15 @@ GET_REWARD_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"description": "missing or wrong bearer token"},
     413: {"description": "body larger than max_body_bytes or more queries than max_batch"},
     422: {"description": "body is not a valid request, or prompts / labels do not hold one entry per query"},
-    500: {"description": "a query could not be scored; `retryable: false`"},
+    500: {"description": "no query could be scored; `retryable: false`"},
     501: {"description": "this service has only a step verifier"}}
 
 
 async def _openrlhf_rewards(body: RewardRequest, score: Callable[[list[Sample]], Awaitable[list[Result]]],
                             strip: Sequence[str], mismatch_logged: threading.Event) -> Any:
-    """The reply to a `/get_reward` request that passed the shared checks: a 200 with one reward per query, a 422
-    when `prompts` / `labels` do not line up, or a 500 (not retryable) naming the first query that failed."""
+    """The reply to a `/get_reward` request that passed the shared checks: a 200 with one reward per query (null,
+    and its error in `errors`, for a query that could not be scored), a 422 when `prompts` / `labels` do not line up,
+    or a 500 (not retryable) naming the first query when none could be scored."""
     if (problem := body.problem()) is not None:
         return _error(422, problem)
     queries = body.query
@@ -326,15 +344,19 @@ async def _openrlhf_rewards(body: RewardRequest, score: Callable[[list[Sample]],
         first = failed[0]
         log.warning("/get_reward: %d of %d queries unscored; first: %d: %s", len(failed), len(results), first,
                     results[first].error)
-        return JSONResponse({"detail": f"query {first} could not be scored: {results[first].error} ({len(failed)} "
-                                       f"of {len(results)} failed; OpenRLHF's protocol has no per-query errors)",
-                             "retryable": False}, status_code=500)
+    if failed and len(failed) == len(results):
+        return JSONResponse({"detail": f"no query could be scored: query {first}: {results[first].error} "
+                                       f"({len(failed)} of {len(results)} failed)", "retryable": False},
+                            status_code=500)
     mismatched = [not matched for _, matched in texts]
     if any(mismatched) and not mismatch_logged.is_set():  # once: OpenRLHF sends one query per request
         mismatch_logged.set()
         log.warning("/get_reward: query %d does not start with its prompt: scored whole (special tokens removed); "
                     "such queries are flagged in extra_logs.prompt_mismatch", mismatched.index(True))
-    return reward_reply([r.reward for r in results], mismatched)
+    reply = reward_reply([r.reward for r in results], mismatched)  # an unscored query's reward is null
+    if failed:
+        reply["errors"] = [r.error for r in results]
+    return reply
 
 
 async def _score(verifiers: _Verifiers, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,

@@ -355,6 +355,7 @@ def _add_verifier_commands(commands) -> None:
     serve.add_argument("--step-param", action="append", default=[], metavar="KEY=VALUE",
                        help="keyword argument for the step verifier, as --param; repeatable")
     serve.add_argument("--token-env", metavar="VAR", help="require the bearer token held in environment variable VAR")
+    _add_allow_origin(serve)
     serve.add_argument("--tokenizer", metavar="PATH",
                        help="/get_reward (OpenRLHF) removes this tokenizer's special tokens from each completion: the "
                             "policy's directory or Hugging Face name (default: common ones, docs/verifiers.md)")
@@ -381,7 +382,8 @@ def _verifier_serve(args: argparse.Namespace) -> int:
     try:
         app = app_from_spec(args.verifier, params=params, step_spec=args.step_verifier, step_params=step_params,
                             token_env=args.token_env, workers=args.workers, max_batch=args.max_batch,
-                            sample_timeout=args.sample_timeout, tokenizer=args.tokenizer)
+                            sample_timeout=args.sample_timeout, tokenizer=args.tokenizer,
+                            allow_origins=args.allow_origin)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run_app(app, args.host, args.port)
@@ -425,6 +427,13 @@ def _add_env_commands(commands) -> None:
                        help="seconds a reply waits for its reset or step call before it is a 504 (default: 30)")
     serve.add_argument("--workers", type=int, default=8, metavar="N",
                        help="threads running environment calls (default: 8)")
+    _add_allow_origin(serve)
+
+
+def _add_allow_origin(serve) -> None:
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web page (scheme://host[:port]) allowed to call the service from a browser; other "
+                            "Origins are refused (docs/operations.md, Security); repeatable")
 
 
 def _env_serve(args: argparse.Namespace) -> int:
@@ -444,7 +453,8 @@ def _env_serve(args: argparse.Namespace) -> int:
 
     try:
         app = app_from_spec(args.env, params=params, token_env=args.token_env, max_sessions=args.max_sessions,
-                            session_ttl=args.session_ttl, step_timeout=args.step_timeout, workers=args.workers)
+                            session_ttl=args.session_ttl, step_timeout=args.step_timeout, workers=args.workers,
+                            allow_origins=args.allow_origin)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run_app(app, args.host, args.port)

@@ -23,7 +23,9 @@ Decisions:
 - Calls keep relay's rules: `step_timeout` (past it: `EXECUTION_ERROR`), an environment that raises gives a generic
   message (the text goes to the log), an idle connection expires after `session_ttl` (`SESSION_ERROR`, closed).
 - The token guards every route here; a WebSocket without it is refused at the handshake (HTTP 403: uvicorn logs a
-  spurious error for a 401 denial response).
+  spurious error for a 401 denial response). Before any of this, service.py's app refuses a handshake from a web
+  page (a foreign `Origin`; browsers apply no CORS to WebSockets) and a stateless POST not declared JSON
+  (rewards/http.py's `BrowserGuard`).
 - `/mcp` lists the tools of an environment with a `tools` mapping (relay's `ToolEnvironment`), none otherwise; it
   does not call them (`tools/call` is not served: tools run inside an episode's step).
 """

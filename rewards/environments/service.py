@@ -4,7 +4,8 @@ Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET
 `POST /step`, `POST /close`; sessions, idempotent steps, deadlines, limits, optional bearer token) and
 `app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
 rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service; the bearer-token check, FastAPI's
-pages behind it and body reading are rewards/http.py's, shared with it too; the pool of sessions, their deadlines and
+pages behind it, body reading and the guard against web pages (`BrowserGuard`) are rewards/http.py's, shared with it
+too; the pool of sessions, their deadlines and
 expiry and the error reply are rewards/environments/sessions.py's, shared with OpenEnv's protocol.
 Does not own: OpenEnv's protocol on the same app (rewards/environments/openenv_service.py: `/ws`, `/state`,
 `/schema`, `/metadata`, `/mcp`, and the `/reset` / `/step` bodies of OpenEnv's shape, which the routes here hand
@@ -38,7 +39,7 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -50,7 +51,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rewards.environments.interface import Environment, InProcessEnvironments
 from rewards.environments.openenv_service import OpenEnvRoutes, is_openenv_reset, is_openenv_step
 from rewards.environments.sessions import ErrorReply, Session, Sessions, step_blocker
-from rewards.http import UNAUTHORIZED, authorized, guard_docs, read_body, token_from_env
+from rewards.http import (
+    UNAUTHORIZED,
+    BrowserGuard,
+    allowed_origins,
+    authorized,
+    guard_docs,
+    read_body,
+    token_from_env,
+)
 
 
 class ResetRequest(BaseModel):
@@ -97,7 +106,7 @@ class CloseRequest(BaseModel):
 
 def create_app(factory: Callable[[], Environment], *, token: str | None = None, max_sessions: int = 1024,
                session_ttl: float = 600.0, step_timeout: float = 30.0, workers: int = 8,
-               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+               max_body_bytes: int = 8 * 2**20, allow_origins: Sequence[str] = ()) -> FastAPI:
     """A FastAPI app serving the environments `factory` makes (one per session) with the remote environment protocol
     and OpenEnv's (rewards/environments/openenv_service.py).
 
@@ -105,11 +114,15 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     included (None: no authentication). max_sessions: sessions open at once (more: 503). session_ttl: seconds a
     session may stay idle before it expires. step_timeout: seconds a reply waits for its call (reset or step; longer:
     504). workers: threads running environment calls. max_body_bytes: largest request body (more: 413).
+    allow_origins: web pages (`scheme://host[:port]`) allowed to call the service from a browser; every other
+    `Origin` is refused, WebSockets included, as are POSTs not declared `application/json` and, on loopback, other
+    hosts' names (rewards/http.py's `BrowserGuard`).
 
     Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
     each a few lines, written where FastAPI registers them."""
     if min(max_sessions, workers, max_body_bytes) < 1 or not (session_ttl > 0 and step_timeout > 0):
         raise ValueError("max_sessions, session_ttl, step_timeout, workers and max_body_bytes must be positive")
+    origins = allowed_origins(allow_origins)
     environments = InProcessEnvironments(factory, max_concurrency=workers, timeout=None)  # deadlines: `reply`
     sessions = Sessions(environments, max_sessions, session_ttl, step_timeout)
 
@@ -126,6 +139,7 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     app.state.requires_token = token is not None  # read by run_app / run_in_thread to warn about open services
     app.state.serve_command = "relay env serve"
     app.state.sessions = sessions
+    app.add_middleware(BrowserGuard, allowed=origins, serve_command="relay env serve")
 
     async def read(request: Request) -> bytes:
         if token is not None and not authorized(request, token):

@@ -372,7 +372,8 @@ def test_service_rejects_bad_requests_clearly():
         too_many = client.post("/verify", json=body(5))
         too_big = client.post("/verify", json=body(1, "x" * 3000))
         chunks = [json.dumps(body(1, "x" * 3000)).encode()[i:i + 500] for i in range(0, 3100, 500)]
-        too_big_chunked = client.post("/verify", content=iter(chunks))  # no Content-Length: counted as it arrives
+        too_big_chunked = client.post("/verify", content=iter(chunks),  # no Content-Length: counted as it arrives
+                                      headers={"content-type": "application/json"})
         missing = client.post("/verify", json={"samples": [{"id": "a", "prompt": "p"}]})
         duplicate = client.post("/verify", json={"samples": [body(1)["samples"][0]] * 2})
         not_json = client.post("/verify", content=b"{", headers={"content-type": "application/json"})

@@ -214,7 +214,8 @@ def test_mcp_lists_a_tool_environments_tools_as_openenv_answers():
         with connect(ws_url(url)) as ws:
             over_ws = ask(ws, {"type": "mcp", "data": rpc})
         none = httpx.post(f"{plain}/mcp", json=rpc).json()
-        ours, theirs = ({body: httpx.post(f"{base}/mcp", content=body).json()["error"]["code"]
+        json_body = {"content-type": "application/json"}  # relay's services refuse a body not declared JSON (415)
+        ours, theirs = ({body: httpx.post(f"{base}/mcp", content=body, headers=json_body).json()["error"]["code"]
                          for body in ("{}", "{not json", '{"jsonrpc": "2.0", "method": "nope", "id": 2}')}
                         for base in (plain, openenv))
     assert JsonRpcResponse.model_validate(listed).result == {"tools": [{
