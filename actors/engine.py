@@ -221,21 +221,22 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
         # Whether a request's logprobs are the same bits whatever else is in its batch, and however the driver split
-        # the step's prompts between the workers. On vLLM's CPU backend they are with its oneDNN kernels (measured:
-        # the demo's model and a 25M Qwen2, float32 and bfloat16), and with torch's linear once its rows are padded
-        # to whole blocks (`torch_linear`), which is checked here, on this machine's kernels and threads; on GPUs
-        # only in vLLM's batch-invariant mode. tests/actors/test_rollout_worker.py checks the whole engine. The
-        # sync probe rides in a request's batch only where it holds, and a run repeats bit for bit whatever the
-        # split only where it holds (docs/operations.md, exact resume).
+        # the step's prompts between the workers. On CPUs, each linear kernel of the model (torch's in fixed blocks of
+        # rows, `torch_linear`, or vLLM's) is checked here, in the engine's own threads; on GPUs only vLLM's
+        # batch-invariant mode claims it. The sync probe rides in a request's batch only where it holds, and a run
+        # repeats bit for bit whatever the split only where it holds (docs/operations.md, exact resume): the driver
+        # says so at the start (`RolloutPool.check_invariance`). tests/actors/test_rollout_worker.py checks the whole
+        # engine.
         from vllm import envs
 
-        if self._cpu and self.direct_loads:
-            from actors.vllm_extension import rows_invariant, torch_linear
-
-            model = self.llm.llm_engine.model_config
-            self.batch_invariant = rows_invariant(torch_linear, model.get_hidden_size(), model.dtype)
+        if self._cpu:
+            verdicts = self.llm.collective_rpc("relay_batch_invariance")
+            self.batch_invariant = all(v["invariant"] for v in verdicts)
+            self.invariance = next((v["detail"] for v in verdicts if not v["invariant"]), verdicts[0]["detail"])
         else:
-            self.batch_invariant = self._cpu or bool(envs.VLLM_BATCH_INVARIANT)
+            self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+            self.invariance = ("vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)" if self.batch_invariant else
+                               "GPU kernels outside vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:

@@ -181,6 +181,11 @@ class RolloutWorker:
         """`text`'s token ids as this worker's engine gets them (no special tokens added)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def batch_invariance(self) -> tuple[bool, str]:
+        """Whether the engine's requests' bits do not depend on what else their engine batch holds, as its start
+        check found, and a line saying with which kernels (`VllmEngine.batch_invariant`, `.invariance`)."""
+        return self.engine.batch_invariant, self.engine.invariance
+
     def probe(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> ProbeSample:
         """Sample one seeded completion of a fixed prompt, with how much of the prompt came from the prefix cache
         (which a load empties: a cache hit on the first probe after a load means stale KV entries survived it)."""

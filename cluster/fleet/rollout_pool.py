@@ -82,6 +82,7 @@ class RolloutPool:
         self.in_flight = config.rollout.in_flight_updates
         self.offers: list[tuple[RolloutSlot, Any]] = []  # (worker, ref of its `offer_weights` call) not yet settled
         self.in_flight_loads = 0  # loads made during a request, since `take_in_flight_loads`
+        self.invariance: dict[int, bool] = {}  # slot id -> whether its engine is batch-invariant (`check_invariance`)
 
     @property
     def weights_version(self) -> int:
@@ -335,7 +336,28 @@ class RolloutPool:
         self.transport.fleet_changed(self.fleet.rollout_workers)
         get([slot.actor.__ray_ready__.remote()], self.config.timeouts.start, [slot.name], "start")
         self.weights.unprobed.add(slot.id)
+        self.invariance.pop(slot.id, None)  # a new engine: asked again
         self.recovery_seconds += time.perf_counter() - started
+
+    def check_invariance(self) -> bool:
+        """Whether every engine is batch-invariant (`RolloutWorker.batch_invariance`), asked once of each engine that
+        is new since the last call: the first call says so in one line, and an engine that is not says which
+        guarantee drops."""
+        new = [slot for slot in self.fleet.rollout if slot.id not in self.invariance]
+        verdicts = get([slot.actor.batch_invariance.remote() for slot in new], self.config.timeouts.start,
+                       [slot.name for slot in new], "report its batch invariance") if new else []
+        first = not self.invariance
+        for slot, (invariant, detail) in zip(new, verdicts):
+            self.invariance[slot.id] = invariant
+            if not invariant:
+                print(f"relay: {slot.name}'s engine is not batch-invariant here ({detail}): a prompt's logprobs may "
+                      "change in their last bits with what shares its engine batch, so two runs, or a run and its "
+                      "resumption, give the same weights and rewards only with rollout.balance=even (or one rollout "
+                      "worker); with rollout.balance=speed, logprob/mismatch, mismatch/kl and rarely a sampled token "
+                      "may differ (docs/operations.md, exact resume)", file=sys.stderr, flush=True)
+        if first and verdicts and all(ok for ok, _ in verdicts):
+            print(f"relay: rollout engines are batch-invariant ({verdicts[0][1]})", file=sys.stderr, flush=True)
+        return all(self.invariance[slot.id] for slot in self.fleet.rollout)
 
     # ------------------------------------------------------------------------------------------------ balancing
 

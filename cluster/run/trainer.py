@@ -90,6 +90,7 @@ class Trainer:
         self.scorer = scorer
         scorer.attach(fleet.reward_models, fleet.launcher.settings.model_path)
         self.rollouts = RolloutPool(config, fleet)
+        self.rollouts.check_invariance()  # one line at the start: whether runs repeat bit for bit on this machine
         self.scaling = Scaling(self.rollouts)
         self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts.weights)  # `reference.refresh_every`
         dc = config.data
@@ -511,3 +512,4 @@ class Trainer:
             "time/step": step_seconds,
             "throughput/tokens_per_s": sum(lengths) / step_seconds,
         }
+            "engine/batch_invariant": float(self.rollouts.check_invariance()),

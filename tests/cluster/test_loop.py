@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from actors.rollout import RolloutWorker
 from bench import step_breakdown
@@ -103,6 +104,42 @@ class HangingWorker(RolloutWorker):
         time.sleep(3600)
 
 
+def _batch_dependent_head(vllm_worker) -> None:
+    """In the engine's worker: the output head's kernel rounds every row one ulp up in batches of a multiple of 3
+    rows, as a CPU kernel of another blocking might."""
+    head = vllm_worker.model_runner.get_model().lm_head
+    kernel = head.cpu_linear
+
+    def uneven(x, weight, bias):
+        out = kernel(x, weight, bias)
+        return out if (x.numel() // x.shape[-1]) % 3 else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    head.cpu_linear = uneven
+
+
+class BatchDependentWorker(RolloutWorker):
+    """An engine whose output head's rows depend on the batch, checked again as at its start."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine.llm.collective_rpc(_batch_dependent_head)
+        [verdict] = self.engine.llm.collective_rpc("relay_batch_invariance")
+        self.engine.batch_invariant, self.engine.invariance = verdict["invariant"], verdict["detail"]
+
+
+def test_an_engine_whose_rows_depend_on_the_batch_is_reported_at_the_start_and_in_every_record(
+        ray_local, tmp_path, demo_model_dir, capsys):
+    """The engines' start check reaches the driver: one line naming the worker, the kernel's layers and which
+    guarantee drops, and `engine/batch_invariant` 0 in the records (1 where every engine holds: the contract test)."""
+    config = config_for(tmp_path, demo_model_dir, "max_steps=2", "rollout.num_workers=1")
+    records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL,
+                           rollout_cls=BatchDependentWorker)
+    assert [r["engine/batch_invariant"] for r in records] == [0.0, 0.0]
+    err = capsys.readouterr().err
+    assert err.count("engine is not batch-invariant here") == 1
+    assert "rows depend on the batch in lm_head" in err and "only with rollout.balance=even" in err
+
+
 def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_dir):
     config = config_for(tmp_path, demo_model_dir, "max_steps=18", "data.prompts_per_step=32", "learner.lr=5e-5")
     records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL)
@@ -117,6 +154,7 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
         assert 0 <= record["mismatch/kl"] < 1e-8
         assert record["sync/probe_max_diff"] < 1e-4
         assert record["rollout/workers"] == 2
+        assert record["engine/batch_invariant"] == 1.0  # every engine's start check held
     assert [r["weights/version"] for r in lines] == list(range(1, 19))
     assert all(r["grad_norm"] > 0 for r in lines) and 0.05 < lines[0]["reward/mean"] < 0.5
     first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (lines[:5], lines[-5:]))
