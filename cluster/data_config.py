@@ -23,7 +23,8 @@ class ReasoningGymDataset(_Section):
     config: dict[str, Any] = {}
     """The dataset's own settings, the fields of its config class in reasoning-gym (e.g. `{min_terms: 2, max_terms:
     3}` for `basic_arithmetic`); empty: its defaults. Unset `seed` and `size` follow `data.reasoning_gym`'s, as
-    reasoning-gym's composite dataset sets them."""
+    reasoning-gym's composite dataset sets them. Each entry's label records them (`config`), and the `reasoning_gym`
+    verifier scores with the dataset so configured: several scorers read them (decimal_arithmetic's tolerance)."""
 
 
 class ReasoningGymConfig(_Section):
@@ -70,7 +71,8 @@ class DataConfig(_Section):
     label_format: Literal["value", "json"] = "value"
     """`value`: a label is used as the file holds it; `json`: a label that is a string is JSON text and is decoded
     when the file loads (other values are kept), the lossless way to store labels of different shapes in Parquet or
-    `datasets` columns, as the reasoning-gym export writes them."""
+    `datasets` columns, and a string label in JSONL (written as JSON text, so "42" stays a string), as `write_prompts`
+    and the reasoning-gym export write them."""
     chat_template: bool = False
     """Wrap string prompts as one user message and apply the tokenizer's chat template (message prompts always
     get it)."""

@@ -106,7 +106,8 @@ def format_match(
 
 def reasoning_gym_match(completion: str, label: Any, tag: str = "answer", extract: str = "tag") -> float:
     """reasoning-gym's own score of the completion's answer, in [0, 1]: the label is a reasoning-gym entry
-    (question, answer, metadata naming its `source_dataset`), scored by that dataset's `score_answer` (some give
+    (question, answer, metadata naming its `source_dataset`, and the `config` its dataset was made with), scored by
+    that dataset's `score_answer` built with that config (`rewards/reasoning_gym.py`: `score_answer_fn`; some give
     partial credit, e.g. 0.05 for a well-formed wrong board).
 
     The answer, by reasoning-gym's convention (its system prompts ask for it): with ``extract="tag"`` the text of the
@@ -118,7 +119,7 @@ def reasoning_gym_match(completion: str, label: Any, tag: str = "answer", extrac
     """
     check_reasoning_gym_params(tag, extract, import_package=False)
     entry = check_entry(label)
-    score = score_answer_fn(entry["metadata"]["source_dataset"])
+    score = score_answer_fn(entry)
     if extract == "tag":
         from reasoning_gym.utils import extract_answer
 

@@ -5,7 +5,8 @@ Owns: building reasoning-gym's composite dataset from `data.reasoning_gym` (a mi
 name or a setting its config refuses is one DataError line, raised when the driver makes its prompt source, before
 any actor starts), each entry's prompt with the instruction (`data.system_prompt`, else reasoning-gym's default
 system prompt, which asks for `<answer>` tags: a system message with the chat template, a prefix without), the
-entries as labels (whole and as reasoning-gym made them: its scorers compare some metadata as tuples), and `export`
+entries as labels (whole and as reasoning-gym made them: its scorers compare some metadata as tuples; with their
+dataset's config under `config`, which the verifier scores with), and `export`
 (`python -m cluster.run.reasoning_gym OUT [overrides]`).
 Does not own: epochs, batches, tokenisation and the tokenizer round trip (`cluster/run/data.py`'s `PromptDataset`),
 scoring (`rewards/`: the `reasoning_gym` verifier), importing the package (`rewards/reasoning_gym.py`).
@@ -60,7 +61,10 @@ def render(config: DataConfig, question: str, text: str) -> str | list[dict[str,
 
 
 def generate(config: DataConfig, seed: int) -> tuple[Any, list[dict[str, Any]]]:
-    """reasoning-gym's composite dataset of `config.reasoning_gym` (seed: its own, else `seed`) and its entries."""
+    """reasoning-gym's composite dataset of `config.reasoning_gym` (seed: its own, else `seed`) and its entries, each
+    with its dataset's settings (`data.reasoning_gym.datasets.<name>.config`) under `config`: the `reasoning_gym`
+    verifier scores with the dataset so configured (several scorers read their config), in the run and from an
+    exported file alike."""
     package = _package()
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
@@ -74,6 +78,8 @@ def generate(config: DataConfig, seed: int) -> tuple[Any, list[dict[str, Any]]]:
     try:
         dataset = CompositeDataset(composite)
         entries = [dataset[index] for index in range(settings.size)]
+        entries = [{**entry, "config": dict(settings.datasets[entry["metadata"]["source_dataset"]].config)}
+                   for entry in entries]
     except Exception as err:  # settings each config accepted but its generator did not: the user's to change
         raise DataError(f"data.reasoning_gym: reasoning-gym could not generate the entries "
                         f"({' '.join(str(err).split()) or type(err).__name__}); change the datasets' config") from err

@@ -20,7 +20,7 @@ from reasoning_gym.utils import SYSTEM_PROMPTS  # noqa: E402
 from cluster.config import ConfigError, DataConfig, load_config  # noqa: E402
 from cluster.run.data import PromptDataset, make_prompt_source  # noqa: E402
 from cluster.run.prompt_format import DataError, write_prompts  # noqa: E402
-from cluster.run.reasoning_gym import export, main, reasoning_gym_prompts  # noqa: E402
+from cluster.run.reasoning_gym import export, generate, main, reasoning_gym_prompts  # noqa: E402
 from rewards.config import RuleSource  # noqa: E402
 from rewards.registry import load_verifier  # noqa: E402
 from tests.unit.test_datasets import READABLE_TEMPLATE, byte_tokenizer  # noqa: E402
@@ -65,7 +65,9 @@ def test_the_prompt_source_is_reasoning_gyms_composite_dataset_seeded_and_resuma
     # The entries are reasoning-gym's own composite dataset's, with the run's seed.
     expected = CompositeDataset(CompositeConfig(size=24, seed=0, datasets=[
         DatasetSpec(name, spec["weight"], spec.get("config", {})) for name, spec in MIX.items()]))
-    assert [p.label for p in first.problems] == [expected[i] for i in range(24)]
+    # Each labelled with its dataset's settings, which the verifier builds the dataset with to score it.
+    assert [p.label for p in first.problems] == [
+        {**expected[i], "config": MIX[expected[i]["metadata"]["source_dataset"]].get("config", {})} for i in range(24)]
     assert {p.label["metadata"]["source_dataset"] for p in first.problems} == set(MIX)
     batches = [first.next_batch() for _ in range(7)]  # 35 prompts: across an epoch boundary (24)
     assert [p.label for p in batches[0]] != [p.label for p in first.problems[:5]]  # shuffled
@@ -177,7 +179,8 @@ def test_a_dataset_whose_scorer_needs_tuples_is_not_exported(tmp_path, capsys):
 def test_the_verifier_scores_with_the_entrys_own_score_answer(name):
     verifier = load_verifier("reasoning_gym")
     own = reasoning_gym.get_score_answer_fn(name)
-    for entry in [reasoning_gym.create_dataset(name, size=2, seed=5)[i] for i in range(2)]:
+    for entry in [{**reasoning_gym.create_dataset(name, size=2, seed=5)[i], "config": {"size": 2, "seed": 5}}
+                  for i in range(2)]:
         answer = entry["answer"]
         assert verifier(f"Let me think.\n<answer>\n{answer}\n</answer>", entry) == 1.0  # right, in tags
         assert verifier(f"<answer>0</answer> then <answer>{answer}</answer>", entry) == 1.0  # the last pair counts
@@ -198,6 +201,57 @@ def _score(own, answer: str, entry: dict) -> float:
         return 0.0
 
 
+# decimal_arithmetic's scorer accepts an answer within 10**-max_num_decimal_places of the entry's (default 3).
+SIX_PLACES = {"decimal_arithmetic": {"weight": 1, "config": {"min_num_decimal_places": 6, "max_num_decimal_places": 6}}}
+
+
+def _near_misses(entry: dict) -> list[str]:
+    """The entry's answer, and answers off by 5e-7 (right to 6 places), 5e-4 (right to 3 only) and 0.5."""
+    from decimal import Decimal
+
+    return [entry["answer"], *(str(Decimal(entry["answer"]) + Decimal(off)) for off in ("5e-7", "5e-4", "0.5"))]
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["task", "exported"])
+def test_the_verifier_scores_with_the_runs_dataset_config(tmp_path, exported):
+    config = rg_config(reasoning_gym={"datasets": SIX_PLACES, "size": 4})
+    composite, entries = generate(config, 0)  # reasoning-gym's own datasets, configured as the run's
+    if exported:
+        export(config, 0, tmp_path / "rg.jsonl")
+        labels = [p.label for p in PromptDataset(DataConfig(task="dataset", path=str(tmp_path / "rg.jsonl"),
+                                                            shuffle=False, label_format="json"), 0, 2,
+                                                 byte_tokenizer(), 4096).problems]
+    else:
+        labels = [p.label for p in source(config).problems]
+    assert [label["config"] for label in labels] == [SIX_PLACES["decimal_arithmetic"]["config"]] * 4
+    verifier = load_verifier("reasoning_gym")
+    for entry, label in zip(entries, labels):
+        scores = [verifier(f"<answer>{answer}</answer>", label) for answer in _near_misses(entry)]
+        assert scores == [composite.score_answer(answer, entry) for answer in _near_misses(entry)]
+        assert scores == [1.0, 1.0, 0.0, 0.0]  # the default config (1e-3) would give 5e-4 off 1.0
+
+
+def test_a_label_without_its_config_is_refused_where_the_scorer_reads_it():
+    verifier = load_verifier("reasoning_gym")
+    bare = reasoning_gym.create_dataset("decimal_arithmetic", size=1, seed=0, max_num_decimal_places=6)[0]
+    with pytest.raises(ValueError, match=r"^reasoning_gym: the label of a decimal_arithmetic entry does not record "
+                                         r"its dataset's config, which its scorer reads; .*add \"config\"") as err:
+        verifier(f"<answer>{bare['answer']}</answer>", bare)
+    assert "\n" not in str(err.value)
+    # Recorded, the entry scores as its dataset does; {} is reasoning-gym's defaults (1e-3 here).
+    off = _near_misses(bare)[2]
+    assert verifier(f"<answer>{off}</answer>", {**bare, "config": {"max_num_decimal_places": 6}}) == 0.0
+    assert verifier(f"<answer>{off}</answer>", {**bare, "config": {}}) == 1.0
+    # A scorer that reads nothing of its dataset (leg_counting's) needs no config.
+    legs = reasoning_gym.create_dataset("leg_counting", size=1, seed=0)[0]
+    assert verifier(f"<answer>{legs['answer']}</answer>", legs) == 1.0
+    for settings, message in [({"max_num_decimal_places": 11}, "precision must be 2 or more higher"),
+                              ({"places": 6}, "'places'"), ([6], "is not an object")]:
+        with pytest.raises(ValueError, match=r"^reasoning_gym: the label's config for decimal_arithmetic .*"
+                                             + message):
+            verifier("<answer>1</answer>", {**bare, "config": settings})
+
+
 def test_a_label_that_is_not_an_entry_is_a_clear_value_error():
     verifier = load_verifier("reasoning_gym")
     with pytest.raises(ValueError, match=r"^reasoning_gym: the label \"42\" is not a reasoning-gym entry .*question, "
@@ -209,7 +263,8 @@ def test_a_label_that_is_not_an_entry_is_a_clear_value_error():
     renamed = {**entry, "metadata": {**entry["metadata"], "source_dataset": "no_such_dataset"}}
     with pytest.raises(ValueError, match="'no_such_dataset' is not a dataset of the installed reasoning-gym"):
         verifier("<answer>x</answer>", renamed)
-    broken = {"question": "Factor 12.", "answer": "twelve", "metadata": {"source_dataset": "prime_factorization"}}
+    broken = {"question": "Factor 12.", "answer": "twelve", "metadata": {"source_dataset": "prime_factorization"},
+              "config": {}}
     with pytest.raises(ValueError, match="prime_factorization scorer fails on the label's own answer"):
         verifier("<answer>many</answer>", broken)
     for params, message in [({"extract": "json"}, "extract must be 'tag'"), ({"tag": "<answer>"}, "not a tag name"),
@@ -233,7 +288,8 @@ def test_the_reasoning_gym_task_is_scored_by_its_verifier_unless_sources_are_giv
     (["data.task=reasoning_gym", "data.reasoning_gym.datasets.Leg.weight=1"], "'Leg' is not a reasoning-gym dataset"),
     (["data.task=reasoning_gym", "data.reasoning_gym.datasets.leg_counting.weight=0"], "greater than 0"),
     (["data.task=reasoning_gym", "data.reasoning_gym.datasets.leg_counting.wieght=1"],
-     "unknown config key 'data.reasoning_gym.datasets.leg_counting.wieght'; allowed here: weight, config"),
+     "unknown config key 'data.reasoning_gym.datasets.leg_counting.wieght'; did you mean "
+     "'data.reasoning_gym.datasets.leg_counting.weight'\\? allowed here: weight, config"),
     (["data.label_format=json"], "data.label_format applies to data.task=dataset"),
 ])
 def test_config_errors_are_one_line(overrides, message):
