@@ -102,8 +102,9 @@ def test_a_prompts_completions_are_the_same_bits_however_the_step_is_split_betwe
     """The driver splits a step's prompts between the workers by their measured speed (`rollout.balance`), so which
     prompts share an engine batch, and how many sequences each of its forward passes holds, depend on timing; a
     prompt's completions must not, or a run would not repeat bit for bit (resume). Torch's float32 linear (this
-    engine's kernel: the tiny model's, `cpu_linear` auto) computes a batch's leftover rows with another kernel;
-    `torch_linear` pads them to whole blocks, which the engine checks at its start. The other kernels and bfloat16:
+    engine's kernel: the tiny model's, `cpu_linear` auto) computes some rows of a batch with another micro-kernel,
+    which rows depending on the CPU; `torch_linear` runs every matmul on a fixed number of rows, and the engine
+    checks every kernel at its start. The other kernels and bfloat16:
     `test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone`."""
     assert_split_invariant(worker)
 
