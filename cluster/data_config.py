@@ -127,9 +127,10 @@ class DataConfig(_Section):
 class EvalConfig(_Section):
     every: int = Field(0, ge=0, le=10_000_000)
     """Evaluate every this many steps, and after the last step (0: never). The engines sample the evaluation prompts
-    with the weights the step's update produced; it changes nothing the run trains on. On-policy its metrics are in
-    that step's record; with `rollout.max_staleness` >= 1 it overlaps the next update and its metrics are in the next
-    step's record (at a checkpoint or the last step, in that step's own). `eval/step` names the weights' step."""
+    with the weights the step's update produced; it changes nothing the run trains on. Its metrics are in that step's
+    record; with `rollout.max_staleness` >= 1 it overlaps the next update, and the record is written with the next
+    step's (at a checkpoint or the last step at once; a stopped run writes it before it ends). `eval/step` names the
+    weights' step."""
     data: DataConfig | None = None
     """Where the evaluation prompts come from, in any form `data` takes (a demo task, a dataset file or directory,
     reasoning-gym's tasks); only its source keys apply (`prompts_per_step`, replay and `held_out` do not). Empty: the

@@ -353,17 +353,24 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
     config, records, warned = trainer.config, [], False
     trainer.publish({"step": first - 1})
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
+
+    def write(record: dict[str, Any]) -> None:
+        nonlocal warned
+        recorder.write(record)
+        records.append(record)
+        trainer.publish(record)
+        if progress:
+            progress.update(record)
+        warned = warned or _warn_truncated(record, config.rollout.max_new_tokens)
+
     with progress or nullcontext(), _stop_on_interrupt() as interrupted:
         for step in range(first, config.max_steps + 1):
-            if interrupted:
+            if interrupted:  # the record a step holds for its evaluation (`Trainer.held`) is written, not lost
+                for record in trainer.release_held():
+                    write(record)
                 raise RunInterrupted(f"interrupted (Ctrl-C) after step {step - 1}")
             for record in trainer.step(step):
-                recorder.write(record)
-                records.append(record)
-                trainer.publish(record)
-                if progress:
-                    progress.update(record)
-                warned = warned or _warn_truncated(record, config.rollout.max_new_tokens)
+                write(record)
             every = config.checkpoint.every
             if step == config.max_steps or (every and step % every == 0):
                 trainer.save_checkpoint(run_dir, step, resolved)

@@ -198,6 +198,12 @@ class Trainer:
             done.append({**record, **evaluated})
         return done
 
+    def release_held(self) -> list[dict[str, Any]]:
+        """The held record (a step whose evaluation overlaps the next update), its evaluation collected, for a run that
+        stops before that update: the next step would have completed it. Empty when none is held."""
+        held, self.held = self.held, None
+        return [] if held is None else [{**held, **self.evaluation.collect()}]
+
     def boundary(self, step: int) -> int:
         """The first step from `step` on where the pipeline drains: a checkpoint step, or the last. No batch after
         it is sampled before its update, so a checkpoint there holds everything the run's continuation needs."""

@@ -1,16 +1,19 @@
 """Evaluation during training and `relay eval`, on a real local Ray with real vLLM engines, in float32 (on-policy) and
 bfloat16 (asynchronous, where it overlaps the next update): a run that evaluates trains bit for bit like one that does
 not, every evaluated step is in the records with its own weights, and a checkpoint evaluated afterwards gives the
-numbers the run logged at its step."""
+numbers the run logged at its step. A run stopped (Ctrl-C) while a step's evaluation overlaps the next update still
+records that step, its evaluation included."""
 
 from __future__ import annotations
 
 import hashlib
+import signal
 
 import pytest
 
 from cluster.config import load_config
-from cluster.run.launch import run_evaluation, run_training
+from cluster.run.launch import RunInterrupted, run_evaluation, run_training
+from cluster.run.metrics import MetricsRecorder, read_records
 from tests.fleets import POOL
 from tests.resume import training_part
 
@@ -65,3 +68,26 @@ def test_evaluation_changes_nothing_the_run_trains_and_relay_eval_repeats_it(ray
     logged = {k: v for k, v in records[-1].items() if k.startswith("eval/")}
     assert {k: v for k, v in metrics.items() if k.startswith("eval/")} == logged  # the run's numbers, exactly
     assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_a_run_stopped_while_a_steps_evaluation_overlaps_the_next_update_records_that_step(
+        ray_local, tmp_path, demo_model_dir, monkeypatch):
+    # Asynchronous, evaluating every step: step t's record waits for its evaluation, which step t + 1 collects. Ctrl-C
+    # during step 2 (when step 1's record is written) stops the run after step 2, whose record is then held.
+    write = MetricsRecorder.write
+
+    def write_then_interrupt(recorder, record):
+        write(recorder, record)
+        if record["step"] == 1:
+            signal.raise_signal(signal.SIGINT)  # what a first Ctrl-C does: stop before the next step
+
+    monkeypatch.setattr(MetricsRecorder, "write", write_then_interrupt)
+    run_dir = tmp_path / "stopped"
+    config = load_config(None, [f"run_dir={run_dir}", f"model.path={demo_model_dir}", "max_steps=4",
+                                "data.prompts_per_step=8", "data.held_out=0.1", "rollout.max_staleness=1",
+                                "eval.every=1", "eval.max_prompts=4"])
+    with pytest.raises(RunInterrupted, match="after step 2"):
+        run_training(config, run_dir, display=False, pool=POOL)
+    records = read_records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]  # step 2 trained: its record is not lost with the stop
+    assert [r.get("eval/step") for r in records] == [1, 2] and records[1]["eval/prompts"] == 4
