@@ -121,13 +121,37 @@ def test_a_missing_model_directory_says_how_to_get_one(tmp_path):
     assert "leave it empty for the demo model" in str(err.value)
 
 
-def test_many_cut_completions_warn_once(capsys):
-    from cluster.run.launch import _warn_truncated
+class StepsWithCuts:
+    """Stands in for the run's `Trainer` in `launch.train`: steps whose records carry the given truncated shares."""
 
-    assert not _warn_truncated({"step": 1, "response/truncated_fraction": 0.5}, 16)
+    def __init__(self, config, shares: list[float]):
+        self.config, self.shares = config, shares
+
+    def publish(self, record) -> None:
+        pass
+
+    def step(self, step: int):
+        yield {"step": step, "response/truncated_fraction": self.shares[step - 1]}
+
+    def save_checkpoint(self, *args) -> None:
+        pass
+
+
+class Recorder:
+    def write(self, record) -> None:
+        pass
+
+
+def test_many_cut_completions_warn_once(tmp_path, capsys):
+    from cluster.run.launch import train
+
+    config = load_config(None, ["max_steps=4", "rollout.max_new_tokens=16"])
+    train(StepsWithCuts(config, [0.5, 0.0, 0.75, 1.0]), Recorder(), tmp_path, "", 1, display=False)
+    err = capsys.readouterr().err
+    assert err.count("relay: warning:") == 1  # step 2 had 0.5: not more than half; step 4 is not said again
+    assert "step 3: 75% of the completions were cut at rollout.max_new_tokens=16" in err
+    train(StepsWithCuts(config, [0.5, 0.25, 0.0, 0.5]), Recorder(), tmp_path, "", 1, display=False)
     assert capsys.readouterr().err == ""
-    assert _warn_truncated({"step": 2, "response/truncated_fraction": 0.75}, 16)
-    assert "step 2: 75% of the completions were cut at rollout.max_new_tokens=16" in capsys.readouterr().err
 
 
 def test_a_malformed_spec_gets_a_sentence_not_a_regular_expression():
