@@ -17,13 +17,19 @@ Decisions:
   handshake or a connection closed without a reply, on the next URL. A failed attempt's connection is closed, which
   ends its environment on the server, so a retried reset leaves nothing behind. A step is sent once: OpenEnv steps
   carry no turn index, so a step whose reply was lost or late may have been applied, and the episode fails instead.
-- An error reply (`{"type": "error"}`: capacity reached, the environment raised, the action failed validation), a
-  malformed reply and a 4xx handshake fail the call at once: the same request would get them again. Every failure
+- An error reply (`{"type": "error"}`: the environment raised, the action failed validation), a malformed reply and a
+  4xx handshake fail the call at once: the same request would get them again. `CAPACITY_REACHED` is retried like a
+  refused connection (backoff, next URL): the server frees an environment whenever a session ends. Every failure
   raises `RemoteEnvironmentError` (one line, token scrubbed) and is counted.
 - `max_concurrency` bounds sessions, not requests: a slot is taken before connecting and held until `close`, because
   an OpenEnv server holds an environment per open connection (`max_concurrent_envs`) and refuses the next one.
-- A connection that answered is closed politely: a `close` message, then the server closes it (OpenEnv's server logs
-  an error when the client closes first). One whose reply is late or lost is dropped at once.
+- A connection is closed politely: a `close` message, then the server closes it (OpenEnv's server logs an error when
+  the client closes first, and closes the environment before the connection). That holds for one whose reply is
+  late too: OpenEnv's server runs the late call to its end and frees the environment only then, so the session's slot
+  stays taken until the server has closed the connection (`timeout` seconds at most, then it is dropped), and the
+  slot's next session, at `max_concurrency` x workers = `max_concurrent_envs`, finds room instead of
+  `CAPACITY_REACHED`. A reset past its deadline waits the same way before its retry. Only a cancelled call drops its
+  connection at once.
 - Connections live on the private loop of `EventLoopThread`, as `RemoteEnvironments`' requests do: sessions can be
   awaited from any event loop, and keepalive pings are answered while the worker's loop steps the engine.
 - A null reward (OpenEnv's default) counts as 0, `true`/`false` as 1/0; an `info` object in the observation is passed
@@ -94,6 +100,7 @@ class OpenEnvEnvironments(LoopClient, Redacting):
         self._stats = CallStats()
         self._next_url = 0  # round-robin position of the next new session; used on the private loop only
         self._open: set[ClientConnection] = set()  # on the private loop only
+        self._lingering: set[asyncio.Task] = set()  # hang-ups of late connections (`_linger`); on the private loop
         self._slots = asyncio.Semaphore(max_concurrency)  # bound to the private loop, its only user
         self._closed = False
         self._loop = EventLoopThread(f"relay-openenv-{name}")
@@ -119,7 +126,7 @@ class OpenEnvEnvironments(LoopClient, Redacting):
 
     def _drop(self, ws: ClientConnection) -> None:
         """Abandon a connection at once (no closing handshake, which could wait): the server sees it gone and closes
-        its environment. For connections in an unknown state (a reply late or lost)."""
+        its environment once no call of it runs. For connections whose polite hang-up failed, and on `close`."""
         self._open.discard(ws)
         ws.transport.abort()
 
@@ -157,9 +164,9 @@ class OpenEnvEnvironments(LoopClient, Redacting):
             started = time.perf_counter()
             try:
                 result = await asyncio.wait_for(self._connect_and_reset(url, data, opened), timeout=self.timeout)
-            except BaseException as err:  # a failed attempt leaves no session (politely closed after a reply)
+            except BaseException as err:  # a failed attempt leaves no session: its environment freed before a retry
                 if opened:
-                    await self._hang_up(opened[0], polite=isinstance(err, Permanent | Retryable))
+                    await self._hang_up(opened[0], polite=not isinstance(err, asyncio.CancelledError))
                 raise
             self._stats.latency(time.perf_counter() - started)
             session.ws, session.url = opened[0], url
@@ -235,8 +242,25 @@ class OpenEnvEnvironments(LoopClient, Redacting):
         else:
             self._stats.latency(time.perf_counter() - started)
             return result
-        self._drop(session.ws)
+        self._linger(session)
         raise self._failed(session.url, what, reason)
+
+    def _linger(self, session: _OpenEnvSession) -> None:
+        """Hang up a session whose reply is late or lost, in the background: its slot is released once the server
+        has closed the connection (after freeing the environment the late call holds) or `timeout` has passed."""
+        ws, session.ws = session.ws, None
+        holds_slot, session.holds_slot = session.holds_slot, False
+
+        async def hang_up() -> None:
+            try:
+                await self._hang_up(ws, polite=True)
+            finally:
+                if holds_slot:
+                    self._slots.release()
+
+        task = asyncio.create_task(hang_up())
+        self._lingering.add(task)  # a reference, so the task is not collected before it ends
+        task.add_done_callback(self._lingering.discard)
 
     async def _finish(self, session: _OpenEnvSession) -> None:
         """End the session: tell the server and close the connection within the deadline (else drop it); free the
@@ -284,7 +308,8 @@ class OpenEnvEnvironments(LoopClient, Redacting):
         """An observation reply as a `StepResult`; `Permanent` for an error reply or a malformed one."""
         kind, data = (reply.get("type"), reply.get("data")) if isinstance(reply, dict) else (None, None)
         if kind == "error":
-            raise Permanent(self._error(data if isinstance(data, dict) else {}))
+            data = data if isinstance(data, dict) else {}
+            raise (Retryable if data.get("code") == "CAPACITY_REACHED" else Permanent)(self._error(data))
         if kind != "observation" or not isinstance(data, dict) or not isinstance(data.get("observation"), dict):
             raise Permanent(f'malformed reply: expected {{"type": "observation", "data": {{"observation": {{...}}, '
                             f'...}}}}, got {self._quote(reply)}')

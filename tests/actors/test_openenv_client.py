@@ -1,8 +1,8 @@
 """relay's OpenEnv client (rewards/environments/openenv_client.py) against servers made by openenv-core's own
 `create_app`, on loopback: episodes equal the in-process ones (the reset carries the prompt and label), the field
 mapping and null rewards, sessions bounded by `max_concurrency`, and each fault a clear one-line counted failure
-that is not retried blindly: capacity reached, an environment that raises, an action of the wrong shape, malformed
-replies, a dead server, a step past its deadline, a connection lost mid-episode, a refused token.
+that is not retried blindly: capacity reached (retried: sessions end), an environment that raises, an action of the
+wrong shape, malformed replies, a dead server, a step past its deadline, a connection lost mid-episode, a refused token.
 
 Servers run with uvicorn on a background thread (`run_in_thread`); the environments are tests/openenv_envs.py's.
 """
@@ -121,7 +121,7 @@ def test_sessions_open_at_once_stay_within_max_concurrency():
     assert Shell.most == 2 and metrics["failures"] == 0 and metrics["retries"] == 0
 
 
-def test_capacity_reached_is_a_counted_failure_not_retried():
+def test_capacity_reached_is_retried_then_a_counted_failure():  # tests/actors/test_openenv_capacity.py: it frees
     with shell_server(max_concurrent_envs=1) as url, shell([url], max_concurrency=2) as environments:
         async def two_sessions():
             first = environments.open()
@@ -137,12 +137,12 @@ def test_capacity_reached_is_a_counted_failure_not_retried():
 
         error, result = asyncio.run(two_sessions())
         metrics = environments.take_metrics()
-    assert str(error) == (f"environment 'calc' at {ws(url)}: reset failed: the server answered error CAPACITY_REACHED: "
-                          "Server at capacity: 1/1 sessions active. Cannot accept new connections. (the server's "
-                          "max_concurrent_envs is reached: keep env.max_concurrency times the rollout workers within "
-                          "it, or raise it)")
+    assert str(error) == (f"environment 'calc' at {ws(url)}: reset failed: 3 retries exhausted: the server answered "
+                          "error CAPACITY_REACHED: Server at capacity: 1/1 sessions active. Cannot accept new "
+                          "connections. (the server's max_concurrent_envs is reached: keep env.max_concurrency times "
+                          "the rollout workers within it, or raise it)")
     assert result == StepResult("bye", 1.0, True)
-    assert metrics["failures"] == 1 and metrics["retries"] == 0 and Shell.most == 1
+    assert metrics["failures"] == 1 and metrics["retries"] == 3 and Shell.most == 1
 
 
 def test_an_environment_that_raises_fails_its_step_which_is_sent_once():
