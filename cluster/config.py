@@ -394,8 +394,8 @@ def _inconsistencies(config: RunConfig):
     if rollout.dynamic_sampling and rollout.group_size < 2:
         yield "rollout.dynamic_sampling needs rollout.group_size >= 2 (it drops groups whose rewards are all equal)"
     if rollout.dynamic_sampling and config.learner.distill_coef > 0:
-        yield ("rollout.dynamic_sampling with learner.distill_coef > 0 would drop groups the teacher's advantage trains "
-               "on (every token has one, whatever the rewards): set rollout.dynamic_sampling=false or "
+        yield ("rollout.dynamic_sampling with learner.distill_coef > 0 would drop groups the teacher's advantage "
+               "trains on (every token has one, whatever the rewards): set rollout.dynamic_sampling=false or "
                "learner.distill_coef=0")
 
 
