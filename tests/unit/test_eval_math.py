@@ -148,6 +148,11 @@ def test_pass_threshold_is_a_share_of_full_marks_whatever_the_weights_sum_to():
     # A source of negative weight (a penalty) scores full marks at 0: 1 - 0.5 x 0 is the best reward, 1.
     penalty = ["reward.sources={correct: {verifier: exact_match}, long: {verifier: format, weight: -0.5}}"]
     assert evaluate_once(penalty, [1.0, 0.5, 0.0])["eval/pass@1"] == pytest.approx(1 / 3)
+    # Full marks summed in another order than the Scorer's (it adds remote sources first) differ in the last bit:
+    # 0.1 + 0.2 + 0.7 = 1.0, 0.7 + 0.2 + 0.1 = 0.9999999999999999. Full marks still pass.
+    thirds = ["reward.sources={x: {verifier: exact_match, weight: 0.1}, y: {verifier: format, weight: 0.2}, "
+              "z: {verifier: exact_match, weight: 0.7}}"]
+    assert evaluate_once(thirds, [0.0 + 0.7 + 0.2 + 0.1, 0.7 + 0.2])["eval/pass@1"] == 0.5
 
 
 def test_full_marks_by_hand_and_none_is_refused_in_one_line():
