@@ -106,8 +106,8 @@ def _reads_dataset(name: str) -> bool:
     code = getattr(DATASETS[name][0].score_answer, "__code__", None)
     if code is None or "self" in code.co_cellvars:
         return True
-    return any(instruction.argval == "self" for instruction in dis.get_instructions(code)
-               if instruction.opname.startswith("LOAD_FAST"))
+    return any("self" in (names if isinstance(names := instruction.argval, tuple) else (names,))  # 3.13 pairs them
+               for instruction in dis.get_instructions(code) if instruction.opname.startswith("LOAD_FAST"))
 
 
 def _shown(value: Any) -> str:
