@@ -54,7 +54,7 @@ class DataConfig(_Section):
     whose label is the partial sums, one step each, separated by single spaces (`46 102`); `dataset` reads
     `data.path`; `calc` draws `37*48=` prompts whose label is the product, for multi-turn episodes with the
     calculator tool (`env.spec: rewards.environments.examples:Calculator`); `reasoning_gym` generates
-    `data.reasoning_gym`'s tasks (needs `pip install 'relay-rl[reasoning-gym]'`), each labelled with its whole entry,
+    `data.reasoning_gym`'s tasks (needs `pip install -e '.[reasoning-gym]'`), each labelled with its whole entry,
     and, unless `reward.sources` is given, scores them with the `reasoning_gym` verifier. With an empty `model.path`,
     `chain_sum` and `calc` run on their own demo models, the others on the arithmetic one."""
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()

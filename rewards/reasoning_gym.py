@@ -1,4 +1,4 @@
-"""reasoning-gym, the optional package (`pip install 'relay-rl[reasoning-gym]'`), as relay's rewards and prompt source
+"""reasoning-gym, the optional package (`pip install -e '.[reasoning-gym]'` in relay's checkout), as relay's rewards and prompt source
 reach it: imported on first use, with a one-line install hint when it is missing.
 
 Owns: `import_reasoning_gym` (the import and its error), `dataset_names`, `check_entry` (is a label a reasoning-gym
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-INSTALL = "pip install 'relay-rl[reasoning-gym]'"
+INSTALL = "pip install -e '.[reasoning-gym]' in relay's checkout (or pip install reasoning-gym==0.1.25)"
 _IMPORT_LOCK = threading.Lock()
 
 

@@ -235,7 +235,10 @@ def _jobs_command(args) -> int:
             path = args.items[0] if args.items and "=" not in args.items[0] else None
             config = load_config(path, args.items[1:] if path else args.items)
             if not config.run_dir or not Path(config.run_dir).is_absolute():
-                raise ConfigError("relay submit needs run_dir=ABSOLUTE_PATH on a filesystem the cluster's head sees")
+                given = f"run_dir '{config.run_dir}' is relative" if config.run_dir else "no run_dir is given"
+                raise ConfigError(f"relay submit needs run_dir=ABSOLUTE_PATH on storage the cluster's nodes share "
+                                  f"({given}, and the job runs in a temporary directory on the head), e.g. "
+                                  "run_dir=/shared/runs/NAME; model.path and data.path too are paths there")
             job_id = jobs.submit(config, args.address)
             print(f"relay: submitted job {job_id}; logs: relay jobs --address {args.address}", file=sys.stderr)
             if args.no_wait:

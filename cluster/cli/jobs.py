@@ -1,7 +1,7 @@
 """Running relay as Ray jobs: `relay submit`, `relay jobs`, `relay stop`, through Ray's Jobs API.
 
 Owns: validating a run's config on the submitting machine (bad input fails here, exit 2, before anything is sent),
-staging what the job needs (relay's packages and the resolved config) as the job's `working_dir`, the job's
+staging what the job needs (relay's packages and the config's keys the user set) as the job's `working_dir`, the job's
 runtime environment, Ray 2.60's token authentication for the Jobs API (and refusing to send the token in clear
 text: plain http to a host other than this machine), streaming a job's logs, and listing and stopping jobs.
 Does not own: the run itself (the job runs `python -m cluster.cli train` on the cluster).
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.config import RunConfig, dump_config
+import yaml
+
+from cluster.config import RunConfig
 from rewards.config import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +84,10 @@ def submit(config: RunConfig, address: str, run_dir: str | None = None) -> str:
         for name in PACKAGES:
             shutil.copytree(ROOT / name, staging / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         resolved = config.model_copy(update={"run_dir": run_dir or config.run_dir})
-        (staging / "run.yaml").write_text(dump_config(resolved))
+        # Only the keys the user set: what the model sets where they did not (`model_settings`, the rollout sizes)
+        # comes from the model and the GPUs on the cluster, which this machine may not see.
+        (staging / "run.yaml").write_text(yaml.safe_dump(resolved.model_dump(mode="json", exclude_unset=True),
+                                                         sort_keys=False))
         env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["PYTHONPATH"] = "."  # the job's working_dir: relay's packages
         jobs = client(address)

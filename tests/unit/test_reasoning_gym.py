@@ -318,7 +318,8 @@ def test_unknown_datasets_and_settings_are_one_line_data_errors(datasets, messag
 
 def test_a_missing_package_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` now raises ImportError
-    hint = r"reasoning-gym is not installed \(.*\); install it with pip install 'relay-rl\[reasoning-gym\]'$"
+    hint = (r"reasoning-gym is not installed \(.*\); install it with pip install -e '\.\[reasoning-gym\]' in "
+            r"relay's checkout \(or pip install reasoning-gym==0\.1\.25\)$")
     with pytest.raises(DataError, match=r"^data.task=reasoning_gym: " + hint) as err:
         make_prompt_source(rg_config(), 0, 4, None, 100)
     assert "\n" not in str(err.value)

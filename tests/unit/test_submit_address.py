@@ -104,3 +104,35 @@ def test_loopback_lookalikes_are_refused(jobs_api, monkeypatch, capsys, address)
     monkeypatch.setenv("RAY_AUTH_TOKEN", TOKEN)
     assert main(["jobs", "--address", address]) == 2
     assert "is plain http to another machine" in capsys.readouterr().err and jobs_api == []
+
+
+def readme_submit() -> list[str]:
+    """The README's `relay submit` command (tour step 4), as its words, the placeholder head made loopback."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().replace("\\\n", " ")
+    line = next(line for line in readme.splitlines() if line.startswith("relay submit "))
+    return [w.replace("https://HEAD:8265", "http://127.0.0.1:8265") for w in line.split("#")[0].split()[1:]]
+
+
+def test_the_readmes_submit_command_is_sent_with_only_the_keys_the_user_set(jobs_api, monkeypatch, capsys):
+    """The README's command passes the checks made here (paths on the cluster are not looked at here), and the job
+    gets only the keys the user set: what the model sets (`rollout.kv_cache_bytes`, `model.dtype`) is derived on the
+    cluster, where the model is."""
+    import yaml
+
+    shipped = []
+    monkeypatch.setattr(RecordingJobsClient, "submit_job", lambda self, **kw: shipped.append(
+        yaml.safe_load(open(f"{kw['runtime_env']['working_dir']}/run.yaml"))) or "raysubmit_recorded")
+    assert main([*readme_submit(), "--no-wait"]) == 0, capsys.readouterr().err
+    [config] = shipped
+    assert config["run_dir"].startswith("/") and config["model"]["path"].startswith("/")
+    assert "kv_cache_bytes" not in config["rollout"] and "dtype" not in config["model"]
+    assert config["rollout"]["max_new_tokens"] == 768  # the preset's own value is kept
+
+
+def test_a_relative_run_dir_is_refused_with_what_to_pass(jobs_api, capsys):
+    assert main(["submit", "run_dir=runs/x", "--no-wait", "--address", "http://127.0.0.1:8265"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run_dir 'runs/x' is relative" in err and "e.g. run_dir=/shared/runs/NAME" in err
+    assert jobs_api == []
