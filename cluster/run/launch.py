@@ -306,7 +306,7 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
     config and fleet size, a checkpoint gives the numbers the run logged at its step. No reference or teacher is
     started.
     Raises ConfigError on bad input (nothing written), RunError when the fleet fails."""
-    step = 0
+    step, config = 0, model_settings(config)
     if checkpoint_path is not None:
         try:
             checkpoint.validate(checkpoint_path)
