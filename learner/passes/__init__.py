@@ -1,4 +1,5 @@
-"""Running a model over token rows: the code the learner and the frozen-model actors (reference, reward models) share.
+"""Running a model over token rows: the code the learner and the other model actors (reference, teacher, reward models)
+share.
 
 Owns the token layout and its wire form (`sequences`: `Rows`, `SequenceBatch`, padding), the passes over it
 (`sequences`: micro-batches cut by a token budget, shared prompts, logprobs and entropies), packed passes

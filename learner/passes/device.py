@@ -7,7 +7,7 @@ Owns `pick_device` (the GPU this process sees, else the CPU), `default_threads` 
 host memory for a checkpoint). Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray
 sets CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is `cuda:0` there. One device per
 process: nothing here spreads a model over several GPUs.
-Why in `learner/passes/`: every model pass, the learner's and the frozen-model actors' alike, runs on the device
+Why in `learner/passes/`: every model pass, the learner's and the other model actors' alike, runs on the device
 picked here and in the precision contexts here (`compute_in`, `matmuls_in`), and `actors/` may import the pass package
 but not the learner's training code; the engine reads the thread rule's size limit too (`SMALL_MODEL_PARAMETERS`).
 Imports only torch (and safetensors, to read a model's size).
