@@ -62,7 +62,7 @@ def _walk(model: type[BaseModel], prefix: str, title: str | None, lines: list[st
             else:
                 nested.append((section, f"{key}.<name>.", f"{key}.<name> with `type: {tag}`"))
         meaning = " ".join((field.description or "").split())
-        rows.append(f"| `{key}` | {_cell(_type_name(annotation, seen))} | {_cell(_default(field))} | "
+        rows.append(f"| `{key}` | {_cell(_type_name(annotation))} | {_cell(_default(field))} | "
                     f"{_cell(_bounds(field))} | {_cell(meaning)} |")
     title = title or prefix.rstrip(".") or "top level"
     lines.extend([f"## {title}", "", "| key | type | default | bounds | meaning |", "|---|---|---|---|---|", *rows, ""])
@@ -98,20 +98,20 @@ def _is_mapping(annotation: Any) -> bool:
     return typing.get_origin(annotation) is dict
 
 
-def _type_name(annotation: Any, seen: set) -> str:
+def _type_name(annotation: Any) -> str:
     """A short, readable name of a field's type: `int`, `float | None`, `dict[str, float]`, a section's key."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         args = typing.get_args(annotation)
-        return _type_name(args[0], seen)
+        return _type_name(args[0])
     if origin is Literal:
         return " | ".join(sorted({type(v).__name__ for v in typing.get_args(annotation)}))
     if origin in (types.UnionType, typing.Union):
         if any(typing.get_origin(a) is typing.Annotated for a in typing.get_args(annotation)):
             return "section (by `type`)"
-        return " | ".join(dict.fromkeys(_type_name(a, seen) for a in typing.get_args(annotation)))
+        return " | ".join(dict.fromkeys(_type_name(a) for a in typing.get_args(annotation)))
     if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a, seen) for a in typing.get_args(annotation))}]"
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(annotation))}]"
     if annotation is type(None):
         return "None"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
