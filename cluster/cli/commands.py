@@ -1,10 +1,10 @@
-"""The `relay` command line: train, eval, export, submit/jobs/stop (Ray jobs), scale/status (a running run), plot,
-build-demo-model, verifier serve, env serve.
+"""The `relay` command line: train, plan, eval, export, submit/jobs/stop (Ray jobs), scale/status (a running run),
+plot, build-demo-model, verifier serve, env serve.
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
 Does not own: the run itself (cluster/run/launch.py), the Ray Jobs client (cluster/cli/jobs.py), the charts
-(cluster/cli/plot.py) or the cluster's run registry (cluster/fleet/control.py).
+(cluster/cli/plot.py), the plan (cluster/cli/plan.py) or the cluster's run registry (cluster/fleet/control.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from cluster.cli.plan import add_plan_command, run_plan
 from cluster.config import ConfigError, load_config, parse_overrides
 
 TRAIN_HELP = """\
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                        help="an optional YAML config file, then dotted overrides")
     train.add_argument("--quiet", action="store_true", help="no progress display (metrics.jsonl is still written)")
+    add_plan_command(commands)
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint or the base model on held-out prompts",
                                    description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     evaluate.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [checkpoint=PATH] [run_dir=DIR] [key=value ...]",
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.items, quiet=args.quiet)
+        if args.command == "plan":
+            return run_plan(args)
         if args.command == "eval":
             return _eval(args.items)
         if args.command == "export":

@@ -25,6 +25,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import RunConfig
+from cluster.plan import core_bundles, rollout_bundles
 from learner.config import LearnerConfig
 from sync.calls import RunError, get
 
@@ -114,13 +115,6 @@ def actor_env(threads: int) -> dict[str, str]:
     return env
 
 
-def _bundle(num_cpus: float, num_gpus: float, resources: dict[str, float] | None = None) -> dict[str, float]:
-    bundle = {"CPU": num_cpus, **(resources or {})}
-    if num_gpus:
-        bundle["GPU"] = num_gpus
-    return bundle
-
-
 def _reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, what: str, fix: str,
              **kwargs: Any) -> PlacementGroup:
     pg = placement_group(bundles, strategy=strategy, **kwargs)
@@ -153,7 +147,8 @@ class RolloutLauncher:
                                        cpu_linear=ro.cpu_linear,
                                        lora=LoraServing(lora.rank, lora.scale_alpha, tuple(lora_targets(
                                            config.learner, model_path))) if lora.enabled else None)
-        self.bundle = _bundle(ro.num_cpus, ro.num_gpus, ro.resources)
+        self.bundles = rollout_bundles(config)  # one per tensor-parallel shard (cluster/plan.py: `relay plan`'s)
+        self.bundle = self.bundles[0]
         self.episodes = None  # multi-turn episodes (`env`): what each worker needs to run them
         if config.env.enabled:
             from actors.episodes import EpisodeSettings
@@ -185,7 +180,7 @@ class RolloutLauncher:
         if ro.placement == "spread":
             # A soft hint (what Ray Serve uses to spread replicas): a full or dead node falls back to any other.
             kwargs["_soft_target_node_id"] = self._least_busy_node(busy_nodes)
-        return [dict(self.bundle) for _ in range(ro.tensor_parallel_size)], "STRICT_PACK", kwargs
+        return [dict(b) for b in self.bundles], "STRICT_PACK", kwargs
 
     def start(self, pg: PlacementGroup) -> Any:
         """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`).
@@ -370,13 +365,8 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
 
     lc, rc, tc = config.learner, config.reference, config.teacher
     spec = core_spec(config, model_path)
-    bundles = [_bundle(lc.num_cpus, lc.num_gpus, lc.resources) for _ in range(lc.num_ranks)]
-    if spec.reference is not None:
-        bundles.append(_bundle(rc.num_cpus, rc.num_gpus, rc.resources))
-    if spec.teacher is not None:
-        bundles.append(_bundle(tc.num_cpus, tc.num_gpus, tc.resources))
-    bundles += [_bundle(config.reward.sources[name].num_cpus, config.reward.sources[name].num_gpus)
-                for name in spec.reward_models]
+    # The bundles `relay plan` shows (cluster/plan.py), in the order the actors below take them.
+    bundles = [b for _, b in core_bundles(config)]
     pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference, teacher and reward models",
                   "lower the num_cpus/num_gpus of learner, reference or teacher, or check learner.resources")
 

@@ -37,6 +37,7 @@ from cluster.fleet.placement import (
     stop_fleet,
     teacher_path,
 )
+from cluster.plan import check_gpu_fit
 from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
@@ -81,6 +82,7 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
         raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
                           "download one, e.g. huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "
                           "models/Qwen2.5-0.5B-Instruct, and pass model.path=DIR, or leave it empty for the demo model")
+    check_gpu_fit(config, model_path)  # before anything loads: a run its GPUs cannot hold stops here (relay plan)
     for name, source in config.reward.sources.items():
         if isinstance(source, ModelSource) and source.path is not None and \
                 not (Path(source.path) / "config.json").is_file():
