@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sync.adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_config
+from sync.adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_config, split_whole_modules
 from sync.group import GroupSpec
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
@@ -366,24 +366,34 @@ class VllmEngine:
         the adapters' tensors (peft's names) instead: `_load_adapters`."""
         if self._lora is not None:
             self._load_adapters(named_tensors)
-        elif self._in_process:
-            self.llm.collective_rpc("relay_reload_weights", args=(list(named_tensors),))
         else:
-            # Tensors cannot cross the engine's process boundary through collective_rpc: go through a file.
-            from safetensors.torch import save_file
-
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            with tempfile.TemporaryDirectory(dir=shm) as tmp:
-                save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
-                self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
+            self._load_whole(named_tensors)
         self.reset_prefix_cache(running)
+
+    def _load_whole(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load weights by the model's own names into every worker (all of them, or some: the rest stay)."""
+        if self._in_process:
+            self.llm.collective_rpc("relay_reload_weights", args=(list(named_tensors),))
+            return
+        # Tensors cannot cross the engine's process boundary through collective_rpc: go through a file.
+        from safetensors.torch import save_file
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=shm) as tmp:
+            save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(tmp, "model.safetensors"))
+            self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
 
     def _load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write the adapters as a peft directory (tmpfs) and have every worker load it in place of the one it
-        serves, once (`load_inplace`); requests then name it without reloading it. The base stays as loaded."""
+        serves, once (`load_inplace`); requests then name it without reloading it. The whole modules trained beside
+        them (`learner.lora.modules_to_save`: vLLM's LoRA serves none for causal LMs) are loaded into the base in
+        place, as whole weights are; the rest of the base stays as loaded."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
+        adapters, whole = split_whole_modules(named_tensors)
+        if whole:
+            self._load_whole(whole)
         if self._lora_dir is None:  # the adapters' config is the run's: written once, beside every load's weights
             self._lora_dir = tempfile.mkdtemp(prefix="relay-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                               else None)
@@ -391,7 +401,7 @@ class VllmEngine:
             config = adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path)
             with open(os.path.join(self._lora_dir, ADAPTER_CONFIG_FILE), "w") as f:
                 json.dump(config, f)
-        save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(self._lora_dir, ADAPTER_WEIGHTS_FILE))
+        save_file({k: v.contiguous() for k, v in adapters.items()}, os.path.join(self._lora_dir, ADAPTER_WEIGHTS_FILE))
         if not self.llm.llm_engine.add_lora(LoRARequest("relay", LORA_ID, self._lora_dir, load_inplace=True)):
             raise RuntimeError(f"vLLM did not load the adapters written to {self._lora_dir}")
         self.lora_request = LoRARequest("relay", LORA_ID, self._lora_dir)

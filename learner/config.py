@@ -28,6 +28,12 @@ class LoraConfig(_Section):
     """Modules that get adapters: `all-linear` (every linear layer of the decoder blocks, not the output head) or
     module names (`[q_proj, v_proj]`; a name matches a module whose path ends with it). Each must match a linear
     layer of the policy's decoder blocks that vLLM serves LoRA on."""
+    modules_to_save: list[str] = Field([], max_length=16)
+    """Modules outside the decoder blocks trained whole beside the adapters, as peft's `modules_to_save` does, by their
+    path in the policy: `[lm_head, model.norm]` (the output layer and the final norm of Qwen2 and Llama). They sync
+    with the adapters (in `sync/bytes`), the engines load them into the base they serve, the reference is the base
+    without them, checkpoints hold them in peft's format and `relay export --merge` writes them. Not with tied
+    embeddings."""
 
     @property
     def enabled(self) -> bool:

@@ -2,11 +2,13 @@
 moves them, their checkpoint, and the merged model an export writes.
 
 Owns: `lora_targets` (the module names `learner.lora.target_modules` resolves to, checked against the policy's
-decoder layers: one line when a name matches none), `check_lora` (that check on the model's config alone, before
-anything starts), `add_adapters` (peft's `get_peft_model`: the base frozen, rank-r adapters on the targets),
-`adapter_weights` (the adapters by the names of peft's saved format, which the engines load: vLLM reads the same
-format), `save_adapters` / `load_adapters` (a checkpoint's `policy/`, in peft's format) and `merge_adapters` (base +
-adapters as one Hugging Face model, `relay export --merge`).
+decoder layers: one line when a name matches none), `whole_modules` (`learner.lora.modules_to_save`, the layers
+trained whole beside the adapters, checked), `check_lora` (those checks on the model's config alone, before anything
+starts), `add_adapters` (peft's `get_peft_model`: the base frozen, rank-r adapters on the targets, trained copies of
+the whole modules), `adapter_weights` (the adapters and the whole modules by the names of peft's saved format, which
+the engines load: vLLM reads the adapters' format, the whole modules go into its base), `save_adapters` /
+`load_adapters` (a checkpoint's `policy/`, in peft's format) and `merge_adapters` (base + adapters and whole modules
+as one Hugging Face model, `relay export --merge`).
 Does not own: training (learner/learner.py), how adapters reach the engines (sync/, actors/engine.py, which writes
 what it receives as a peft directory for vLLM) or the config (learner/config.py). Imports torch, transformers,
 peft and sync/.
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,13 +61,37 @@ def lora_targets(model: torch.nn.Module, target_modules: str | list[str]) -> lis
     return sorted(set(target_modules))
 
 
+def whole_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """`learner.lora.modules_to_save`, checked: each the exact path of a layer of the policy outside its decoder
+    blocks (weights of its own, no sub-layers with weights) that shares no weight with another (tied embeddings);
+    ValueError (one line) otherwise."""
+    modules = dict(model.named_modules())
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+
+    def layer(module: torch.nn.Module) -> bool:
+        own = list(module.parameters(recurse=False))
+        return bool(own) and len(own) == len(list(module.parameters()))
+
+    for name in names:
+        module = modules.get(name)
+        if module is None or _BLOCK.search(f"{name}.") or not layer(module):
+            outside = sorted(n for n, m in modules.items() if n and not _BLOCK.search(f"{n}.") and layer(m))
+            raise ValueError(f"learner.lora.modules_to_save: {name!r} is not a layer with weights outside the "
+                             f"policy's decoder blocks; use some of {', '.join(outside)}")
+        if any(uses[id(p)] > 1 for p in module.parameters()):
+            raise ValueError(f"learner.lora.modules_to_save: {name!r} shares its weights with another layer (tied "
+                             "embeddings), which the engines cannot load apart; remove it")
+    return sorted(set(names))
+
+
 def check_lora(config: LoraConfig, model_config: Any) -> list[str]:
     """`lora_targets` of a policy with this transformers config, built on the meta device (no weights: the driver
-    checks before anything starts); ValueError as `lora_targets`."""
+    checks before anything starts), after `whole_modules`' check; ValueError as they raise."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
+    whole_modules(model, config.modules_to_save)
     return lora_targets(model, config.target_modules)
 
 
@@ -76,13 +103,14 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
 
     peft_config = PeftLoraConfig(r=config.rank, lora_alpha=config.scale_alpha, lora_dropout=config.dropout,
                                  target_modules=lora_targets(model, config.target_modules), bias="none",
-                                 task_type="CAUSAL_LM")
+                                 task_type="CAUSAL_LM",
+                                 modules_to_save=whole_modules(model, config.modules_to_save) or None)
     return get_peft_model(model, peft_config)
 
 
 def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' weights by the names of peft's saved format (`base_model.model.<path>.lora_A.weight`): views
-    of the live parameters, no copy."""
+    """The adapters' weights by the names of peft's saved format (`base_model.model.<path>.lora_A.weight`), and the
+    trained copies of the whole modules (`base_model.model.<path>.weight`): views of the live parameters, no copy."""
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, save_embedding_layers=False)

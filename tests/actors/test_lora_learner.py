@@ -1,8 +1,8 @@
 """The Learner with LoRA adapters (`learner.lora`), in-process on a tiny random Qwen2, in float32 and bfloat16: only the
 adapters train and have AdamW state, only they are published (and counted in `sync/bytes`), the reference is the base
 (the adapters disabled) exactly as a reference worker computes it, a checkpoint holds the adapters in peft's format and
-resumes bit for bit, dropout is in the training passes only, and `relay export --merge`'s model gives the policy's
-logprobs."""
+resumes bit for bit, dropout is in the training passes only (pi_old included), and `relay export --merge`'s model
+(with the whole modules trained beside the adapters, `learner.lora.modules_to_save`) gives the policy's logprobs."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def make(model_dir, dtype: str = "float32", kl_coef: float = 0.1, **lora) -> Lea
     config = LearnerConfig(lr=2e-2, warmup_steps=0, kl_coef=kl_coef, num_threads=2,
                            lora=LoraConfig(**{"rank": 8, **lora}))
     return Learner(str(model_dir), config, dtype=dtype, seed=0, norm_length=4)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 def batch(learner: Learner, rewards, ref=None) -> TrainBatch:
@@ -162,7 +166,7 @@ def test_export_merges_the_adapters_into_a_model_with_the_policys_logprobs(tiny_
 
     from learner.passes.sequences import pad_sequences, sequence_logprobs, unpad_per_token
 
-    learner = make(tiny_model_dir, dtype)
+    learner = make(tiny_model_dir, dtype, modules_to_save=["lm_head", "model.norm"])  # trained whole beside them
     for rewards in REWARDS:
         learner.train_step(batch(learner, rewards))
     checkpoint = tmp_path / "step_3"
@@ -173,7 +177,10 @@ def test_export_merges_the_adapters_into_a_model_with_the_policys_logprobs(tiny_
         (checkpoint / name).write_text(text)
     assert "merged" in export_checkpoint(checkpoint, tmp_path / "merged", merge=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    assert not any("lora" in k for k in merged.state_dict())
+    assert not any("lora" in k or "modules_to_save" in k for k in merged.state_dict())
+    trained = learner.policy_state_dict()
+    for name in ["lm_head.weight", "model.norm.weight"]:  # the merge holds the trained whole modules, cast
+        assert torch.equal(merged.state_dict()[name], trained[f"base_model.model.{name}"].to(dtype_of(dtype)).float())
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == dtype
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
     rows = pad_sequences(PROMPTS, RESPONSES, 0, torch.device("cpu"))
