@@ -6,7 +6,7 @@ Usage: python bench/gpu_learner.py [--device cuda|cpu] [--size 0.5b|tiny] [--ste
 shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings: 494M parameters)
 with random weights, saved to a temporary directory that `Learner` loads; each step 8 prompts of 256 tokens x 8
 completions whose lengths are drawn (seeded, uniform) from 128-2048 tokens, the learner's passes cut at 8192 tokens
-(configs/gpu_gsm8k_single.yaml's).
+(configs/gpu_gsm8k_single.yaml's then; 4096 since `relay plan` sized it for 80 GB GPUs at 1.5B).
 `--size tiny`: 2 layers of hidden 128 (4 heads of 32), vocabulary 1024, 4 prompts of 32 tokens x 4 completions of
 16-128, passes of 1024 tokens: seconds on a CPU, for the tests.
 Four variants, each a fresh `Learner` on the same batches: bfloat16 on float32 master weights (`model.dtype=bfloat16`,
