@@ -1,5 +1,5 @@
-"""reasoning-gym, the optional package (`pip install -e '.[reasoning-gym]'` in relay's checkout), as relay's rewards and prompt source
-reach it: imported on first use, with a one-line install hint when it is missing.
+"""reasoning-gym, the optional package (`pip install -e '.[reasoning-gym]'` in relay's checkout), as relay's rewards
+and prompt source reach it: imported on first use, with a one-line install hint when it is missing.
 
 Owns: `import_reasoning_gym` (the import and its error), `dataset_names`, `check_entry` (is a label a reasoning-gym
 entry: question, answer, metadata naming its source dataset) and `score_answer_fn` (the `score_answer` of the entry's
