@@ -19,8 +19,10 @@ and KV cache), from the config and the model's config.json alone: no Ray, no GPU
 when the GPUs cannot hold the run (what `relay train` refuses before any actor starts).
 The GPU size is --gpu-memory, else the smallest GPU torch sees here; without either, memory is printed unchecked.
   relay plan configs/gpu_gsm8k_single.yaml model.path=configs/model_shapes/Qwen2.5-1.5B-Instruct --gpu-memory 80GiB
-configs/model_shapes/ holds the config.json of Qwen2.5-0.5B, 1.5B and 7B Instruct (docs/gpu.md, "Memory").
+configs/model_shapes/ holds the config.json of Qwen2.5-0.5B, 1.5B and 7B Instruct (docs/gpu.md, "Memory"): a
+model.path that is not here but ends in one of their names (the GPU presets' placeholders) is planned on it.
 """
+SHAPES = Path(__file__).resolve().parents[2] / "configs" / "model_shapes"  # config.json alone, by model name
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -61,13 +63,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def model_shape(config: RunConfig):
-    """The policy's shape and where it was read: model.path's config.json, or the shipped demo model's."""
+    """The policy's shape and where it was read: model.path's config.json, or the shipped demo model's. A model.path
+    that is not on this machine but names a model of `SHAPES` (the GPU presets' placeholders) is planned on that
+    shape."""
     from cluster.demo.cache import shipped_demo_model
     from cluster.plan import ModelShape
 
     directory = Path(config.model.path) if config.model.path else shipped_demo_model(config.data.task)
+    where = str(directory)
+    if not (directory / "config.json").is_file() and (SHAPES / directory.name / "config.json").is_file():
+        where = f"{directory} (not on this machine: the shape in configs/model_shapes/{directory.name})"
+        directory = SHAPES / directory.name
     try:
-        return ModelShape.read(directory), str(directory)
+        return ModelShape.read(directory), where
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

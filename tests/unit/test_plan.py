@@ -150,3 +150,12 @@ def test_gpu_memory_sizes(text, size):
 def test_a_bad_gpu_memory_size_is_one_line_naming_the_option(text):
     with pytest.raises(ConfigError, match="--gpu-memory"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("preset, gpu", [(SINGLE, "80GB"), (MULTINODE, "24GB")])
+def test_the_presets_as_written_are_planned_on_the_shape_their_placeholder_names(preset, gpu, capsys):
+    # model.path is /models/... or /shared/models/...: not on this machine, named after a shape in configs/model_shapes
+    assert main(["plan", str(preset), "--gpu-memory", gpu]) == 0
+    out = capsys.readouterr().out
+    assert "(not on this machine: the shape in configs/model_shapes/Qwen2.5-1.5B-Instruct)" in out
+    assert "1.54B parameters" in out and "learner rank 0 " in out
