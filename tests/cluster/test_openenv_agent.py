@@ -2,7 +2,8 @@
 configs/agent_calc.yaml env.protocol=openenv env.urls=[...] env.spec=null env.params=null`, with the calculator
 served by openenv-core's own `create_app` (tests/openenv_envs.py), learns as it learns in-process: in float32 step for
 step the in-process run (accuracy 0.30 -> 0.63 over 12 steps: the first 3 steps' mean -> the last 3's), and in
-bfloat16 too. A server with too few sessions for the run stops it with the fix in one line (`env.on_failure=fail`).
+bfloat16 too. A server with too few sessions for the run stops it with the fix in one line (`env.on_failure=fail`),
+once its capacity retries are spent.
 
 The server runs on a thread of this process; the rollout workers (Ray actors) reach it over loopback.
 """
@@ -92,6 +93,6 @@ def test_a_server_with_too_few_sessions_stops_the_run_naming_the_fix(ray_local, 
             run(tmp_path, "full", calc_model_dir, *openenv(url), steps=1)
     message = str(raised.value)
     assert "\n" not in message and " episode(s) failed in the environment, the first: environment 'env' at " in message
-    assert ("reset failed: the server answered error CAPACITY_REACHED: Server at capacity: 4/4 sessions active. "
-            "Cannot accept new connections. (the server's max_concurrent_envs is reached: keep env.max_concurrency "
-            "times the rollout workers within it, or raise it) (env.on_failure=fail") in message
+    assert ("reset failed: 3 retries exhausted: the server answered error CAPACITY_REACHED: Server at capacity: 4/4 "
+            "sessions active. Cannot accept new connections. (the server's max_concurrent_envs is reached: keep "
+            "env.max_concurrency times the rollout workers within it, or raise it) (env.on_failure=fail") in message
