@@ -514,8 +514,8 @@ class Trainer:
             "rollout/scale_events": self.scaling.events,
             "rollout/scale_failures": self.scaling.failures,
             "rollout/restarts": self.rollouts.restarts,
+            "engine/batch_invariant": float(self.rollouts.check_invariance()),
             **self.timings,
             "time/step": step_seconds,
             "throughput/tokens_per_s": sum(lengths) / step_seconds,
         }
-            "engine/batch_invariant": float(self.rollouts.check_invariance()),
