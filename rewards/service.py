@@ -24,7 +24,8 @@ in any language. Decisions:
 - `/health` needs no token (load balancers probe it); `/verify`, `/get_reward` and FastAPI's own pages
   (`/openapi.json`, `/docs`, `/redoc`) do when a token is set. Unknown sample fields are ignored, so newer clients
   can add fields without breaking older services.
-- `/get_reward` (OpenRLHF): a query that cannot be scored gets `null` in `rewards` and `scores` and its error in
+- `/get_reward` (OpenRLHF): a query that cannot be scored (the verifier's faults above, or a query that does not hold
+  its prompt: rewards/openrlhf.py's `completion_of`) gets `null` in `rewards` and `scores` and its error in
   `errors` (one entry per query, null for the scored ones; absent when all were scored), and the others are scored:
   relay's client batches queries and counts that one as its failure. When no query could be scored the reply is a
   500 naming the first, with `"retryable": false`: OpenRLHF's own client sends one query per request and cannot
@@ -335,10 +336,13 @@ async def _openrlhf_rewards(body: RewardRequest, score: Callable[[list[Sample]],
         return _error(422, problem)
     queries = body.query
     prompts, labels = body.prompts or [None] * len(queries), body.labels or [None] * len(queries)
-    texts = [completion_of(query, prompt, strip) for query, prompt in zip(queries, prompts)]
-    samples = [Sample(id=str(i), prompt=prompt or "", completion=completion, label=label)
-               for i, ((completion, _), prompt, label) in enumerate(zip(texts, prompts, labels))]
-    results = await score(samples)
+    texts = [_completion(query, prompt, strip) for query, prompt in zip(queries, prompts)]
+    found = [i for i, text in enumerate(texts) if not isinstance(text, str)]  # a str: why it holds no completion
+    scored = await score([Sample(id=str(i), prompt=prompts[i] or "", completion=texts[i][0], label=labels[i])
+                          for i in found])
+    results = [Result(id=str(i), error=text) if isinstance(text, str) else None for i, text in enumerate(texts)]
+    for i, result in zip(found, scored):
+        results[i] = result
     failed = [i for i, r in enumerate(results) if r.error is not None]
     if failed:
         first = failed[0]
@@ -348,15 +352,24 @@ async def _openrlhf_rewards(body: RewardRequest, score: Callable[[list[Sample]],
         return JSONResponse({"detail": f"no query could be scored: query {first}: {results[first].error} "
                                        f"({len(failed)} of {len(results)} failed)", "retryable": False},
                             status_code=500)
-    mismatched = [not matched for _, matched in texts]
+    mismatched = [not isinstance(text, str) and not text[1] for text in texts]
     if any(mismatched) and not mismatch_logged.is_set():  # once: OpenRLHF sends one query per request
         mismatch_logged.set()
-        log.warning("/get_reward: query %d does not start with its prompt: scored whole (special tokens removed); "
-                    "such queries are flagged in extra_logs.prompt_mismatch", mismatched.index(True))
+        log.warning("/get_reward: query %d does not start with its prompt as sent: scored after the end of it that "
+                    "starts it; such queries are flagged in extra_logs.prompt_mismatch", mismatched.index(True))
     reply = reward_reply([r.reward for r in results], mismatched)  # an unscored query's reward is null
     if failed:
         reply["errors"] = [r.error for r in results]
     return reply
+
+
+def _completion(query: str, prompt: str | None, strip: Sequence[str]) -> tuple[str, bool] | str:
+    """`completion_of`'s (completion, found whole), or, for a query that does not hold its prompt, why: that query's
+    error (a fixed sentence, nothing of the query)."""
+    try:
+        return completion_of(query, prompt, strip)
+    except ValueError as err:
+        return str(err)
 
 
 async def _score(verifiers: _Verifiers, samples: list[Sample], pool: ThreadPoolExecutor, timeout: float,

@@ -75,3 +75,18 @@ def test_a_null_from_another_server_is_that_samples_failure():
         scores = verifier.score(SAMPLES)
     assert scores.rewards == [1.0, None, 1.0, 1.0]
     assert scores.metrics["failures"] == 1 and scores.metrics["retries"] == 0
+
+
+def test_a_query_that_does_not_hold_its_prompt_is_that_querys_failure():
+    # rewards/openrlhf.py's `completion_of` refuses a query that starts with no end of its prompt (issue 58, item 5).
+    with run_in_thread(create_app(unscorable_at_7)) as url:
+        reply = httpx.post(f"{url}/get_reward", json={"query": ["q=4", "Legs: 4"], "prompts": ["q=", "How many legs?"],
+                                                      "labels": ["4", "4"]})
+        with RemoteVerifier("judge", source(url, on_failure="drop")) as verifier:
+            scores = verifier.score([VerifierSample(id="a", prompt="q=", completion="4", label="4"),
+                                     VerifierSample(id="b", prompt="How many legs?", completion="4", label="4",
+                                                    query="Legs: 4")])
+    assert reply.status_code == 200 and reply.json()["rewards"] == [1.0, None]
+    assert reply.json()["errors"][1].startswith("the query does not start with its prompt nor with any end of it")
+    assert scores.rewards == [1.0, None]
+    assert scores.metrics["failures"] == 1 and scores.metrics["retries"] == 0 and scores.metrics["requests"] == 1
