@@ -162,3 +162,24 @@ def test_a_malformed_spec_gets_a_sentence_not_a_regular_expression():
                               "PYTHONPATH (got 'mypkg.envs.Game')")
     with pytest.raises(ConfigError, match=r"^env.action_field: must be a name of letters, digits and _"):
         load_config(None, ["env.spec=mypkg.envs:Game", "env.action_field=a-b"])
+
+
+def test_every_preset_for_a_real_model_says_first_how_to_get_the_model_and_the_data():
+    """A preset that names a model directory (a placeholder) says in its first comment lines how to download one, and,
+    with a data file, how to make it."""
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    checked = []
+    for preset in sorted(configs.glob("*.yaml")):
+        text = preset.read_text()
+        config = yaml.safe_load(text)
+        if not (config.get("model") or {}).get("path"):
+            continue  # a demo preset: its model ships with relay
+        header = text[:text.index("\n" + next(iter(config)) + ":")]
+        assert "download Qwen/" in header, f"{preset.name} does not say how to get its model"
+        if (config.get("data") or {}).get("path"):
+            assert "load_dataset('openai/gsm8k'" in header, f"{preset.name} does not say how to get its data"
+        checked.append(preset.name)
+    assert checked == ["gpu_gsm8k_multinode.yaml", "gpu_gsm8k_single.yaml", "gsm8k_grpo.yaml",
+                       "reasoning_gym_grpo.yaml"]
