@@ -24,10 +24,19 @@ def relay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     result = relay("--help")
     assert result.returncode == 0
-    for command in ("train", "verifier", "build-demo-model"):
+    for command in ("train", "plan", "verifier", "build-demo-model"):
         assert command in result.stdout
     train_help = relay("train", "--help")
     assert train_help.returncode == 0 and "dotted" in train_help.stdout
+
+
+def test_plan_prints_a_gpu_preset_as_written_and_refuses_gpus_too_small_in_one_line():
+    fits = relay("plan", "configs/gpu_gsm8k_single.yaml", "--gpu-memory", "80GB")
+    assert fits.returncode == 0, fits.stderr
+    assert "learner rank 0 " in fits.stdout and "master weights" in fits.stdout and "KV cache" in fits.stdout
+    small = relay("plan", "configs/gpu_gsm8k_single.yaml", "--gpu-memory", "24GiB")
+    assert small.returncode == 2 and small.stderr.count("\n") == 1
+    assert small.stderr.startswith("relay: config error: a learner rank needs about")
 
 
 @pytest.mark.parametrize("args, message", [
