@@ -334,9 +334,9 @@ def _inconsistencies(config: RunConfig):
         yield ("learner.lora with reference.refresh_every is not supported: the reference is the base, computed by "
                "the learner with the adapters disabled; set reference.refresh_every=0")
     if not lora.enabled and (lora.alpha is not None or lora.dropout or lora.target_modules != "all-linear"
-                             or lora.modules_to_save):
-        yield ("learner.lora.alpha, dropout, target_modules and modules_to_save apply with learner.lora.rank > 0; set "
-               "a rank or remove them")
+                             or lora.modules_to_save or lora.modules_lr is not None):
+        yield ("learner.lora.alpha, dropout, target_modules, modules_to_save and modules_lr apply with "
+               "learner.lora.rank > 0; set a rank or remove them")
     if config.reference.refresh_every and not config.uses_reference and not lora.enabled:
         yield ("reference.refresh_every needs a reference policy in use: set learner.kl_coef or "
                "learner.kl_reward_coef > 0 (and reference.enabled=true), or refresh_every=0")

@@ -34,6 +34,10 @@ class LoraConfig(_Section):
     with the adapters (in `sync/bytes`), the engines load them into the base they serve, the reference is the base
     without them, checkpoints hold them in peft's format and `relay export --merge` writes them. Not with tied
     embeddings."""
+    modules_lr: float | None = Field(None, gt=0, le=1)
+    """AdamW learning rate of `modules_to_save` (as unsloth's `embedding_learning_rate`). Empty: `learner.lr`. Adam
+    moves every weight of a whole layer by about the rate each step, the adapters' product far less: the adapters'
+    rate overshoots a whole layer."""
 
     @property
     def enabled(self) -> bool:

@@ -12,8 +12,8 @@ model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the co
 (`learner.passes.micro_batches.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
 non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the updates it
 made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there); with `learner.lora`, the
-adapters on a frozen base (`learner.lora`): only they train and publish, and the reference's logprobs are the base's,
-computed here with the adapters disabled. Mixed precision: parameters,
+adapters on a frozen base (`learner.lora`): only they (and the whole modules trained beside them) train and publish,
+and the reference's logprobs are the base's, computed here with the adapters disabled. Mixed precision: parameters,
 gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
 (autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
 `model.dtype`, once per sync.
@@ -154,9 +154,14 @@ class Learner(WeightPublisher):
 
     def _make_optimizer(self) -> None:
         cfg = self.config
-        # Only what trains gets AdamW state: every parameter, or with LoRA the adapters (the base is frozen).
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           betas=cfg.betas, weight_decay=cfg.weight_decay)
+        # Only what trains gets AdamW state: every parameter, or with LoRA the adapters (the base is frozen) and the
+        # whole modules trained beside them, at their own rate (`learner.lora.modules_lr`).
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        whole = [p for name, p in named if ".modules_to_save." in name]
+        groups = [{"params": [p for name, p in named if ".modules_to_save." not in name]}]
+        if whole:
+            groups.append({"params": whole, "lr": cfg.lora.modules_lr or cfg.lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
 
     def open_process_group(self, host: str, timeout_s: float) -> int:
@@ -442,8 +447,8 @@ class Learner(WeightPublisher):
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """What the engines need of the policy, by checkpoint name: its whole weights (the live tensors, or under
         fsdp2 rank 0's CPU copy gathered after the last update or load; other fsdp2 ranks: empty), or with LoRA the
-        adapters alone (peft's names; the engines keep the base they loaded). No collective: rank 0 alone may call
-        it."""
+        adapters and `learner.lora.modules_to_save` (peft's names; the engines keep the rest of the base they
+        loaded). No collective: rank 0 alone may call it."""
         if self.lora:
             return adapter_weights(self.model)
         return self._gathered if self._gathered is not None else self.model.state_dict()
