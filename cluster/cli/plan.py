@@ -110,6 +110,10 @@ def format_plan(config: RunConfig, path: str | None, shape, where: str, actors: 
     shards = rollout_bundles(config)
     lines.append(f"  rollout workers: {ro.num_workers} groups (STRICT_PACK: one node each) of {len(shards)} bundle(s) "
                  f"{_bundle_text(shards[0])}")
+    if ro.node_labels or ro.placement == "spread":
+        labels = ", ".join(f"{k}={v}" for k, v in ro.node_labels.items())
+        lines.append(f"    on nodes labelled {labels or '(any)'}; {ro.placement} (rollout.node_labels, "
+                     "rollout.placement)")
     cpus = sum(b["CPU"] for _, b in core) + ro.num_workers * sum(b["CPU"] for b in shards)
     gpus = sum(b.get("GPU", 0) for _, b in core) + ro.num_workers * sum(b.get("GPU", 0) for b in shards)
     lines += [f"  in all: {cpus:g} CPUs, {gpus:g} GPUs", "",
