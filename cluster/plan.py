@@ -176,14 +176,16 @@ def _pass_tokens(budget: int | None, rows: int | None, longest: int, rows_in_bat
     return max(longest, min(budget, rows * longest if rows else budget))
 
 
-def logits_bytes(shape: ModelShape, tokens: int, compute: int, grad: bool, entropy_grad: bool = False) -> int:
-    """A pass's logits at their peak: [T, V] in the compute dtype, and the float32 log-softmax's chunks: all of them
-    saved for the backward (`grad`), else two at a time; with `grad` the entropy's three chunk-sized temporaries come
-    first (freed before the log-softmax's), and with `entropy_grad` its float32 copies are saved too."""
-    from learner.algo.logprobs import GPU_FLOAT32_CHUNK_ELEMENTS
+def logits_bytes(shape: ModelShape, tokens: int, compute: int, grad: bool, entropy_grad: bool = False,
+                 gpu: bool = True) -> int:
+    """A pass's logits at their peak: [T, V] in the compute dtype, and the float32 log-softmax's chunks (a GPU's or a
+    CPU's size): all of them saved for the backward (`grad`), else two at a time; with `grad` the entropy's three
+    chunk-sized temporaries come first (freed before the log-softmax's), and with `entropy_grad` its float32 copies
+    are saved too."""
+    from learner.algo.logprobs import FLOAT32_CHUNK_ELEMENTS, GPU_FLOAT32_CHUNK_ELEMENTS
 
     wide = 4 * shape.vocab * tokens
-    chunk = min(4 * GPU_FLOAT32_CHUNK_ELEMENTS, wide)
+    chunk = min(4 * (GPU_FLOAT32_CHUNK_ELEMENTS if gpu else FLOAT32_CHUNK_ELEMENTS), wide)
     held = (0 if compute == 4 else compute * shape.vocab * tokens)
     if not grad:
         return held + 2 * chunk
@@ -221,7 +223,7 @@ def learner_memory(config: RunConfig, shape: ModelShape) -> tuple[dict[str, int]
         cached = shape.layers * 2 * shape.heads * shape.head_dim * compute * prompt * math.ceil(tokens / longest)
         memory["prompts' pass (shared prompts)"] = prefix * per_token + cached
         notes.append(f"shared prompts: {prefix} prompt tokens in one pass, kept until their rows' passes end")
-    memory["logits"] = logits_bytes(shape, tokens, compute, True, lc.entropy_coef > 0)
+    memory["logits"] = logits_bytes(shape, tokens, compute, True, lc.entropy_coef > 0, lc.num_gpus > 0)
     if config.critic.enabled:
         critic = shape.parameters - shape.vocab * shape.hidden * (0 if shape.tied else 1)
         memory["value model (weights, gradients, AdamW)"] = 4 * critic * master // split
@@ -229,7 +231,7 @@ def learner_memory(config: RunConfig, shape: ModelShape) -> tuple[dict[str, int]
 
 
 def frozen_memory(config: RunConfig, shape: ModelShape, budget: int | None, rows: int | None, scores: bool,
-                  shared: bool) -> tuple[dict[str, int], list[str]]:
+                  shared: bool, gpu: bool) -> tuple[dict[str, int], list[str]]:
     """A frozen model's memory (the reference, the teacher, a reward model), loaded in `model.dtype`, at the peak of
     a pass without gradients: one block's temporaries and, when it `scores` tokens, the logits."""
     compute = BYTES[config.model.dtype]
@@ -238,7 +240,7 @@ def frozen_memory(config: RunConfig, shape: ModelShape, budget: int | None, rows
     memory = {"weights": shape.parameters * compute,
               f"a block's temporaries ({tokens}-token pass)": tokens * layer_bytes(shape, compute, False)}
     if scores:
-        memory["logits"] = logits_bytes(shape, tokens, compute, False)
+        memory["logits"] = logits_bytes(shape, tokens, compute, False, gpu=gpu)
     return memory, [f"passes of {tokens} tokens, rows of up to {longest}"]
 
 
@@ -276,16 +278,16 @@ def plan_run(config: RunConfig, shape: ModelShape, gpu_bytes: int | None = None,
     if config.uses_reference:
         actors.append(ActorPlan("reference", "reference", 1, rc.num_cpus, rc.num_gpus,
                                 *frozen_memory(config, shape, rc.max_tokens_per_micro_batch, rc.micro_batch_size,
-                                               True, rc.share_prompts)))
+                                               True, rc.share_prompts, rc.num_gpus > 0)))
     if config.uses_teacher:
         actors.append(ActorPlan("teacher", "teacher", 1, tc.num_cpus, tc.num_gpus,
                                 *frozen_memory(config, shapes.get(str(tc.path), shape), tc.max_tokens_per_micro_batch,
-                                               tc.micro_batch_size, True, tc.share_prompts)))
+                                               tc.micro_batch_size, True, tc.share_prompts, tc.num_gpus > 0)))
     for name, s in config.reward.sources.items():
         if isinstance(s, ModelSource):
             actors.append(ActorPlan(f"reward model '{name}'", f"reward.sources.{name}", 1, s.num_cpus, s.num_gpus,
                                     *frozen_memory(config, shapes.get(str(s.path), shape), s.max_tokens_per_micro_batch,
-                                                   s.micro_batch_size, False, False)))
+                                                   s.micro_batch_size, False, False, s.num_gpus > 0)))
     memory, notes = engine_memory(config, shape, gpu_bytes)
     actors.append(ActorPlan("rollout worker", "rollout", ro.num_workers, ro.num_cpus * ro.tensor_parallel_size,
                             ro.num_gpus, memory, notes, ro.gpu_memory_utilization if ro.num_gpus else None))

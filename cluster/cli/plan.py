@@ -98,7 +98,9 @@ def format_plan(config: RunConfig, path: str | None, shape, where: str, actors: 
     from cluster.plan import CUDA_OVERHEAD_BYTES, GIB, core_bundles, rollout_bundles
 
     ro = config.rollout
-    lines = [f"relay plan: {path or 'the built-in demo'}; model {where}: {shape.parameters / 1e9:.2f}B parameters "
+    count = shape.parameters
+    size = f"{count / 1e9:.2f}B" if count >= 10**8 else f"{count / 1e6:.2f}M"
+    lines = [f"relay plan: {path or 'the built-in demo'}; model {where}: {size} parameters "
              f"({shape.layers} layers, hidden {shape.hidden}, vocabulary {shape.vocab}), model.dtype "
              f"{config.model.dtype}, learner.master_dtype {config.learner.master_dtype}",
              f"GPU memory: {gpu_bytes / GIB:.1f} GiB per GPU ({source})" if gpu_bytes else

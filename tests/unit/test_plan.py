@@ -92,11 +92,11 @@ def test_layer_bytes_are_what_torch_saves_for_a_qwen2_block_in_relays_pass(dtype
 
 def bench_config(lora: int):
     """bench/gpu_learner.py's 0.5B run as a relay config: 8 prompts of 256 tokens x 8 completions of up to 2048,
-    one minibatch, passes of 8192 tokens, bfloat16 on float32 master weights, packed, prompts shared."""
+    one minibatch, passes of 8192 tokens, bfloat16 on float32 master weights, packed, prompts shared, on a GPU."""
     return load_config(None, ["model.dtype=bfloat16", "data.prompts_per_step=8", "rollout.group_size=8",
                               "data.max_prompt_tokens=256", "rollout.max_new_tokens=2048", "rollout.max_model_len=2304",
                               "learner.num_minibatches=1", "learner.max_tokens_per_micro_batch=8192",
-                              f"learner.lora.rank={lora}", "learner.lr=1e-6"])
+                              f"learner.lora.rank={lora}", "learner.lr=1e-6", "learner.num_gpus=1"])
 
 
 @pytest.mark.parametrize("lora, measured_gib", [(0, 33.92), (32, 27.24)])
