@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, RunConfig, load_config
+from cluster.plan import core_bundles, rollout_bundles
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -241,14 +242,9 @@ def kuberay_nodes(cluster_spec: dict) -> list[Node]:
     return nodes
 
 
-def bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
-    """One actor's placement-group bundle, as cluster/fleet/placement.py asks Ray for it."""
-    return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **resources}
-
-
 def placement_problems(config: RunConfig, nodes: list[Node]) -> list[str]:
     """What of the run's actors could not be placed on `nodes` (empty: all fit). Greedy first fit, as Ray's PACK:
-    the learner ranks, the reference and the reward models anywhere they fit; each rollout worker's
+    the learner ranks, the reference, the teacher and the reward models anywhere they fit; each rollout worker's
     `tensor_parallel_size` bundles together on one node that carries `rollout.node_labels`."""
     free = [dict(n.resources) for n in nodes]
 
@@ -261,14 +257,10 @@ def placement_problems(config: RunConfig, nodes: list[Node]) -> list[str]:
         free[i] = left
         return True
 
-    lc, rc, ro = config.learner, config.reference, config.rollout
-    actors = [(f"learner rank {r}", bundle(lc.num_cpus, lc.num_gpus, lc.resources)) for r in range(lc.num_ranks)]
-    if config.uses_reference:
-        actors.append(("reference", bundle(rc.num_cpus, rc.num_gpus, rc.resources)))
-    actors += [(f"reward model {name}", bundle(s.num_cpus, s.num_gpus, {}))
-               for name, s in config.reward.sources.items() if getattr(s, "type", "") == "model"]
-    problems = [name for name, b in actors if not any(take(i, [b]) for i in range(len(nodes)))]
-    worker = [bundle(ro.num_cpus, ro.num_gpus, ro.resources)] * ro.tensor_parallel_size
+    ro = config.rollout
+    # the bundles cluster/fleet/placement.py asks Ray for (cluster/plan.py, what `relay plan` prints)
+    problems = [name for name, b in core_bundles(config) if not any(take(i, [b]) for i in range(len(nodes)))]
+    worker = rollout_bundles(config)
     labelled = [i for i, n in enumerate(nodes) if all(n.labels.get(k) == v for k, v in ro.node_labels.items())]
     problems += [f"rollout worker {w}" for w in range(ro.num_workers) if not any(take(i, worker) for i in labelled)]
     return problems
