@@ -27,6 +27,7 @@ import torch
 
 from sync.adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_config, split_whole_modules
 from sync.group import GroupSpec
+from sync.startup import mark
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
 
@@ -141,6 +142,26 @@ def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
 
 
 @contextlib.contextmanager
+def _warm_up_marked() -> Iterator[None]:
+    """While an engine starts in this process: its start-up mark `warming` (sync/startup.py) is made when vLLM has
+    loaded the model and starts profiling it, sizing the KV cache and warming up (`EngineCore._initialize_kv_caches`),
+    so the console and `time/startup/*` tell the model's load from the warm-up."""
+    from vllm.v1.engine.core import EngineCore
+
+    initialize = EngineCore._initialize_kv_caches
+
+    def marked(core: Any, *args: Any, **kwargs: Any) -> Any:
+        mark("warming")
+        return initialize(core, *args, **kwargs)
+
+    EngineCore._initialize_kv_caches = marked
+    try:
+        yield
+    finally:
+        EngineCore._initialize_kv_caches = initialize
+
+
+@contextlib.contextmanager
 def _torch_linear_kernels() -> Iterator[None]:
     """While an engine starts: vLLM's CPU layers with 2-D weights take `torch_linear` as their kernel, on their
     weights as loaded, instead of the oneDNN (or AMX) kernel vLLM would build from a packed copy. vLLM looks its
@@ -199,7 +220,7 @@ class VllmEngine:
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
-        with _torch_linear_kernels() if torch_linear else contextlib.nullcontext():
+        with _torch_linear_kernels() if torch_linear else contextlib.nullcontext(), _warm_up_marked():
             self.llm = LLM(
                 model=settings.model_path,
                 dtype=settings.dtype,

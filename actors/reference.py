@@ -19,6 +19,7 @@ from learner.passes.device import count_parameters, default_threads, matmuls_in,
 from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import batched_logprobs, flat_per_token, pad_sequences, unpad_per_token
 from sync.receive import Loaded, Weights, fingerprints, received
+from sync.startup import mark
 
 
 class ReferenceWorker:
@@ -30,6 +31,7 @@ class ReferenceWorker:
                  temperature: float = 1.0):
         from transformers import AutoModelForCausalLM
 
+        mark("loading")  # start-up marks (sync/startup.py)
         torch.set_num_threads(num_threads or default_threads(count_parameters(model_path)))
         self.device = pick_device()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
@@ -37,6 +39,7 @@ class ReferenceWorker:
         self.pad_id = self.model.config.pad_token_id or 0
         self.batching = batching  # how a request's sequences are cut into forward passes
         self.temperature = temperature
+        mark("ready")
 
     def compute_logprobs(self, prompt_ids: Sequence[Sequence[int]],
                          response_ids: Sequence[Sequence[int]]) -> list[list[float]]:

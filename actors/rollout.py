@@ -28,6 +28,7 @@ from actors.rollout_types import (  # noqa: F401  (this module's API)
 )
 from sync.group import GroupSpec
 from sync.receive import Loaded, Weights, fingerprints, received
+from sync.startup import mark
 
 
 class ProbeSample(NamedTuple):
@@ -47,6 +48,7 @@ class RolloutWorker:
 
     def __init__(self, settings: EngineSettings, num_threads: int = 1, fingerprint: bool = True,
                  episodes: EpisodeSettings | None = None):
+        mark("loading")  # start-up marks (sync/startup.py): the engine marks `warming` when vLLM has the model
         torch.set_num_threads(num_threads)
         self.fingerprint = fingerprint
         self.engine = VllmEngine(settings)
@@ -57,6 +59,7 @@ class RolloutWorker:
         # In-flight updates: the newest weights offered (`offer_weights`, from another thread while `generate` runs).
         self.offered: Offer | None = None
         self._offer_lock = threading.Lock()
+        mark("ready")
 
     def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
                  version: int | None = None, *buckets: Weights, probe: tuple | None = None,

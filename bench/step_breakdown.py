@@ -2,7 +2,8 @@
 
 Usage: python bench/step_breakdown.py [--steps N] [dotted.key=value ...]
 Phases are the step's `time/*` metrics (`time/recovery` is inside generate and sync, not a phase of its own); a
-`time/*` key this script does not know stops it, so a new phase never lands in "overhead" unnoticed.
+`time/*` key this script does not know stops it, so a new phase never lands in "overhead" unnoticed. The first record's
+`time/startup/*` (the run's start, before its first step: bench/startup.py) are not the step's.
 Overhead = step time minus the sum of the phases (prompt sampling, reward bookkeeping, metric assembly, Ray call
 latency not inside a phase). Target: under 10% of the step time.
 """
@@ -23,12 +24,14 @@ PHASES = ["scale", "generate", "score", "reference", "train", "sync"]  # in the 
 NESTED = ["recovery"]  # seconds counted inside the phases above
 IDLE = ["learner_wait", "rollout_idle"]  # seconds the learner, and the engines, waited: not phases of the step
 OPTIONAL = ["teacher"]  # phases of some runs only (on-policy distillation's), tabled when the records have them
+STARTUP = "time/startup/"  # the first record's: the run's start (cluster/run/startup.py), not a phase of a step
 
 
 def check_phases(record: dict) -> None:
     """Stop if the record has a `time/*` key that is neither a phase, nor nested, nor the step."""
     known = {f"time/{name}" for name in [*PHASES, *OPTIONAL, *NESTED, *IDLE, "step"]}
-    unknown = sorted(key for key in record if key.startswith("time/") and key not in known)
+    unknown = sorted(key for key in record if key.startswith("time/") and key not in known
+                     and not key.startswith(STARTUP))
     if unknown:
         raise SystemExit(f"{', '.join(unknown)}: not a phase this script knows; add it to PHASES (or NESTED)")
 

@@ -68,6 +68,7 @@ from learner.passes.sequences import (
 )
 from sync.adapters import ADAPTER_CONFIG_FILE
 from sync.publisher import WeightPublisher, cast_to_engine
+from sync.startup import mark
 
 if TYPE_CHECKING:
     from learner.config import CriticConfig, LearnerConfig
@@ -103,6 +104,7 @@ class Learner(WeightPublisher):
                  seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None, rank: int = 0):
         from transformers import AutoModelForCausalLM
 
+        mark("loading")  # start-up marks (sync/startup.py)
         torch.set_num_threads(config.num_threads or default_threads(count_parameters(model_path)))
         torch.manual_seed(seed)
         self.base_rss_mb = _peak_rss_mb()  # the process before any model: interpreter, torch, transformers
@@ -151,6 +153,7 @@ class Learner(WeightPublisher):
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
+        mark("ready")
 
     def _make_optimizer(self) -> None:
         cfg = self.config

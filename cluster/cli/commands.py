@@ -142,9 +142,11 @@ def _train(items: list[str], quiet: bool) -> int:
     run_dir = resolve_run_dir(config)
     from cluster.run.launch import RunFinished, RunInterrupted, run_training
     from sync.calls import RunError
+    from sync.startup import process_start_time
 
     try:
-        run_training(config, run_dir, display=not quiet)  # checks every input before it builds or starts anything
+        # checks every input before it builds or starts anything; start-up counts from this process's start
+        run_training(config, run_dir, display=not quiet, started=process_start_time())
     except RunFinished as done:
         print(f"relay: {done}", file=sys.stderr)
         return 0

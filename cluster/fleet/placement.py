@@ -115,6 +115,19 @@ def actor_env(threads: int) -> dict[str, str]:
     return env
 
 
+def actor_runtime_env(threads: int, name: str | None = None) -> dict[str, Any]:
+    """An actor's Ray runtime environment: `actor_env`, and with `name` (how the console and the start-up metrics
+    call it) the start-up marks of sync/startup.py, the first made as its process starts (Ray's setup hook)."""
+    if name is None:
+        return {"env_vars": actor_env(threads)}
+    from ray._private.runtime_env.setup_hook import export_setup_func_module
+
+    from sync.startup import ENV
+
+    # An actor's own setup hook: `ray.init` alone turns the `worker_process_setup_hook` key into what a worker runs.
+    return export_setup_func_module({"env_vars": {**actor_env(threads), ENV: name}}, "sync.startup.process_started")
+
+
 def _reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, what: str, fix: str,
              **kwargs: Any) -> PlacementGroup:
     pg = placement_group(bundles, strategy=strategy, **kwargs)
@@ -182,8 +195,9 @@ class RolloutLauncher:
             kwargs["_soft_target_node_id"] = self._least_busy_node(busy_nodes)
         return [dict(b) for b in self.bundles], "STRICT_PACK", kwargs
 
-    def start(self, pg: PlacementGroup) -> Any:
-        """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`).
+    def start(self, pg: PlacementGroup, name: str | None = None) -> Any:
+        """Start a rollout actor in `pg` (its engine starts loading; wait on `__ray_ready__`); `name`: its name in
+        the start-up marks (`actor_runtime_env`), for a worker of the fleet's start.
 
         With tensor parallelism the actor itself holds no GPU: vLLM starts one Ray worker per shard in the
         placement group's bundles (captured as the actor's child tasks), and Ray gives each its own
@@ -195,7 +209,7 @@ class RolloutLauncher:
         actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
         return actor.options(
             num_cpus=ro.num_cpus, num_gpus=0 if sharded else ro.num_gpus,
-            runtime_env={"env_vars": actor_env(ro.num_threads)},
+            runtime_env=actor_runtime_env(ro.num_threads, name),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=sharded),
         ).remote(*args, **self.kwargs())
@@ -251,7 +265,7 @@ def start_rollout_slots(launcher: RolloutLauncher, ids: list[int], busy_nodes: l
         for worker_id in ids:
             pg = launcher.reserve(busy)
             busy.append(node_of(pg))
-            slots.append(RolloutSlot(worker_id, launcher.start(pg), pg, busy[-1]))
+            slots.append(RolloutSlot(worker_id, launcher.start(pg, f"rollout worker {worker_id}"), pg, busy[-1]))
         get([s.actor.__ray_ready__.remote() for s in slots], launcher.config.timeouts.start,
             [s.name for s in slots], "start")
     except BaseException:
@@ -370,29 +384,31 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
     pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference, teacher and reward models",
                   "lower the num_cpus/num_gpus of learner, reference or teacher, or check learner.resources")
 
-    def options(index: int, threads: int, cpus: float, gpus: float) -> dict[str, Any]:
-        return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": actor_env(threads)},
+    def options(index: int, threads: int, cpus: float, gpus: float, name: str) -> dict[str, Any]:
+        return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": actor_runtime_env(threads, name),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
     # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
-    group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus)
+    ranks = ["learner"] if lc.num_ranks == 1 else [f"learner rank {rank}" for rank in range(lc.num_ranks)]
+    group = launch_learner_group([options(rank, lc.num_threads, lc.num_cpus, lc.num_gpus, ranks[rank])
                                   for rank in range(lc.num_ranks)], model_path, lc, **spec.rank_kwargs,
                                  timeouts=config.timeouts)
     first = lc.num_ranks
     reference = None
     if spec.reference is not None:
         reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
-                                                                  rc.num_gpus)).remote(*spec.reference)
+                                                                  rc.num_gpus, "reference")).remote(*spec.reference)
         first += 1
     teacher = None
     if spec.teacher is not None:
         teacher = ray.remote(ReferenceWorker).options(**options(first, tc.num_threads, tc.num_cpus,
-                                                                tc.num_gpus)).remote(*spec.teacher)
+                                                                tc.num_gpus, "teacher")).remote(*spec.teacher)
         first += 1
     reward_models = {}
     for i, (name, (cls, args, kwargs)) in enumerate(spec.reward_models.items()):
         s = config.reward.sources[name]
-        reward_models[name] = ray.remote(cls).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus)) \
+        reward_models[name] = ray.remote(cls).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus,
+                                                                f"reward model '{name}'")) \
             .remote(*args, **kwargs)
     return Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, teacher=teacher)
 

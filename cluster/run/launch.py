@@ -42,6 +42,7 @@ from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.run.scoring import Scorer
+from cluster.run.startup import Startup
 from cluster.run.trainer import Trainer
 from rewards.config import ModelSource
 from sync.calls import RunError
@@ -237,7 +238,8 @@ def cpus_asked(config: RunConfig) -> dict[str, float]:
 
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,
-                 rollout_cls: type | None = None, pool: FleetPool | None = None) -> list[dict[str, Any]]:
+                 rollout_cls: type | None = None, pool: FleetPool | None = None,
+                 started: float | None = None) -> list[dict[str, Any]]:
     """Check the inputs, start Ray (unless connected already), ensure the demo model (shipped copy) if `model_path` and
     `model.path` are empty, start the fleet, run the steps up to `max_steps` (from the checkpoint `resume` names, if
     any), write checkpoints, and clean up; returns this attempt's records. With `pool` (`FleetPool`), the fleet is the
@@ -245,7 +247,10 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     then shuts down).
 
     Raises ConfigError (nothing written or built) on bad input, RunFinished when resuming a finished run, RunError
-    when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written)."""
+    when the run cannot go on (with the checkpoint to resume from) or Ray cannot be reached (nothing written).
+    `started`: the process's start (epoch s), where start-up's phases count from (cluster/run/startup.py)."""
+    startup = Startup(started, show=display)
+    startup.begin("checks")
     config = model_settings(config)  # before comparing with a checkpoint's config, which holds the derived values
     point = resume.find(config, run_dir)
     if point is not None and point.step >= config.max_steps:
@@ -257,12 +262,15 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     records: list[dict[str, Any]] = []
     finished = False
     with ExitStack() as cleanup:  # undoes whatever was started, in reverse order, however the run ends
+        cleanup.callback(startup.close)
         cleanup.callback(scorer.close)
         if evaluation is not None:
             cleanup.callback(evaluation[1].close)
+        startup.begin("ray")
         started_ray = _init_ray(config)
         if started_ray:
             cleanup.callback(ray.shutdown)
+        startup.begin("registry")
         model_path = model_path or _demo_model(config)
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
@@ -274,7 +282,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         try:
             control = start_control(str(run_dir))
             cleanup.callback(control.leave)
-            fleet = start_fleet(config, model_path, rollout_cls, pool)
+            fleet = _start_fleet(startup, config, model_path, rollout_cls, pool)
 
             cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))
             trainer = Trainer(config, fleet, data, scorer, control, evaluation)
@@ -282,9 +290,11 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             if config.sync.probe:
                 # Engines and learner agree on the weights they start from (the model's, also when resuming: before
                 # the checkpoint loads), which is where the probe's noise floor and tolerance come from.
+                startup.begin("probe")
                 trainer.rollouts.weights.verify(fleet.rollout)
             first = trainer.restore(point) + 1 if point else 1
-            records = train(trainer, recorder, run_dir, resolved, first, display)
+            startup.begin("first_step")
+            records = train(trainer, recorder, run_dir, resolved, first, display, startup)
             finished = True
         except RunError as err:
             latest = checkpoint.latest(run_dir)
@@ -292,6 +302,16 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
                     else "; no checkpoint was written yet")
             raise type(err)(f"{err}{hint}") from err
     return records
+
+
+def _start_fleet(startup: Startup, config: RunConfig, model_path: str, rollout_cls: type | None,
+                 pool: FleetPool | None) -> Fleet:
+    """`start_fleet` as start-up's `actors` phase; a start that fails names the log of each actor that did not start."""
+    startup.begin("actors")
+    try:
+        return start_fleet(config, model_path, rollout_cls, pool)
+    except RunError as err:
+        raise type(err)(f"{err}{startup.logs(err)}") from err
 
 
 def _release(fleet: Fleet, pool: FleetPool | None, started_ray: bool, failed: bool) -> None:
@@ -349,15 +369,17 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
     return metrics
 
 
-def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: str, first: int, display: bool
-          ) -> list[dict[str, Any]]:
-    """The steps from `first` to `max_steps`, each recorded and published, checkpoints written; their records."""
+def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: str, first: int, display: bool,
+          startup: Startup | None = None) -> list[dict[str, Any]]:
+    """The steps from `first` to `max_steps`, each recorded and published, checkpoints written; their records (the
+    first with `startup`'s `time/startup/*`)."""
     config, records, warned = trainer.config, [], False
     trainer.publish({"step": first - 1})
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
 
     def write(record: dict[str, Any]) -> None:
         nonlocal warned
+        record = startup.stamp(record) if startup else record
         recorder.write(record)
         records.append(record)
         trainer.publish(record)

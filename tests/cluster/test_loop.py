@@ -145,10 +145,14 @@ def test_loop_learns_and_records_the_contract(ray_local, tmp_path, demo_model_di
     records = run_training(config, tmp_path / "run", str(demo_model_dir), display=False, pool=POOL)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines == records and [r["step"] for r in lines] == list(range(1, 19))
+    # The run's start, on the first record only (cluster/run/startup.py): the phases a pooled fleet passes too.
+    assert {"time/startup/actors", "time/startup/probe", "time/startup/first_step", "time/startup/total"} \
+        <= {k for k in lines[0] if k.startswith(step_breakdown.STARTUP)}
+    assert not any(k.startswith(step_breakdown.STARTUP) for record in lines[1:] for k in record)
     for record in lines:
         assert CONTRACT_KEYS <= record.keys()
         # bench/step_breakdown.py lists every phase: none lands in its "overhead" unnoticed.
-        assert {k for k in record if k.startswith("time/")} == {
+        assert {k for k in record if k.startswith("time/") and not k.startswith(step_breakdown.STARTUP)} == {
             f"time/{name}" for name in [*step_breakdown.PHASES, *step_breakdown.NESTED, *step_breakdown.IDLE, "step"]}
         assert record["logprob/mismatch"] < 1e-4  # engines sampled with exactly the learner's weights
         assert 0 <= record["mismatch/kl"] < 1e-8

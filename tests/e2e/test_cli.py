@@ -88,10 +88,29 @@ def test_a_wrong_ray_address_is_one_line_and_leaves_nothing_behind(tmp_path, add
     assert not run_dir.exists()
 
 
+def check_startup(stderr: str, records: list[dict]) -> None:
+    """The console (stderr, not a terminal: one line per change) showed start-up's phases in order from Ray's start,
+    each actor's states up to ready, and the first record alone holds the phases' seconds, adding up to the whole."""
+    lines = [line for line in stderr.splitlines() if line.startswith("relay: start-up ")]
+    phases = [line.split(": ")[2].split("  ")[0] for line in lines]
+    assert list(dict.fromkeys(phases)) == ["ray", "registry", "actors", "probe", "first step"], lines
+    shown = "\n".join(lines)
+    for state in ("rollout worker 0 importing", "rollout worker 0 loading the model", "rollout worker 0 ready",
+                  "learner ready", "reference ready"):
+        assert state in shown, shown
+    first = {k: v for k, v in records[0].items() if k.startswith("time/startup/")}
+    parts = ("imports", "checks", "ray", "registry", "actors", "probe", "first_step")
+    assert {f"time/startup/{p}" for p in (*parts, "total", "engine", "rollout_worker_0/load")} <= first.keys()
+    assert sum(first[f"time/startup/{p}"] for p in parts) == pytest.approx(first["time/startup/total"], abs=1e-6)
+    assert 0 < first["time/startup/engine"] < first["time/startup/actors"] < first["time/startup/total"]
+    assert not any(k.startswith("time/startup/") for k in records[1])
+
+
 @pytest.mark.slow
 def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
-    """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address, the run
-    directory holds metrics.jsonl, the resolved config and TensorBoard events, and the PNG has every panel."""
+    """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address and start-up's
+    phases with each actor's state, the run directory holds metrics.jsonl (the first record with start-up's
+    `time/startup/*`), the resolved config and TensorBoard events, and the PNG has every panel."""
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -105,6 +124,7 @@ def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["logprob/mismatch"] < 1e-4 and r["weights/version"] == r["step"] for r in records)
     assert "max_steps: 2" in (run_dir / "config.yaml").read_text()
+    check_startup(result.stderr, records)
     again = relay("train", "max_steps=2", f"run_dir={run_dir}")  # an existing run is never overwritten
     assert again.returncode == 2 and "already holds a run" in again.stderr
 

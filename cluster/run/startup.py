@@ -1,0 +1,158 @@
+"""A run's start-up: the phases it passes before its first step, timed from the `relay train` process's start, each
+actor's state while the fleet starts (from the marks its process makes: sync/startup.py), the console's start-up line
+from the first second, and the `time/startup/*` keys of the run's first record.
+
+Owns: the phases' names and order (`PHASES`), timing them (`Startup.begin`), the console's line (a live line on a
+terminal, one plain line per change in a log; nothing with `--quiet`), the first record's `time/startup/*` keys
+(`Startup.stamp`: docs/operations.md), and naming the log file of each actor that did not start (`Startup.logs`).
+Does not own: the marks (sync/startup.py), starting the actors (cluster/fleet/placement.py), or the steps' display
+(cluster/run/metrics.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console
+
+from sync.startup import LABELS, STATES, clear_marks, read_marks
+
+# In the order a run passes them: the process's imports (to `run_training`), the input checks, Ray's start, the run's
+# directory, metrics and registry, the actors' start, the sync probe's calibration (noise floor), the first step.
+PHASES = ("imports", "checks", "ray", "registry", "actors", "probe", "first_step")
+POLL_S = 0.5  # how often the actors' marks are read while they start
+
+
+class Startup:
+    """Times the phases of one run's start and shows them (`show`); `origin` is when the process started (epoch
+    seconds; None: the phases start at the first `begin`, as for a run started inside another program)."""
+
+    def __init__(self, origin: float | None = None, show: bool = True, console: Console | None = None):
+        self.origin = origin
+        self.began: dict[str, float] = {}  # phase -> when it began (epoch seconds)
+        self.marks: dict[str, dict[str, Any]] = {}  # actor name -> its marks (sync/startup.py)
+        self.console = console or Console(stderr=True)
+        self.show = show
+        self.stamped = False
+        self._job: str | None = None
+        self._shown = ""
+        self._status: Any = None
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    def begin(self, phase: str) -> None:
+        """`phase` (one of `PHASES`) begins now; the one before it ends. `actors` reads the actors' marks until the
+        next phase; `first_step` ends the console's line (the steps' display follows)."""
+        if self.origin is not None and not self.began:
+            self.began["imports"] = self.origin
+        self._stop_polling()
+        self.began[phase] = time.time()
+        if phase == "actors":
+            import ray
+
+            self._job = ray.get_runtime_context().get_job_id()
+            clear_marks(self._job)  # marks of an earlier fleet of this driver are not this one's
+            self._stop.clear()
+            self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
+            self._poller.start()
+        self._refresh()
+        if phase == "first_step":
+            self.close()
+
+    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        """`record` with the `time/startup/*` keys if it is the run's first, else as it is."""
+        if self.stamped or not self.began:
+            return record
+        self.stamped = True
+        self.close()
+        return {**record, **self.metrics(time.time())}
+
+    def metrics(self, now: float) -> dict[str, float]:
+        """Seconds per phase (`time/startup/<phase>`), in all (`total`, to `now`), the slowest engine's load and
+        warm-up (`engine`), and per actor: its process's start (`process`, from the `actors` phase's start), Ray's
+        worker start in it (`boot`), its imports (`imports`), its model's load (`load`) and warm-up (`warm_up`)."""
+        phases = [p for p in PHASES if p in self.began]
+        ends = [self.began[p] for p in phases[1:]] + [now]
+        out = {f"time/startup/{p}": end - self.began[p] for p, end in zip(phases, ends)}
+        out["time/startup/total"] = now - self.began[phases[0]]
+        submitted = self.began.get("actors", now)
+        engines = []
+        for name, marks in sorted(self.marks.items()):
+            key = "time/startup/" + name.replace("'", "").replace(" ", "_")
+            steps = [("process", submitted, marks.get("started")),
+                     ("boot", marks.get("started"), marks.get("importing")),
+                     ("imports", marks.get("importing"), marks.get("loading")),
+                     ("load", marks.get("loading"), marks.get("warming", marks.get("ready"))),
+                     ("warm_up", marks.get("warming"), marks.get("ready"))]
+            out.update({f"{key}/{part}": max(0.0, end - start) for part, start, end in steps
+                        if start is not None and end is not None})
+            if name.startswith("rollout") and "loading" in marks and "ready" in marks:
+                engines.append(marks["ready"] - marks["loading"])
+        if engines:
+            out["time/startup/engine"] = max(engines)
+        return out
+
+    def logs(self, error: BaseException) -> str:
+        """`; its log: PATH` for the actors that did not start (the ones `error` names, else every one not ready), to
+        add to the error's one line; empty when none marked a log."""
+        if self._job is not None:
+            self._read()
+        waiting = {n: m for n, m in self.marks.items() if "ready" not in m and m.get("log")}
+        named = {n: m for n, m in waiting.items() if n in str(error)} or waiting
+        return "".join(f"; {name}'s log: {marks['log']}" for name, marks in sorted(named.items()))
+
+    def close(self) -> None:
+        """Stop reading marks and end the console's line."""
+        self._stop_polling()
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def line(self) -> str:
+        """`start-up 12 s: actors  learner ready, rollout worker 0 warming up`: the phase and each actor's state."""
+        phase = next(reversed(self.began)) if self.began else "imports"
+        since = self.began.get("imports", self.began.get(phase, time.time()))
+        actors = ", ".join(f"{name} {LABELS[state_of(marks)]}" for name, marks in sorted(self.marks.items()))
+        return f"start-up {time.time() - since:.0f} s: {phase.replace('_', ' ')}" + (f"  {actors}" if actors else "")
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self._read()
+            self._refresh()
+
+    def _read(self) -> None:
+        try:
+            self.marks = read_marks(self._job)
+        except Exception:  # noqa: BLE001 (Ray shutting down under the reader: the display only misses a change)
+            pass
+
+    def _stop_polling(self) -> None:
+        if self._poller is not None:
+            self._stop.set()
+            self._poller.join()
+            self._poller = None
+            self._read()
+
+    def _refresh(self) -> None:
+        if not self.show:
+            return
+        line = self.line()
+        if self.console.is_terminal:
+            if self._status is None:
+                self._status = self.console.status(line)
+                self._status.start()
+            self._status.update(line)
+            return
+        # A log gets a line per change of phase or state (not per second), from Ray's start on: a config error found
+        # by the checks before stays the one line on stderr.
+        changed = line.split(": ", 1)[1]
+        if changed != self._shown and set(self.began) - {"imports", "checks"}:
+            self._shown = changed
+            self.console.print(f"relay: {line}", soft_wrap=True, highlight=False)
+
+
+def state_of(marks: dict[str, Any]) -> str:
+    """An actor's latest state of `STATES` by its marks."""
+    return next((state for state in reversed(STATES) if state in marks), "started")
