@@ -323,18 +323,32 @@ def fit_problems(actors: list[ActorPlan], gpu_bytes: int) -> list[str]:
 
 
 def gpu_memory() -> int | None:
-    """The memory of the smallest GPU torch sees on this machine, in bytes; None without one (or without torch)."""
+    """The memory of the smallest GPU on this machine, in bytes; None without one. Read through NVML (pynvml, which
+    vLLM's CUDA build installs) where it is installed, so the driver makes no CUDA context (one would hold GPU memory
+    for the whole run); else through torch.cuda."""
     try:
-        import torch
+        import pynvml
     except ImportError:
-        return None
+        pynvml = None
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:  # no NVIDIA driver: no GPU
+            return None
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            return min((pynvml.nvmlDeviceGetMemoryInfo(h).total for h in handles), default=None)
+        finally:
+            pynvml.nvmlShutdown()
+    import torch
+
     if not torch.cuda.is_available():
         return None
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
 
 
 def check_gpu_fit(config: RunConfig, model_path: str | None) -> None:
-    """`relay train`'s check before anything starts: ConfigError (one line) when the GPUs torch sees here cannot hold
+    """`relay train`'s check before anything starts: ConfigError (one line) when the GPUs on this machine cannot hold
     the run on `model_path` (None: the demo model); nothing when the run asks Ray for no GPU or this machine has none
     (a cluster's driver on a CPU head: the plan is then `relay plan --gpu-memory`'s to show)."""
     if not uses_gpus(config):

@@ -1,7 +1,7 @@
 """`relay plan`: print where a run's actors go and the memory each needs, and refuse a run its GPUs cannot hold.
 
 Owns: the command's arguments (`add_plan_command`), reading the GPU size to plan for (`--gpu-memory`, else the GPUs
-torch sees here), and the printed plan (`format_plan`). Does not own the estimate or the fit rule (cluster/plan.py).
+on this machine), and the printed plan (`format_plan`). Does not own the estimate or the fit rule (cluster/plan.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ Print a run's plan without starting it: Ray's placement groups (CPUs and GPUs pe
 needs (the learner's weights, gradients, AdamW state, activations at its token budget, logits; the engines' weights
 and KV cache), from the config and the model's config.json alone: no Ray, no GPU, no weights. Exits 2 with one line
 when the GPUs cannot hold the run (what `relay train` refuses before any actor starts).
-The GPU size is --gpu-memory, else the smallest GPU torch sees here; without either, memory is printed unchecked.
+The GPU size is --gpu-memory, else the smallest GPU on this machine; without either, memory is printed unchecked.
   relay plan configs/gpu_gsm8k_single.yaml model.path=configs/model_shapes/Qwen2.5-1.5B-Instruct --gpu-memory 80GiB
 configs/model_shapes/ holds the config.json of Qwen2.5-0.5B, 1.5B and 7B Instruct (docs/gpu.md, "Memory"): a
 model.path that is not here but ends in one of their names (the GPU presets' placeholders) is planned on it.
@@ -33,7 +33,7 @@ def add_plan_command(commands) -> None:
     plan.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                       help="the run's YAML config file, then dotted overrides (as `relay train` takes them)")
     plan.add_argument("--gpu-memory", metavar="SIZE", help="each GPU's memory, e.g. 24GiB, 80GB (default: the "
-                      "smallest GPU torch sees on this machine)")
+                      "smallest GPU on this machine)")
 
 
 def parse_size(text: str) -> int:
@@ -52,7 +52,7 @@ def run_plan(args: argparse.Namespace) -> int:
     config = load_config(path, args.items[1:] if path else args.items)
     found = None if args.gpu_memory else gpu_memory()
     gpu_bytes = parse_size(args.gpu_memory) if args.gpu_memory else found
-    source = "--gpu-memory" if args.gpu_memory else "the GPUs torch sees here" if found else None
+    source = "--gpu-memory" if args.gpu_memory else "the smallest GPU on this machine" if found else None
     shape, where = model_shape(config)
     actors = plan_run(config, shape, gpu_bytes, other_shapes(config))
     print(format_plan(config, path, shape, where, actors, gpu_bytes, source))
