@@ -42,7 +42,7 @@ from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
 from cluster.run.scoring import Scorer
-from cluster.run.startup import Startup
+from cluster.run.startup import Startup, fleet_actors
 from cluster.run.trainer import Trainer
 from rewards.config import ModelSource
 from sync.calls import RunError
@@ -307,7 +307,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
 def _start_fleet(startup: Startup, config: RunConfig, model_path: str, rollout_cls: type | None,
                  pool: FleetPool | None) -> Fleet:
     """`start_fleet` as start-up's `actors` phase; a start that fails names the log of each actor that did not start."""
-    startup.begin("actors")
+    startup.begin("actors", fleet_actors(config))
     try:
         return start_fleet(config, model_path, rollout_cls, pool)
     except RunError as err:

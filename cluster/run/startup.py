@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from sync.startup import LABELS, STATES, clear_marks, read_marks
+
+if TYPE_CHECKING:
+    from cluster.config import RunConfig
 
 # In the order a run passes them: the process's imports (to `run_training`), the input checks, Ray's start, the run's
 # directory, metrics and registry, the actors' start, the sync probe's calibration (noise floor), the first step.
@@ -37,14 +40,16 @@ class Startup:
         self.show = show
         self.stamped = False
         self._job: str | None = None
+        self.expected: list[str] = []  # the actors the fleet's start names (`begin`)
         self._shown = ""
         self._status: Any = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
-    def begin(self, phase: str) -> None:
+    def begin(self, phase: str, actors: list[str] | None = None) -> None:
         """`phase` (one of `PHASES`) begins now; the one before it ends. `actors` reads the actors' marks until the
-        next phase; `first_step` ends the console's line (the steps' display follows)."""
+        next phase (the console shows each of `actors`, the names the fleet gives them, as starting until its first
+        mark); `first_step` ends the console's line (the steps' display follows)."""
         if self.origin is not None and not self.began:
             self.began["imports"] = self.origin
         self._stop_polling()
@@ -54,6 +59,7 @@ class Startup:
 
             self._job = ray.get_runtime_context().get_job_id()
             clear_marks(self._job)  # marks of an earlier fleet of this driver are not this one's
+            self.expected = list(actors or [])
             self._stop.clear()
             self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
             self._poller.start()
@@ -114,7 +120,8 @@ class Startup:
         """`start-up 12 s: actors  learner ready, rollout worker 0 warming up`: the phase and each actor's state."""
         phase = next(reversed(self.began)) if self.began else "imports"
         since = self.began.get("imports", self.began.get(phase, time.time()))
-        actors = ", ".join(f"{name} {LABELS[state_of(marks)]}" for name, marks in sorted(self.marks.items()))
+        names = self.expected + sorted(set(self.marks) - set(self.expected))
+        actors = ", ".join(f"{name} {LABELS[state_of(self.marks.get(name, {}))]}" for name in names)
         return f"start-up {time.time() - since:.0f} s: {phase.replace('_', ' ')}" + (f"  {actors}" if actors else "")
 
     def _poll(self) -> None:
@@ -151,6 +158,17 @@ class Startup:
         if changed != self._shown and set(self.began) - {"imports", "checks"}:
             self._shown = changed
             self.console.print(f"relay: {line}", soft_wrap=True, highlight=False)
+
+
+def fleet_actors(config: RunConfig) -> list[str]:
+    """The names a fleet's start gives its actors (cluster/fleet/placement.py), in the order it starts them."""
+    from rewards.config import ModelSource
+
+    ranks = config.learner.num_ranks
+    return ((["learner"] if ranks == 1 else [f"learner rank {rank}" for rank in range(ranks)])
+            + (["reference"] if config.uses_reference else []) + (["teacher"] if config.uses_teacher else [])
+            + [f"reward model '{name}'" for name, s in config.reward.sources.items() if isinstance(s, ModelSource)]
+            + [f"rollout worker {i}" for i in range(config.rollout.num_workers)])
 
 
 def state_of(marks: dict[str, Any]) -> str:
