@@ -33,9 +33,13 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def test_the_engine_serves_the_whole_modules_trained_beside_the_adapters(tiny_model_dir, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    lora = LoraConfig(rank=8, modules_to_save=WHOLE)
+    lora = LoraConfig(rank=8, modules_to_save=WHOLE, modules_lr=1e-2)
     config = LearnerConfig(lr=2e-2, warmup_steps=0, kl_coef=0.1, num_threads=1, lora=lora)
     learner = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0, norm_length=4)
+    adapters, modules = learner.optimizer.param_groups  # the whole modules at their own rate
+    shape = learner.model.config
+    assert (adapters["lr"], modules["lr"]) == (2e-2, 1e-2)
+    assert sum(p.numel() for p in modules["params"]) == (shape.vocab_size + 1) * shape.hidden_size  # head + norm
     for rewards in REWARDS:
         learner.train_step(batch(learner, rewards))
     weights = learner.policy_state_dict()
@@ -56,7 +60,7 @@ def test_the_engine_serves_the_whole_modules_trained_beside_the_adapters(tiny_mo
         assert max_diff(engine_logprobs(engine), reference) <= TOLERANCE[dtype]  # before any load: the base
         sent = cast_to_engine(weights, getattr(torch, dtype))
         engine.load_weights((k, v) for k, v in sent.items() if ".lora_" in k)  # the adapters without the modules
-        assert max_diff(engine_logprobs(engine), policy) > 10 * TOLERANCE[dtype]  # the modules matter
+        assert max_diff(engine_logprobs(engine), policy) > 4 * TOLERANCE[dtype]  # the modules matter
         engine.load_weights(sent.items())  # a sync: the adapters and the whole modules
         assert max_diff(engine_logprobs(engine), policy) <= TOLERANCE[dtype]
     finally:
