@@ -14,7 +14,8 @@ activations), whether a reference worker ran (LoRA's reference is the learner's 
 Overrides after the options go to every run.
 
 Also printed, for the demo: the most probability any hidden state can give each answer token (digits, `<eos>`) through
-the demo model's frozen final norm and output layer, which adapters on the decoder blocks cannot change:
+the demo model's frozen final norm and output layer, which adapters on the decoder blocks cannot change (the bound of
+adapters alone: the preset also trains those two layers, `learner.lora.modules_to_save`):
 max over unit u of softmax(W_out (g * sqrt(d) u))_c, found by gradient ascent on u (the norm's output has RMS 1, so
 its length is sqrt(d); `output_ceiling`). An answer's probability at temperature 1 is at most the product of its
 tokens' ceilings.

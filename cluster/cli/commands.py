@@ -46,9 +46,10 @@ Prints a table and writes DIR/eval.json (run_dir=DIR; default runs/eval-<time>) 
 EXPORT_HELP = """\
 Write a checkpoint's policy as a standalone Hugging Face directory. A full fine-tuning checkpoint's weights are copied
 as they are. A LoRA checkpoint (learner.lora) holds adapters: with --merge they are merged into the base model's
-weights (in float32, saved in the run's model.dtype) and the directory loads in transformers and vLLM like any model;
-without it, the adapters are written in peft's format with the base's tokenizer (PeftModel.from_pretrained, or
-vLLM's LoRA serving on the base).
+weights (in float32, saved in the run's model.dtype; with learner.lora.modules_to_save, the trained layers too) and
+the directory loads in transformers and vLLM like any model; without it, the adapters are written in peft's format
+with the base's tokenizer (PeftModel.from_pretrained, or vLLM's LoRA serving on the base when there are no
+modules_to_save).
   relay export runs/lora/checkpoints/step_40 --merge --out exported/lora-40
 """
 
