@@ -1,8 +1,9 @@
 """Learner: the trained policy (and, for PPO, the value model), their optimizers, and one update per step.
 
 Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
-`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`), taking them from the
-training forward itself (detached: the ratio is exactly 1, as TRL and verl do; no extra pass); per-token rewards
+`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`; not with LoRA dropout,
+which the training forward has), taking them from the training forward itself (detached: the ratio is exactly 1, as
+TRL and verl do; no extra pass); per-token rewards
 (`learner.batch`: the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the
 reward); advantages (looked up by the config's name), plus on-policy distillation's per-token one from a teacher's
 logprobs (`learner.distill_coef`); multi-turn episodes (`TrainBatch.model_masks`): only the model's
