@@ -101,13 +101,18 @@ class Startup:
         return out
 
     def logs(self, error: BaseException) -> str:
-        """`; its log: PATH` for the actors that did not start (the ones `error` names, else every one not ready), to
-        add to the error's one line; empty when none marked a log."""
+        """`; NAME's log: PATH` for the actors that did not start, to add to the error's one line: the ones `error`
+        names, else (Ray names no actor whose constructor raised) the ones whose log holds the error's last words (logs
+        on this node), else every one not ready; empty when none marked a log."""
         if self._job is not None:
             self._read()
+        message = str(error)
         waiting = {n: m for n, m in self.marks.items() if "ready" not in m and m.get("log")}
-        named = {n: m for n, m in waiting.items() if n in str(error)} or waiting
-        return "".join(f"; {name}'s log: {marks['log']}" for name, marks in sorted(named.items()))
+        named = {n: m for n, m in waiting.items() if n in message}
+        if not named and "raised " in message:
+            cause = message.rsplit("raised ", 1)[1].split(";")[0].strip()[-60:]
+            named = {n: m for n, m in waiting.items() if cause and cause in _tail(m["log"])}
+        return "".join(f"; {name}'s log: {marks['log']}" for name, marks in sorted((named or waiting).items()))
 
     def close(self) -> None:
         """Stop reading marks and end the console's line."""
@@ -169,6 +174,16 @@ def fleet_actors(config: RunConfig) -> list[str]:
             + (["reference"] if config.uses_reference else []) + (["teacher"] if config.uses_teacher else [])
             + [f"reward model '{name}'" for name, s in config.reward.sources.items() if isinstance(s, ModelSource)]
             + [f"rollout worker {i}" for i in range(config.rollout.num_workers)])
+
+
+def _tail(path: str, size: int = 1 << 16) -> str:
+    """The last `size` bytes of a log file, as text; empty when it is not on this node."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, 2) - size))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def state_of(marks: dict[str, Any]) -> str:
