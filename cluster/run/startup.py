@@ -52,15 +52,16 @@ class Startup:
         mark); `first_step` ends the console's line (the steps' display follows)."""
         if self.origin is not None and not self.began:
             self.began["imports"] = self.origin
-        self._stop_polling()
-        self.began[phase] = time.time()
+        if self.phase == "actors":
+            self._read()  # the marks as the actors' phase ends
         if phase == "actors":
             import ray
 
             self._job = ray.get_runtime_context().get_job_id()
             clear_marks(self._job)  # marks of an earlier fleet of this driver are not this one's
             self.expected = list(actors or [])
-            self._stop.clear()
+        self.began[phase] = time.time()
+        if self.show and self._poller is None:  # the line's clock and the actors' states, every POLL_S
             self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
             self._poller.start()
         self._refresh()
@@ -121,20 +122,28 @@ class Startup:
             self._status.stop()
             self._status = None
 
+    @property
+    def phase(self) -> str | None:
+        """The phase start-up is in (None before the first)."""
+        return next(reversed(self.began), None)
+
     def line(self) -> str:
         """`start-up 12 s: actors  learner ready, rollout worker 0 warming up`: the phase and each actor's state."""
-        phase = next(reversed(self.began)) if self.began else "imports"
-        since = self.began.get("imports", self.began.get(phase, time.time()))
+        phase = self.phase or "imports"
+        since = next(iter(self.began.values()), time.time())
         names = self.expected + sorted(set(self.marks) - set(self.expected))
         actors = ", ".join(f"{name} {LABELS[state_of(self.marks.get(name, {}))]}" for name in names)
         return f"start-up {time.time() - since:.0f} s: {phase.replace('_', ' ')}" + (f"  {actors}" if actors else "")
 
     def _poll(self) -> None:
         while not self._stop.wait(POLL_S):
-            self._read()
+            if self.phase == "actors":
+                self._read()
             self._refresh()
 
     def _read(self) -> None:
+        if self._job is None:
+            return
         try:
             self.marks = read_marks(self._job)
         except Exception:  # noqa: BLE001 (Ray shutting down under the reader: the display only misses a change)
@@ -145,7 +154,6 @@ class Startup:
             self._stop.set()
             self._poller.join()
             self._poller = None
-            self._read()
 
     def _refresh(self) -> None:
         if not self.show:

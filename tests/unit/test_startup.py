@@ -10,6 +10,7 @@ import os
 import pytest
 from rich.console import Console
 
+from cluster.run import startup as startup_module
 from cluster.run.startup import Startup, state_of
 from sync.startup import process_start_time
 
@@ -53,7 +54,8 @@ def test_only_the_first_record_is_stamped_and_a_run_without_a_process_start_has_
     assert startup.stamp({"step": 2}) == {"step": 2}
 
 
-def test_a_log_gets_a_line_per_change_from_rays_start_and_nothing_when_quiet():
+def test_a_log_gets_a_line_per_change_from_rays_start_and_nothing_when_quiet(monkeypatch):
+    monkeypatch.setattr(startup_module, "POLL_S", 3600.0)  # the line is refreshed by hand here
     out = io.StringIO()
     startup = Startup(None, show=True, console=Console(file=out, force_terminal=False, width=300))
     startup.begin("checks")
@@ -65,6 +67,7 @@ def test_a_log_gets_a_line_per_change_from_rays_start_and_nothing_when_quiet():
     startup._refresh()  # nothing changed: no new line
     startup.marks["learner"]["loading"] = 3.0
     startup._refresh()
+    startup.close()
     lines = out.getvalue().splitlines()
     assert [line.split(": ", 2)[2] for line in lines] == [
         "ray", "ray  learner importing, rollout worker 0 starting",
