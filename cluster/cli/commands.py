@@ -1,5 +1,5 @@
 """The `relay` command line: train, plan, eval, export, submit/jobs/stop (Ray jobs), scale/status (a running run),
-plot, build-demo-model, verifier serve, env serve.
+plot, build-demo-model, verifier serve, env serve, serve (the Tinker API).
 
 Owns: argument parsing, turning user errors into one line on stderr with exit code 2 (nothing written), and the
 import of heavy libraries only once a command needs them, so `relay --help` is instant.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cluster.cli.plan import add_plan_command, run_plan
 from cluster.config import ConfigError, load_config, parse_overrides
+from cluster.tinker.command import add_serve_command, run_serve
 
 TRAIN_HELP = """\
 Train a policy. With no CONFIG, runs the built-in demo: GRPO on `a+b=` arithmetic with a small local model,
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                             "(37*48= with a calculator tool)")
     _add_verifier_commands(commands)
     _add_env_commands(commands)
+    add_serve_command(commands)
     plot = commands.add_parser("plot", help="draw a run's charts from its metrics.jsonl into a PNG",
                                description="Draw reward, KL, response length, logprob mismatch and seconds per "
                                            "phase per step from RUN_DIR/metrics.jsonl into one PNG "
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             return _verifier_serve(args)
         if args.command == "env":
             return _env_serve(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "plot":
             return _plot(Path(args.run_dir), Path(args.out) if args.out else None)
         if args.command in ("submit", "jobs", "stop"):

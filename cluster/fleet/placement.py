@@ -120,12 +120,14 @@ def actor_runtime_env(threads: int, name: str | None = None) -> dict[str, Any]:
     call it) the start-up marks of sync/startup.py, the first made as its process starts (Ray's setup hook)."""
     if name is None:
         return {"env_vars": actor_env(threads)}
-    from ray._private.runtime_env.setup_hook import export_setup_func_module
-
     from sync.startup import ENV
 
-    # An actor's own setup hook: `ray.init` alone turns the `worker_process_setup_hook` key into what a worker runs.
-    return export_setup_func_module({"env_vars": {**actor_env(threads), ENV: name}}, "sync.startup.process_started")
+    env = {"env_vars": {**actor_env(threads), ENV: name}}
+    try:  # an actor's own setup hook: only `ray.init` turns the `worker_process_setup_hook` key into what workers run
+        from ray._private.runtime_env.setup_hook import export_setup_func_module
+    except ImportError:  # another Ray: no `importing` mark (the console shows the actor starting until it loads)
+        return env
+    return export_setup_func_module(env, "sync.startup.process_started")
 
 
 def _reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, what: str, fix: str,

@@ -1,0 +1,150 @@
+"""The models `relay serve` trains for its clients, and the futures their requests answer with.
+
+Owns: `TrainingRuns` — one training run per `create_model` (its own LoRA adapters and AdamW state: a `DatumLearner`
+started as a one-rank learner group, cluster/fleet/learner_group.py), the order of a model's requests (each runs after
+the one sent before it), and `Futures` — request ids, their results or one-line errors (the SDK's
+`RequestFailedResponse`: a category and a message), a long poll for `retrieve_future`.
+Does not own: HTTP and the wire formats (cluster/tinker/service.py, cluster/tinker/wire.py), the learner's arithmetic
+(learner/datums.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from learner.config import LearnerConfig, LoraConfig
+
+
+class UserError(ValueError):
+    """A request the client can fix (category `user`): its message says how."""
+
+
+@dataclass
+class Outcome:
+    """A finished request: the value (JSON-ready, or protobuf bytes), or a failure's message and category."""
+
+    value: Any = None
+    error: str | None = None
+    category: str = "user"
+
+
+class Futures:
+    """Request ids and their results. `start` runs a coroutine and answers at once with its id."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[Outcome]] = {}
+
+    def start(self, work: Awaitable[Any]) -> str:
+        request_id = uuid.uuid4().hex
+        self._tasks[request_id] = asyncio.ensure_future(_outcome(work))
+        return request_id
+
+    async def result(self, request_id: str, wait_s: float) -> Outcome | None:
+        """The request's outcome (forgotten once read), None if it is still running after `wait_s` seconds; a
+        `UserError` for an id this server never gave (a server restarted since: the request is lost)."""
+        task = self._tasks.get(request_id)
+        if task is None:
+            raise UserError(f"request {request_id} is unknown to this server (restarted since?); send the request "
+                            "again")
+        done, _ = await asyncio.wait([task], timeout=wait_s)
+        if not done:
+            return None
+        del self._tasks[request_id]
+        return task.result()
+
+
+async def _outcome(work: Awaitable[Any]) -> Outcome:
+    try:
+        return Outcome(value=await work)
+    except UserError as err:
+        return Outcome(error=str(err), category="user")
+    except Exception as err:  # noqa: BLE001  the client gets it as a server error, with its type; the log too
+        import logging
+
+        logging.getLogger(__name__).exception("request failed")
+        return Outcome(error=f"{type(err).__name__}: {err}", category="server")
+
+
+@dataclass
+class TrainingRun:
+    """One model: its learner group, its rank, and the tail of its request chain."""
+
+    model_id: str
+    base_model: str
+    lora_rank: int
+    group: Any  # cluster.fleet.learner_group.LearnerGroup
+    tail: asyncio.Future | None = None
+
+
+class TrainingRuns:
+    """Every model this server trains, by id. Requests of one model run in the order they were sent."""
+
+    def __init__(self, base_model: str, model_path: str, learner: LearnerConfig, dtype: str, timeouts: Any,
+                 max_lora_rank: int = 128, learner_options: dict[str, Any] | None = None):
+        self.base_model, self.model_path, self.learner = base_model, model_path, learner
+        self.dtype, self.timeouts, self.max_lora_rank = dtype, timeouts, max_lora_rank
+        self.learner_options = learner_options or {}
+        self.runs: dict[str, TrainingRun] = {}
+        self._ids = itertools.count()
+
+    def check_new(self, base_model: str, rank: int | None) -> int:
+        """The LoRA rank to train `base_model` with; a `UserError` for another model or a rank out of bounds."""
+        if base_model != self.base_model:
+            raise UserError(f"base_model {base_model!r} is not served here; use {self.base_model!r} (relay serve "
+                            "serves its config's model: model.path)")
+        if rank is None:
+            raise UserError("create_model without lora_config: relay serve trains LoRA adapters; give a LoRA rank")
+        if not 1 <= rank <= self.max_lora_rank:
+            raise UserError(f"LoRA rank {rank} is out of bounds; give 1..{self.max_lora_rank}")
+        return rank
+
+    async def create(self, base_model: str, rank: int, seed: int | None) -> str:
+        """Start a model's learner (in a thread: loading takes seconds) and return its id."""
+        from cluster.fleet.learner_group import start_learner_group
+        from learner.datums import DatumLearner
+
+        lora = LoraConfig(**{**self.learner.lora.model_dump(), "rank": rank})
+        config = self.learner.model_copy(update={"lora": lora, "num_ranks": 1})
+        options = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus, **self.learner_options}
+        group = await asyncio.to_thread(
+            start_learner_group, [options], self.model_path, config, dtype=self.dtype, temperature=1.0,
+            seed=0 if seed is None else seed, critic=None, norm_length=None, timeouts=self.timeouts,
+            learner_cls=DatumLearner)
+        model_id = f"{self.base_model}:{next(self._ids)}:{uuid.uuid4().hex[:8]}"
+        self.runs[model_id] = TrainingRun(model_id, base_model, rank, group)
+        return model_id
+
+    def get(self, model_id: str) -> TrainingRun:
+        run = self.runs.get(model_id)
+        if run is None:
+            raise UserError(f"model_id {model_id!r} is unknown to this server; create the model first "
+                            "(ServiceClient.create_lora_training_client)")
+        return run
+
+    def in_order(self, run: TrainingRun, work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+        """`work()` once every request sent to `run` before it has finished (whatever its outcome)."""
+        previous = run.tail
+
+        async def after() -> Any:
+            if previous is not None:
+                await asyncio.wait([previous])
+            return await work()
+
+        task = asyncio.ensure_future(after())
+        run.tail = task
+        return task
+
+    async def call(self, run: TrainingRun, method: str, *args: Any) -> Any:
+        """`method(*args)` on the model's learner, within `timeouts.train`."""
+        refs = run.group.submit(method, args)
+        return (await asyncio.to_thread(run.group.finish, refs, self.timeouts.train, method))[0]
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.group.kill()
+        self.runs.clear()

@@ -1,0 +1,254 @@
+"""`relay serve`: the Tinker API (REST under `/api/v1`, as the `tinker` SDK calls it) on relay's Ray actors, so that a
+user's own training loop written against the SDK drives relay's learner (docs/tinker.md).
+
+Owns: the routes (client config, sessions and heartbeats, server capabilities, health, `create_model`, `get_info`,
+`forward_backward`, `optim_step`, `retrieve_future`, telemetry accepted and dropped), the API key (`X-API-Key`, or a
+bearer token: required beyond loopback), the guard against web pages (rewards/http.py's `BrowserGuard`, which here also
+admits the SDK's protobuf bodies), starting or joining Ray, and serving.
+Does not own: the models and the order of their requests (cluster/tinker/models.py), the binary wire format
+(cluster/tinker/wire.py), the learner's passes (learner/datums.py). Not yet: sampling (`save_weights_for_sampler`,
+`asample`), `forward`, `save_weights`/`load_weights`, losses other than `cross_entropy` and `importance_sampling`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.tinker.models import Futures, TrainingRuns, UserError
+from cluster.tinker.wire import WireError, read_forward_backward, write_forward_backward_output
+from rewards.config import is_loopback
+from rewards.http import BrowserGuard, allowed_origins, read_body, token_from_env
+
+log = logging.getLogger(__name__)
+PROTOBUF = "application/x-protobuf"
+POLL_S = 20.0  # a retrieve_future waits this long for its result before answering try_again (the SDK waits 45 s)
+MAX_BODY = 256 * 1024 * 1024
+# What this server tells the SDK about itself (`ClientConfigResponse`): API keys (no JWT exchange), httpx, one
+# forward_backward chunk after the other (a model's requests run in order anyway), uncompressed bodies.
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "use_pyqwest_transport": False,
+                 "parallel_fwdbwd_chunks": False, "proto_compress_fwdbwd": False}
+
+
+class TinkerGuard(BrowserGuard):
+    """`BrowserGuard`, admitting protobuf bodies as well as JSON: a web page cannot send `application/x-protobuf`
+    without a CORS preflight, which the guard's Origin check refuses, so the reason for the JSON-only rule holds."""
+
+    def refusal(self, scope: dict[str, Any]) -> tuple[int, str] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if headers.get("content-type", "").split(";")[0].strip().lower() == PROTOBUF:
+            scope = {**scope, "method": "GET"}  # the Host and Origin checks still apply
+        return super().refusal(scope)
+
+
+def check_key(headers: Any, key: str | None) -> bool:
+    """Whether a request carries the API key (`X-API-Key: <key>`, as the SDK sends it, or `Authorization: Bearer`)."""
+    if key is None:
+        return True
+    given = headers.get("x-api-key", "")
+    scheme, _, bearer = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and not given:
+        given = bearer.strip()
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def create_app(runs: TrainingRuns, key: str | None, allow_origins: list[str] = (), max_context: int | None = None,
+               vocab_size: int | None = None) -> Any:
+    """The FastAPI app serving `runs`; `key`: the API key clients must send (None: none)."""
+    app = FastAPI(title="relay serve (Tinker API)", docs_url=None, redoc_url=None, openapi_url=None)
+    futures = Futures()
+    sessions: dict[str, dict[str, Any]] = {}
+    api = "/api/v1"
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if not check_key(request.headers, key):
+            return JSONResponse({"detail": "missing or wrong API key: send the key relay serve was started with "
+                                           "(TINKER_API_KEY, or the SDK's api_key)"}, status_code=401)
+        return await call_next(request)
+
+    async def body_json(request: Request) -> dict[str, Any]:
+        raw = await read_body(request, MAX_BODY)
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise UserError("the body is not a JSON object; send the request with the tinker SDK")
+        return data
+
+    def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+        return {"request_id": request_id, "model_id": model_id}
+
+    def refused(err: Exception) -> Any:
+        return JSONResponse({"detail": str(err), "category": "user"}, status_code=400)
+
+    @app.post(f"{api}/client/config")
+    async def client_config() -> dict[str, Any]:
+        return CLIENT_CONFIG
+
+    @app.post(f"{api}/client/dynamic_config")
+    async def client_dynamic_config() -> dict[str, Any]:
+        return {}
+
+    @app.get(f"{api}/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @app.post(f"{api}/telemetry")
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}
+
+    @app.get(f"{api}/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return {"supported_models": [{"model_name": runs.base_model, "max_context_length": max_context,
+                                      "trainable": True, "sampleable": False}]}
+
+    @app.post(f"{api}/create_session")
+    async def create_session(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+        except UserError as err:
+            return refused(err)
+        session_id = uuid.uuid4().hex
+        sessions[session_id] = {"tags": data.get("tags", []), "models": []}
+        return {"type": "create_session", "session_id": session_id}
+
+    @app.post(f"{api}/session_heartbeat")
+    async def session_heartbeat() -> dict[str, Any]:
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{api}/create_model")
+    async def create_model(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            rank = runs.check_new(data.get("base_model"), (data.get("lora_config") or {}).get("rank"))
+        except UserError as err:
+            return refused(err)
+        seed = (data.get("lora_config") or {}).get("seed")
+
+        async def create() -> dict[str, Any]:
+            return {"type": "create_model", "model_id": await runs.create(runs.base_model, rank, seed)}
+
+        return future(futures.start(create()))
+
+    @app.post(f"{api}/get_info")
+    async def get_info(request: Request) -> Any:
+        try:
+            run = runs.get((await body_json(request)).get("model_id"))
+        except UserError as err:
+            return refused(err)
+        return {"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.lora_rank,
+                "model_name": run.base_model,
+                "model_data": {"arch": "relay", "model_name": run.base_model, "tokenizer_id": runs.model_path}}
+
+    @app.post(f"{api}/forward_backward")
+    async def forward_backward(request: Request) -> Any:
+        from learner.datums import DATUM_LOSSES
+
+        try:
+            fb = read_forward_backward(await read_body(request, MAX_BODY) or b"", vocab_size)
+            run = runs.get(fb.model_id)
+            if fb.loss_fn not in DATUM_LOSSES:
+                raise UserError(f"loss_fn {fb.loss_fn!r} is not supported by relay serve yet; use one of "
+                                f"{sorted(DATUM_LOSSES)}")
+            if max_context is not None and (longest := max(len(d.input_ids) for d in fb.datums)) > max_context:
+                raise UserError(f"a datum has {longest} tokens, over the model's context of {max_context}; "
+                                "shorten it")
+        except (UserError, WireError) as err:  # the SDK's error shape: a failed future, category user
+            return future(futures.start(_raise(UserError(str(err)))))
+
+        async def step() -> bytes:
+            rows, metrics = await runs.call(run, "forward_backward", fb.datums, fb.loss_fn, fb.forward_only)
+            return write_forward_backward_output(rows, metrics)
+
+        return future(futures.start(runs.in_order(run, step)), run.model_id)
+
+    @app.post(f"{api}/optim_step")
+    async def optim_step(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            run = runs.get(data.get("model_id"))
+            adam = _adam(data)
+        except UserError as err:
+            return refused(err)
+
+        async def step() -> dict[str, Any]:
+            return {"type": "optim_step", "metrics": await runs.call(run, "optim_step", *adam)}
+
+        return future(futures.start(runs.in_order(run, step)), run.model_id)
+
+    @app.post(f"{api}/retrieve_future")
+    async def retrieve_future(request: Request) -> Any:
+        try:
+            request_id = (await body_json(request)).get("request_id", "")
+            outcome = await futures.result(request_id, POLL_S)
+        except UserError as err:
+            return JSONResponse({"error": str(err), "category": "user"})
+        if outcome is None:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        if outcome.error is not None:
+            return {"error": outcome.error, "category": outcome.category}
+        if isinstance(outcome.value, bytes):
+            return Response(outcome.value, media_type=PROTOBUF)
+        return outcome.value
+
+    app.state.runs = runs
+    guarded = TinkerGuard(app, allowed_origins(allow_origins), serve_command="relay serve")
+    return guarded
+
+
+async def _raise(err: Exception) -> Any:
+    raise err
+
+
+def _adam(data: dict[str, Any]) -> tuple[float, ...]:
+    """`optim_step`'s Adam parameters, in `DatumLearner.optim_step`'s order; a `UserError` for another optimizer."""
+    params = data.get("adam_params")
+    if not isinstance(params, dict):
+        raise UserError("optim_step without adam_params: relay serve steps with Adam; send types.AdamParams")
+    names = [("learning_rate", 1e-4), ("beta1", 0.9), ("beta2", 0.95), ("eps", 1e-12), ("weight_decay", 0.0),
+             ("grad_clip_norm", 0.0)]
+    values = []
+    for name, default in names:
+        value = params.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise UserError(f"adam_params.{name} must be a number >= 0 (got {value!r})")
+        values.append(float(value))
+    return tuple(values)
+
+
+def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins: list[str]) -> None:
+    """Start (or join) Ray, then serve the Tinker API for `config`'s model on host:port until interrupted."""
+    import uvicorn
+
+    from cluster.run.launch import _demo_model, _init_ray
+
+    key = token_from_env(key_env, "--key-env")
+    if key is None and not is_loopback(host):
+        raise ValueError(f"--host {host} is beyond loopback: set an API key (export TINKER_API_KEY=tml-...; relay "
+                         "serve --key-env TINKER_API_KEY)")
+    model_path = config.model.path or _demo_model(config)
+    base_model = config.model.path or "relay-demo"
+    model_config = json.loads((Path(model_path) / "config.json").read_text())
+    started = _init_ray(config)
+    runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts)
+    app = create_app(runs, key, allow_origins, model_config.get("max_position_embeddings"),
+                     model_config.get("vocab_size"))
+    print(f"relay: serving the Tinker API for {base_model!r} on http://{host}:{port} (TINKER_BASE_URL)", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        runs.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+

@@ -1,0 +1,129 @@
+"""Training on datums, as the Tinker API defines them: a user's own loop sends token rows with per-token targets and
+weights (or advantages and the sampler's logprobs); gradients accumulate over `forward_backward` calls until
+`optim_step` applies them with the Adam parameters the user gives.
+
+Owns: `Datum` (one row), the datum losses (`DATUM_LOSSES`, looked up by the API's loss names), and `DatumLearner`,
+which has a `Learner` (its policy, LoRA adapters and AdamW) and runs these passes on it.
+Does not own: the wire formats, sessions and futures (cluster/tinker/), relay's own `Learner.train_step`.
+A plain class: Ray wraps it in cluster/tinker/models.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from learner.distributed import clip_grad_norm
+from learner.learner import Learner
+from learner.passes.device import matmuls_in
+
+if TYPE_CHECKING:
+    from learner.config import CriticConfig, LearnerConfig
+
+
+@dataclass
+class Datum:
+    """One row. N: the row's tokens; position i predicts `target_ids[i]` from `input_ids[:i+1]`."""
+
+    input_ids: list[int]  # [N] the model's input
+    target_ids: list[int]  # [N] the token each position is scored on
+    weights: list[float] | None = None  # [N] cross_entropy's per-token weight (None: 1 everywhere)
+    advantages: list[float] | None = None  # [N] importance_sampling's per-token advantage
+    behavior_logprobs: list[float] | None = None  # [N] log pi of the targets under the sampler's weights
+
+
+def cross_entropy_loss(logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
+    """Weighted negative log-likelihood, summed over tokens: L = -sum_t w_t log pi(y_t). logprobs: [N]."""
+    weights = torch.ones_like(logprobs) if datum.weights is None else _row(datum.weights, logprobs)
+    return -(weights * logprobs).sum()
+
+
+def importance_sampling_loss(logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
+    """REINFORCE with an importance weight for samples from other weights, summed over tokens:
+    L = -sum_t (pi(y_t) / q(y_t)) A_t, q the sampler's policy. logprobs: [N]."""
+    if datum.advantages is None or datum.behavior_logprobs is None:
+        raise ValueError("importance_sampling needs loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
+    ratio = torch.exp(logprobs - _row(datum.behavior_logprobs, logprobs))  # pi / q
+    return -(ratio * _row(datum.advantages, logprobs)).sum()
+
+
+def _row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    if len(values) != like.shape[0]:
+        raise ValueError(f"a per-token input has {len(values)} values for {like.shape[0]} tokens; give one per token")
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+DATUM_LOSSES: dict[str, Callable[[torch.Tensor, Datum], torch.Tensor]] = {
+    "cross_entropy": cross_entropy_loss,
+    "importance_sampling": importance_sampling_loss,
+}
+
+
+class DatumLearner:
+    """A `Learner` driven datum by datum: `forward_backward` adds to the gradients, `optim_step` applies them."""
+
+    def __init__(self, model_path: str, config: LearnerConfig, dtype: str = "float32", temperature: float = 1.0,
+                 seed: int = 0, critic: CriticConfig | None = None, norm_length: int | None = None, rank: int = 0):
+        # `Learner`'s arguments, so that cluster/fleet/learner_group.py starts it as it starts a Learner; the datum
+        # losses score at temperature 1 and have no critic, whatever they say.
+        if critic is not None and critic.enabled:
+            raise ValueError("the Tinker API trains a policy alone; set critic.enabled=false")
+        self.learner = Learner(model_path, config, dtype=dtype, temperature=1.0, seed=seed, rank=rank)
+        self.learner.optimizer.zero_grad(set_to_none=True)
+
+    def vocab_size(self) -> int:
+        return int(self.learner.model.config.vocab_size)
+
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: str,
+                         forward_only: bool = False) -> tuple[list[list[float]], dict[str, float]]:
+        """Every datum's target logprobs ([B][N]) and the summed loss (`loss:sum`); with `forward_only` False the
+        loss's gradient is added to the parameters' (nothing steps). A one-line `ValueError` for an unknown loss or
+        a malformed datum, before any gradient changes."""
+        if loss_fn not in DATUM_LOSSES:
+            raise ValueError(f"loss_fn {loss_fn!r} is not supported; use one of {sorted(DATUM_LOSSES)}")
+        for datum in datums:
+            if len(datum.target_ids) != len(datum.input_ids):
+                raise ValueError(f"target_tokens has {len(datum.target_ids)} tokens for a model_input of "
+                                 f"{len(datum.input_ids)}; give one target per input token")
+        rows, total = [], 0.0
+        with torch.set_grad_enabled(not forward_only):
+            losses = []
+            for datum in datums:
+                logprobs = self._target_logprobs(datum)
+                losses.append(DATUM_LOSSES[loss_fn](logprobs, datum))
+                rows.append(logprobs.detach().cpu().tolist())
+            loss = torch.stack(losses).sum()
+            if not forward_only:
+                with matmuls_in(self.learner.device, self.learner.compute_dtype):
+                    loss.backward()
+            total = float(loss.detach())
+        return rows, {"loss:sum": total}
+
+    def _target_logprobs(self, datum: Datum) -> torch.Tensor:
+        """log pi(target_t | input_<=t) at temperature 1, in float32: [N]."""
+        device = self.learner.device
+        ids = torch.tensor([datum.input_ids], device=device)
+        targets = torch.tensor(datum.target_ids, device=device)
+        with self.learner._compute():
+            logits = self.learner.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                   grad_clip_norm: float = 0.0) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients with these parameters (`grad_clip_norm` 0: no clipping), then
+        zero them; the weights version goes up by one. Metrics: the gradient's norm before clipping."""
+        learner = self.learner
+        for group in learner.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        params = [p for p in learner.model.parameters() if p.requires_grad]
+        norm = clip_grad_norm(params, grad_clip_norm if grad_clip_norm > 0 else float("inf"))
+        learner.optimizer.step()
+        learner.optimizer.zero_grad(set_to_none=True)
+        learner.weights_version += 1
+        return {"grad_norm": float(norm)}
+
+    def weights_version(self) -> int:
+        return self.learner.weights_version

@@ -1,0 +1,134 @@
+"""`relay serve` (the Tinker API, docs/tinker.md) as a user runs it, driven by the real `tinker` SDK: a LoRA training
+client on the demo model, whose first forward's logprobs are the base model's (the adapters start at zero), whose
+supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; an unknown loss and malformed datums get
+the SDK's error (a failed request, category user) and change nothing; and no API key, no service."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "tml-relay-test-key"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`relay serve` on the demo model on a free port with an API key; yields its base URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(sys.executable).parent / "relay"
+    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"PYTHONPATH": str(ROOT), "SERVE_KEY": KEY})
+    with log.open("w") as err:
+        process = subprocess.Popen([str(script), "serve", "--port", str(port), "--key-env", "SERVE_KEY",
+                                    "ray.num_cpus=2", "learner.num_threads=1"],
+                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"relay serve did not answer in 120 s: {log.read_text()}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def training(served):
+    """A LoRA training client on the served demo model, through the SDK."""
+    os.environ["TINKER_TELEMETRY"] = "0"
+    service = tinker.ServiceClient(base_url=served, api_key=KEY)
+    [model] = service.get_server_capabilities().supported_models
+    assert model.model_name == "relay-demo"
+    return service.create_lora_training_client(base_model="relay-demo", rank=4)
+
+
+def demo_tokens() -> tuple[list[int], int]:
+    """`12+34=77` in the demo tokenizer (an answer the model does not give: its loss is high), and where its answer
+    starts."""
+    from transformers import AutoTokenizer
+
+    from cluster.demo.cache import ensure_demo_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model(log=lambda _: None)))
+    prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    answer = tokenizer("77", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt + answer, len(prompt)
+
+
+def datum(tokens: list[int], answer_at: int, **inputs) -> "tinker.Datum":
+    weights = [0.0] * (answer_at - 1) + [1.0] * (len(tokens) - answer_at)
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights, **inputs})
+
+
+def base_logprobs(tokens: list[int]) -> list[float]:
+    """log p(token_t | tokens_<t) of the demo base model, in transformers, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.demo.cache import ensure_demo_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_demo_model(log=lambda _: None)), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]])).logits[0]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+
+
+def test_the_loss_falls_and_the_first_logprobs_are_the_base_models(training):
+    tokens, answer_at = demo_tokens()
+    losses, first = [], None
+    for _ in range(6):
+        out = training.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        first = first or out.loss_fn_outputs[0]["logprobs"].tolist()
+        losses.append(out.metrics["loss:sum"])
+        training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert first == pytest.approx(base_logprobs(tokens), abs=1e-5)  # zero-initialised adapters: the base
+    answer = first[answer_at - 1:]
+    assert losses[0] == pytest.approx(-sum(answer), abs=1e-4)  # the weighted sum over the answer's tokens
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("loss", ["dro", "gspo"])
+def test_an_unknown_loss_is_refused_by_name(training, loss):
+    tokens, answer_at = demo_tokens()
+    with pytest.raises(tinker.RequestFailedError, match=f"loss_fn '{loss}' is not supported") as failed:
+        training.forward_backward([datum(tokens, answer_at)], loss).result()
+    assert failed.value.category == tinker.types.RequestErrorCategory.User
+
+
+def test_malformed_datums_are_refused_with_a_user_error(training):
+    tokens, answer_at = demo_tokens()
+    short = tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:-1]})
+    outside = tinker.Datum(model_input=tinker.ModelInput.from_ints([10**6, *tokens[1:-1]]),
+                           loss_fn_inputs={"target_tokens": tokens[1:]})
+    for bad, says in ((short, "target_tokens has"), (outside, "outside the model's vocabulary")):
+        with pytest.raises(tinker.RequestFailedError, match=says):
+            training.forward_backward([bad], "cross_entropy").result()
+
+
+def test_without_the_key_nothing_is_served(served):
+    assert httpx.get(f"{served}/api/v1/healthz").status_code == 401
+    assert httpx.get(f"{served}/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
