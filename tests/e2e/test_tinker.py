@@ -132,3 +132,18 @@ def test_malformed_datums_are_refused_with_a_user_error(training):
 def test_without_the_key_nothing_is_served(served):
     assert httpx.get(f"{served}/api/v1/healthz").status_code == 401
     assert httpx.get(f"{served}/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+
+
+def test_web_pages_are_refused(served):
+    page = {"X-API-Key": KEY, "Origin": "https://evil.example"}
+    refused = httpx.post(f"{served}/api/v1/create_session", headers=page, json={"tags": [], "sdk_version": "x"})
+    assert refused.status_code == 403 and "relay serve --allow-origin" in refused.json()["detail"]
+
+
+def test_beyond_loopback_an_api_key_is_required():
+    script = Path(sys.executable).parent / "relay"
+    result = subprocess.run([str(script), "serve", "--host", "0.0.0.0", "--port", "0"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "--host 0.0.0.0 is beyond loopback: set an API key" in line
