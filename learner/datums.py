@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -127,3 +127,12 @@ class DatumLearner:
 
     def weights_version(self) -> int:
         return self.learner.weights_version
+
+    def export_weights(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+        """The adapters (and whole modules trained beside them) in the engines' dtype, as the `Learner`'s sync
+        exports them (`sync.publisher.WeightPublisher.export_weights`)."""
+        return self.learner.export_weights(bucket_bytes)
+
+    def weights_fingerprint(self) -> dict[str, str]:
+        """{name: fingerprint} of what an engine must receive (`WeightPublisher.weights_fingerprint`)."""
+        return self.learner.weights_fingerprint()

@@ -2,12 +2,13 @@
 user's own training loop written against the SDK drives relay's learner (docs/tinker.md).
 
 Owns: the routes (client config, sessions and heartbeats, server capabilities, health, `create_model`, `get_info`,
-`forward_backward`, `optim_step`, `retrieve_future`, telemetry accepted and dropped), the API key (`X-API-Key`, or a
-bearer token: required beyond loopback), the guard against web pages (rewards/http.py's `BrowserGuard`, which here also
-admits the SDK's protobuf bodies), starting or joining Ray, and serving.
+`forward_backward`, `optim_step`, `save_weights_for_sampler`, `create_sampling_session`, `asample`, `retrieve_future`,
+telemetry accepted and dropped), the API key (`X-API-Key`, or a bearer token: required beyond loopback), the guard
+against web pages (rewards/http.py's `BrowserGuard`, which here also admits the SDK's protobuf bodies), starting or
+joining Ray, and serving.
 Does not own: the models and the order of their requests (cluster/tinker/models.py), the binary wire format
-(cluster/tinker/wire.py), the learner's passes (learner/datums.py). Not yet: sampling (`save_weights_for_sampler`,
-`asample`), `forward`, `save_weights`/`load_weights`, losses other than `cross_entropy` and `importance_sampling`.
+(cluster/tinker/wire.py), sampling (cluster/tinker/sampling.py), the learner's passes (learner/datums.py). Not yet:
+`save_weights`/`load_weights`, losses other than `cross_entropy` and `importance_sampling`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.tinker.models import Futures, TrainingRuns, UserError
+from cluster.tinker.sampling import Samplers
 from cluster.tinker.wire import WireError, read_forward_backward, write_forward_backward_output
 from rewards.config import is_loopback
 from rewards.http import BrowserGuard, allowed_origins, read_body, token_from_env
@@ -59,9 +61,11 @@ def check_key(headers: Any, key: str | None) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-def create_app(runs: TrainingRuns, key: str | None, allow_origins: list[str] = (), max_context: int | None = None,
-               vocab_size: int | None = None) -> Any:
-    """The FastAPI app serving `runs`; `key`: the API key clients must send (None: none)."""
+def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_origins: list[str] = (),
+               max_context: int | None = None, vocab_size: int | None = None) -> Any:
+    """The FastAPI app serving `runs` and `samplers`; `key`: the API key clients must send (None: none).
+
+    Long on purpose, as rewards/service.py's `create_app`: the routes are closures over the app's state."""
     app = FastAPI(title="relay serve (Tinker API)", docs_url=None, redoc_url=None, openapi_url=None)
     futures = Futures()
     sessions: dict[str, dict[str, Any]] = {}
@@ -109,7 +113,7 @@ def create_app(runs: TrainingRuns, key: str | None, allow_origins: list[str] = (
     @app.get(f"{api}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
         return {"supported_models": [{"model_name": runs.base_model, "max_context_length": max_context,
-                                      "trainable": True, "sampleable": False}]}
+                                      "trainable": True, "sampleable": True}]}
 
     @app.post(f"{api}/create_session")
     async def create_session(request: Request) -> Any:
@@ -185,6 +189,42 @@ def create_app(runs: TrainingRuns, key: str | None, allow_origins: list[str] = (
 
         return future(futures.start(runs.in_order(run, step)), run.model_id)
 
+    @app.post(f"{api}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            run = runs.get(data.get("model_id"))
+        except UserError as err:
+            return future(futures.start(_raise(err)))
+
+        async def save() -> dict[str, Any]:
+            session_id = await samplers.save(run)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": session_id,
+                    "path": f"tinker://{session_id}"}
+
+        return future(futures.start(runs.in_order(run, save)), run.model_id)
+
+    @app.post(f"{api}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            session_id = str(data.get("model_path") or "").removeprefix("tinker://")
+            if session_id not in samplers.sessions:
+                raise UserError(f"model_path {data.get('model_path')!r} is not a sampler's weights saved on this "
+                                "server; give the path save_weights_for_sampler returned")
+        except UserError as err:
+            return refused(err)
+        return {"type": "create_sampling_session", "sampling_session_id": session_id}
+
+    @app.post(f"{api}/asample")
+    async def asample(request: Request) -> Any:
+        try:
+            session, prompt, settings, seed, ids = samplers.prepare(await body_json(request))
+        except UserError as err:
+            return {**future(futures.start(_raise(err))), "sample_sequence_ids": []}
+        request_id = futures.start(samplers.sample(session, prompt, settings, seed))
+        return {**future(request_id), "sample_sequence_ids": ids}
+
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
         try:
@@ -240,12 +280,14 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     model_config = json.loads((Path(model_path) / "config.json").read_text())
     started = _init_ray(config)
     runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts)
-    app = create_app(runs, key, allow_origins, model_config.get("max_position_embeddings"),
+    samplers = Samplers(runs, config)
+    app = create_app(runs, samplers, key, allow_origins, model_config.get("max_position_embeddings"),
                      model_config.get("vocab_size"))
     print(f"relay: serving the Tinker API for {base_model!r} on http://{host}:{port} (TINKER_BASE_URL)", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
+        samplers.close()
         runs.close()
         if started:
             import ray

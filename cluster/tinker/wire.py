@@ -18,7 +18,7 @@ from learner.datums import Datum
 INSTALL = "relay serve needs the Tinker SDK's wire schema: pip install tinker==0.38.0"
 
 
-def _schema() -> Any:
+def schema() -> Any:
     try:
         from tinker.proto import tinker_public_pb2
     except ImportError as err:
@@ -43,7 +43,7 @@ class WireError(ValueError):
 
 def read_forward_backward(body: bytes, vocab_size: int | None = None) -> ForwardBackwardRequest:
     """The request in `body`; a `WireError` naming the datum and field that is wrong."""
-    pb = _schema()
+    pb = schema()
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -97,7 +97,7 @@ def _tensor(pb: Any, msg: Any, where: str) -> np.ndarray:
 
 def write_forward_backward_output(rows: list[list[float]], metrics: dict[str, float]) -> bytes:
     """A `ForwardBackwardOutput`: each datum's `logprobs` ([N_i], float32) in one batched record, and the metrics."""
-    pb = _schema()
+    pb = schema()
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for name, value in metrics.items():
         out.metrics[name] = value

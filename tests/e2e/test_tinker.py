@@ -1,7 +1,9 @@
 """`relay serve` (the Tinker API, docs/tinker.md) as a user runs it, driven by the real `tinker` SDK: a LoRA training
 client on the demo model, whose first forward's logprobs are the base model's (the adapters start at zero), whose
 supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; an unknown loss and malformed datums get
-the SDK's error (a failed request, category user) and change nothing; and no API key, no service."""
+the SDK's error (a failed request, category user) and change nothing; `save_weights_for_sampler` moves the adapters to
+a vLLM engine whose samples' logprobs are the learner's, tagged with the weights version; and no API key, no
+service."""
 
 from __future__ import annotations
 
@@ -108,6 +110,28 @@ def test_the_loss_falls_and_the_first_logprobs_are_the_base_models(training):
     answer = first[answer_at - 1:]
     assert losses[0] == pytest.approx(-sum(answer), abs=1e-4)  # the weighted sum over the answer's tokens
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_samples_come_from_the_trained_adapters_tagged_with_their_version(training):
+    tokens, answer_at = demo_tokens()
+    training.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()  # adapters away from zero: not the base
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tinker.ModelInput.from_ints(tokens[:answer_at])
+    params = tinker.SamplingParams(max_tokens=3, temperature=1.0, seed=7)
+    result = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert len(result.sequences) == 3
+    [version] = {s.sequence_id.split(":v")[1].split(":")[0] for s in result.sequences}
+    for seq in result.sequences:
+        assert 1 <= len(seq.tokens) == len(seq.logprobs) <= 3 and seq.stop_reason in ("stop", "length")
+        row = tokens[:answer_at] + list(seq.tokens)
+        forward = training.forward([tinker.Datum(model_input=tinker.ModelInput.from_ints(row[:-1]),
+                                                 loss_fn_inputs={"target_tokens": row[1:]})], "cross_entropy").result()
+        learner = forward.loss_fn_outputs[0]["logprobs"].tolist()[answer_at - 1:]
+        assert list(seq.logprobs) == pytest.approx(learner, abs=1e-4)  # the engine serves the learner's adapters
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    again = training.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
+    assert again.sequences[0].sequence_id.split(":v")[1].split(":")[0] == str(int(version) + 1)
 
 
 @pytest.mark.parametrize("loss", ["dro", "gspo"])

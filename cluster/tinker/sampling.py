@@ -1,0 +1,142 @@
+"""Sampling for `relay serve`: `save_weights_for_sampler` moves a model's adapters to a vLLM `RolloutWorker` with
+relay's verified sync (every tensor's fingerprint checked against the learner's, sync/verify.py), and `asample` samples
+from that worker, every sequence tagged with the weights version it came from.
+
+Owns: one rollout worker per model (started by cluster/fleet/placement.py's `RolloutLauncher` at the model's first
+save, serving its LoRA rank), sampling sessions (id -> model and weights version), the `SampleResponse` protobuf the SDK
+reads. Does not own: the engine (actors/), the models' learners (cluster/tinker/models.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cluster.tinker.models import TrainingRun, TrainingRuns, UserError
+
+BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass
+class SamplingSession:
+    """Weights a client samples from: a model's adapters as of one `save_weights_for_sampler`."""
+
+    run: TrainingRun
+    version: int
+
+
+class Samplers:
+    """The rollout workers of `runs`' models and the sampling sessions on them."""
+
+    def __init__(self, runs: TrainingRuns, config: Any):
+        self.runs, self.config = runs, config  # config: the served RunConfig (rollout settings, timeouts)
+        self.workers: dict[str, Any] = {}
+        self.served: dict[str, int] = {}  # model id -> the weights version its worker holds
+        self.sessions: dict[str, SamplingSession] = {}
+
+    async def save(self, run: TrainingRun) -> str:
+        """Sync `run`'s current adapters to its worker (started first if need be) and open a sampling session on
+        them; its id. A `SyncError` if the worker did not receive exactly what the learner exported."""
+        from sync.verify import check_loaded
+
+        worker = self.workers.get(run.model_id) or await asyncio.to_thread(self._start_worker, run)
+        self.workers[run.model_id] = worker
+        version = await self.runs.call(run, "weights_version")
+        if self.served.get(run.model_id) != version:
+            buckets = await self.runs.call(run, "export_weights", BUCKET_BYTES)
+            expected = await self.runs.call(run, "weights_fingerprint")
+            loaded = await worker.load_weights.remote(version, *buckets)
+            check_loaded("the sampler", loaded, version, expected)
+            self.served[run.model_id] = version
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = SamplingSession(run, version)
+        return session_id
+
+    def _start_worker(self, run: TrainingRun) -> Any:
+        import ray
+
+        from cluster.fleet.placement import RolloutLauncher
+
+        lora = self.config.learner.lora.model_copy(update={"rank": run.lora_rank})
+        config = self.config.model_copy(update={"learner": self.config.learner.model_copy(update={"lora": lora})})
+        launcher = RolloutLauncher(config, self.runs.model_path)
+        worker = launcher.start(launcher.reserve([]))
+        ray.get(worker.__ray_ready__.remote(), timeout=self.config.timeouts.start)
+        return worker
+
+    def prepare(self, body: dict[str, Any]) -> tuple[Any, ...]:
+        """`asample`'s request checked (a `UserError` saying what to fix) and what `sample` needs, with one sequence
+        id per sample (`<model>:v<version>:<seq_id>:<i>`: the weights version each sequence comes from)."""
+        from actors.rollout_types import SamplingSettings
+
+        session = self.sessions.get(body.get("sampling_session_id") or "")
+        if session is None:
+            raise UserError("asample needs a sampling session from save_weights_for_sampler on this server; "
+                            "create the sampling client again (sampling from a base model alone is not served yet)")
+        prompt = prompt_tokens(body.get("prompt"))
+        params = body.get("sampling_params") or {}
+        if params.get("stop"):
+            raise UserError("sampling_params.stop is not supported by relay serve yet; leave it unset")
+        num = int(body.get("num_samples", 1))
+        if not 1 <= num <= 1024:
+            raise UserError(f"num_samples must be in 1..1024 (got {num})")
+        max_tokens = int(params.get("max_tokens") or 16)
+        if len(prompt) + max_tokens > self.config.rollout.max_model_len:
+            raise UserError(f"a prompt of {len(prompt)} tokens and max_tokens={max_tokens} exceed the sampler's "
+                            f"context of {self.config.rollout.max_model_len}; shorten them or raise "
+                            "rollout.max_model_len")
+        if self.served.get(session.run.model_id) != session.version:
+            raise UserError(f"the weights of this sampling session (version {session.version}) were replaced by "
+                            "a later save_weights_for_sampler; sample from the newest sampling client")
+        settings = SamplingSettings(group_size=num, max_new_tokens=max_tokens,
+                                    temperature=float(params.get("temperature", 1.0)),
+                                    top_p=float(params.get("top_p", 1.0)))
+        seed = int(params["seed"]) if params.get("seed") is not None else 0
+        ids = [f"{session.run.model_id}:v{session.version}:{body.get('seq_id', 0)}:{i}" for i in range(num)]
+        return session, prompt, settings, seed, ids
+
+    async def sample(self, session: SamplingSession, prompt: list[int], settings: Any, seed: int) -> bytes:
+        """The `SampleResponse` bytes of `settings.group_size` samples continuing `prompt`."""
+        worker = self.workers[session.run.model_id]
+        [group] = await worker.generate.remote([prompt], [seed], settings)
+        if any(r.weights_version != session.version for r in group):
+            raise RuntimeError(f"the sampler served another weights version than {session.version}")
+        return write_sample_response(group)
+
+    def close(self) -> None:
+        import ray
+
+        for worker in self.workers.values():
+            ray.kill(worker)
+        self.workers.clear()
+
+
+def prompt_tokens(prompt: Any) -> list[int]:
+    """The token ids of a `ModelInput` as JSON (`{"chunks": [{"type": "encoded_text", "tokens": [...]}]}`)."""
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list) or not chunks:
+        raise UserError("asample's prompt has no chunks; send a ModelInput of tokens")
+    tokens: list[int] = []
+    for chunk in chunks:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError("asample's prompt holds a chunk that is not tokens; relay serves text models")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tokens
+
+
+def write_sample_response(group: list[Any]) -> bytes:
+    """A `SampleResponse` protobuf: each rollout's tokens (int32), logprobs (float32) and stop reason."""
+    from cluster.tinker.wire import schema
+
+    pb = schema()
+    out = pb.SampleResponse()
+    for rollout in group:
+        seq = out.sequences.add()
+        seq.tokens = np.asarray(rollout.response_ids, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(rollout.behavior_logprobs, dtype=np.float32).tobytes()
+        seq.stop_reason = pb.STOP_REASON_STOP if rollout.finish_reason == "stop" else pb.STOP_REASON_LENGTH
+    return out.SerializeToString()
