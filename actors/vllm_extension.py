@@ -60,18 +60,25 @@ def row_block(width: int, out: int, dtype: torch.dtype, bias: bool,
 
 def blocked_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  matmul: Callable = torch.nn.functional.linear) -> torch.Tensor:
-    """`matmul(x, weight, bias)` (a linear layer's) computed in matmuls of exactly `row_block` rows each, every one
-    on its own aligned copy of the rows: a row's bits depend on the row and the weights only, not on the batch."""
+    """`matmul(x, weight, bias)` (a linear layer's) computed in matmuls of exactly `row_block` rows each, every block
+    starting 64-byte aligned: a row's bits depend on the row and the weights only, not on the batch."""
     width = x.shape[-1]
     rows = x.numel() // width
     block = row_block(width, weight.shape[0], weight.dtype, bias is not None, matmul)
     count = -(-rows // block)
-    padded = x.new_zeros(count * block, width)  # a fresh allocation: each block starts as aligned as the first
-    padded[:rows] = x.reshape(rows, width)
-    aligned = (block * width * padded.element_size()) % 64 == 0
-    parts = [matmul(part if aligned or i == 0 else part.clone(), weight, bias)
-             for i, part in enumerate(padded.split(block))]
-    out = parts[0] if count == 1 else torch.cat(parts)
+    flat = x.reshape(rows, width)
+    if rows == count * block and flat.is_contiguous() and flat.data_ptr() % 64 == 0:
+        padded = flat
+    else:  # a fresh allocation is 64-byte aligned
+        padded = x.new_empty(count * block, width)
+        padded[:rows] = flat
+        padded[rows:].zero_()
+    if count == 1:
+        out = matmul(padded, weight, bias)
+    else:
+        aligned = (block * width * padded.element_size()) % 64 == 0
+        out = torch.cat([matmul(part if aligned else part.clone(), weight, bias)
+                         for part in padded.split(block)])
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
