@@ -10,12 +10,13 @@ A plain class: Ray wraps it in cluster/tinker/models.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from learner.algo.losses import cispo_policy_loss, clipped_policy_loss
 from learner.distributed import clip_grad_norm
 from learner.learner import Learner
 from learner.passes.device import matmuls_in
@@ -35,13 +36,13 @@ class Datum:
     behavior_logprobs: list[float] | None = None  # [N] log pi of the targets under the sampler's weights
 
 
-def cross_entropy_loss(logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
+def cross_entropy_loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str, float]) -> torch.Tensor:
     """Weighted negative log-likelihood, summed over tokens: L = -sum_t w_t log pi(y_t). logprobs: [N]."""
     weights = torch.ones_like(logprobs) if datum.weights is None else _row(datum.weights, logprobs)
     return -(weights * logprobs).sum()
 
 
-def importance_sampling_loss(logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
+def importance_sampling_loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str, float]) -> torch.Tensor:
     """REINFORCE with an importance weight for samples from other weights, summed over tokens:
     L = -sum_t (pi(y_t) / q(y_t)) A_t, q the sampler's policy. logprobs: [N]."""
     if datum.advantages is None or datum.behavior_logprobs is None:
@@ -50,16 +51,43 @@ def importance_sampling_loss(logprobs: torch.Tensor, datum: Datum) -> torch.Tens
     return -(ratio * _row(datum.advantages, logprobs)).sum()
 
 
+def _clipped(policy_loss: Callable[..., tuple[torch.Tensor, dict]]) -> Callable[..., torch.Tensor]:
+    """The API's `ppo` or `cispo` from relay's own (learner/algo/losses.py), summed over the datum's tokens: the ratio
+    pi / q clipped to [clip_low_threshold, clip_high_threshold] (`loss_fn_config`, 0.8 and 1.2 unless given), i.e.
+    relay's clip_low = 1 - low, clip_high = high - 1."""
+
+    def loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str, float]) -> torch.Tensor:
+        if datum.advantages is None or datum.behavior_logprobs is None:
+            raise ValueError("ppo and cispo need loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        if not 0 <= low <= 1 <= high:
+            raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
+                             "clip_high_threshold")
+        row = logprobs[None]  # [1, N]
+        value, _ = policy_loss(row, _row(datum.behavior_logprobs, logprobs)[None],
+                               _row(datum.advantages, logprobs)[None], torch.ones_like(row), 1 - low, high - 1,
+                               None, "seq-mean-token-sum")  # one sequence: the sum over its tokens
+        return value
+
+    return loss
+
+
 def _row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     if len(values) != like.shape[0]:
         raise ValueError(f"a per-token input has {len(values)} values for {like.shape[0]} tokens; give one per token")
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-DATUM_LOSSES: dict[str, Callable[[torch.Tensor, Datum], torch.Tensor]] = {
+DATUM_LOSSES: dict[str, Callable[[torch.Tensor, Datum, Mapping[str, float]], torch.Tensor]] = {
     "cross_entropy": cross_entropy_loss,
     "importance_sampling": importance_sampling_loss,
+    "ppo": _clipped(clipped_policy_loss),
+    "cispo": _clipped(cispo_policy_loss),
 }
+# The `loss_fn_config` keys each loss reads; others are refused.
+LOSS_CONFIG_KEYS = {"cross_entropy": set(), "importance_sampling": set(),
+                    "ppo": {"clip_low_threshold", "clip_high_threshold"},
+                    "cispo": {"clip_low_threshold", "clip_high_threshold"}}
 
 
 class DatumLearner:
@@ -77,8 +105,8 @@ class DatumLearner:
     def vocab_size(self) -> int:
         return int(self.learner.model.config.vocab_size)
 
-    def forward_backward(self, datums: Sequence[Datum], loss_fn: str,
-                         forward_only: bool = False) -> tuple[list[list[float]], dict[str, float]]:
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, forward_only: bool = False,
+                         config: Mapping[str, float] | None = None) -> tuple[list[list[float]], dict[str, float]]:
         """Every datum's target logprobs ([B][N]) and the summed loss (`loss:sum`); with `forward_only` False the
         loss's gradient is added to the parameters' (nothing steps). A one-line `ValueError` for an unknown loss or
         a malformed datum, before any gradient changes."""
@@ -93,7 +121,7 @@ class DatumLearner:
             losses = []
             for datum in datums:
                 logprobs = self._target_logprobs(datum)
-                losses.append(DATUM_LOSSES[loss_fn](logprobs, datum))
+                losses.append(DATUM_LOSSES[loss_fn](logprobs, datum, config or {}))
                 rows.append(logprobs.detach().cpu().tolist())
             loss = torch.stack(losses).sum()
             if not forward_only:

@@ -8,7 +8,7 @@ against web pages (rewards/http.py's `BrowserGuard`, which here also admits the 
 joining Ray, and serving.
 Does not own: the models and the order of their requests (cluster/tinker/models.py), the binary wire format
 (cluster/tinker/wire.py), sampling (cluster/tinker/sampling.py), the learner's passes (learner/datums.py). Not yet:
-`save_weights`/`load_weights`, losses other than `cross_entropy` and `importance_sampling`.
+`save_weights`/`load_weights`, the losses `dro`, `gspo`, `stable_reinforce` and `custom`.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
 
     @app.post(f"{api}/forward_backward")
     async def forward_backward(request: Request) -> Any:
-        from learner.datums import DATUM_LOSSES
+        from learner.datums import DATUM_LOSSES, LOSS_CONFIG_KEYS
 
         try:
             fb = read_forward_backward(await read_body(request, MAX_BODY) or b"", vocab_size)
@@ -163,6 +163,13 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
             if fb.loss_fn not in DATUM_LOSSES:
                 raise UserError(f"loss_fn {fb.loss_fn!r} is not supported by relay serve yet; use one of "
                                 f"{sorted(DATUM_LOSSES)}")
+            if unknown := sorted(set(fb.config) - LOSS_CONFIG_KEYS[fb.loss_fn]):
+                raise UserError(f"loss_fn_config {unknown} is not read by {fb.loss_fn}; give only "
+                                f"{sorted(LOSS_CONFIG_KEYS[fb.loss_fn]) or 'nothing'}")
+            low, high = fb.config.get("clip_low_threshold", 0.8), fb.config.get("clip_high_threshold", 1.2)
+            if not 0 <= low <= 1 <= high:
+                raise UserError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
+                                "clip_high_threshold")
             if max_context is not None and (longest := max(len(d.input_ids) for d in fb.datums)) > max_context:
                 raise UserError(f"a datum has {longest} tokens, over the model's context of {max_context}; "
                                 "shorten it")
@@ -170,7 +177,8 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
             return future(futures.start(_raise(UserError(str(err)))))
 
         async def step() -> bytes:
-            rows, metrics = await runs.call(run, "forward_backward", fb.datums, fb.loss_fn, fb.forward_only)
+            rows, metrics = await runs.call(run, "forward_backward", fb.datums, fb.loss_fn, fb.forward_only,
+                                           fb.config)
             return write_forward_backward_output(rows, metrics)
 
         return future(futures.start(runs.in_order(run, step)), run.model_id)

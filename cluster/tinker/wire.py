@@ -35,6 +35,7 @@ class ForwardBackwardRequest:
     loss_fn: str
     forward_only: bool
     datums: list[Datum] = field(default_factory=list)
+    config: dict[str, float] = field(default_factory=dict)  # loss_fn_config
 
 
 class WireError(ValueError):
@@ -53,7 +54,12 @@ def read_forward_backward(body: bytes, vocab_size: int | None = None) -> Forward
     datums = [_datum(pb, d, i, vocab_size) for i, d in enumerate(msg.data)]
     if not datums:
         raise WireError("forward_backward got no data; send at least one Datum")
-    return ForwardBackwardRequest(msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only, datums)
+    config = {name: float(value) for name, value in msg.loss_fn_config.items()}
+    for name, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise WireError(f"loss_fn_config['{name}'] is text ({value.text!r}); relay's losses take numbers")
+        config[name] = float(value.number)
+    return ForwardBackwardRequest(msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only, datums, config)
 
 
 def _datum(pb: Any, msg: Any, index: int, vocab_size: int | None) -> Datum:

@@ -5,6 +5,8 @@ loss or a malformed datum is refused before any gradient changes."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -76,3 +78,27 @@ def test_unknown_loss_and_bad_datum_are_refused_without_gradients(tiny_model_dir
     with pytest.raises(ValueError, match="target_tokens has 4 tokens"):
         dl.forward_backward([Datum(ROW[:-1], ROW[1:-1])], "cross_entropy")
     assert not grads(dl)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_ppo_and_cispo_are_relays_losses_summed_over_the_datum(tiny_model_dir, loss):
+    dl = make(tiny_model_dir, "float32")
+    [rows], _ = dl.forward_backward([datum()], "cross_entropy", forward_only=True)
+    # Every ratio pi/q is 2, over the clip's 1.2: ppo's loss is -1.2 A_t per token (no gradient), cispo's
+    # -1.2 A_t log pi (the gradient of REINFORCE, weighted 1.2).
+    behavior = [lp - math.log(2.0) for lp in rows]
+    adv = [1.0, 1.0, 1.0, 1.0, 2.0]
+    _, metrics = dl.forward_backward([datum(advantages=adv, behavior=behavior)], loss, config={})
+    expected = -1.2 * sum(adv) if loss == "ppo" else -1.2 * sum(a * lp for a, lp in zip(adv, rows, strict=True))
+    assert metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    clipped = grads(dl)
+    if loss == "ppo":
+        assert all(torch.count_nonzero(g) == 0 for g in clipped)
+    else:
+        dl.learner.optimizer.zero_grad(set_to_none=True)
+        dl.forward_backward([datum(weights=[1.2 * a for a in adv])], "cross_entropy")
+        for g1, g2 in zip(clipped, grads(dl), strict=True):
+            torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+    wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0}  # ratio 2 inside: -r A_t
+    assert dl.forward_backward([datum(advantages=adv, behavior=behavior)], "ppo", True, wide)[1]["loss:sum"] == \
+        pytest.approx(-2.0 * sum(adv), rel=1e-5)

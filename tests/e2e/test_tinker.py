@@ -1,12 +1,14 @@
 """`relay serve` (the Tinker API, docs/tinker.md) as a user runs it, driven by the real `tinker` SDK: a LoRA training
 client on the demo model, whose first forward's logprobs are the base model's (the adapters start at zero), whose
-supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; an unknown loss and malformed datums get
-the SDK's error (a failed request, category user) and change nothing; `save_weights_for_sampler` moves the adapters to
-a vLLM engine whose samples' logprobs are the learner's, tagged with the weights version; and no API key, no
-service."""
+supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; the policy losses (importance_sampling,
+ppo, cispo) read the advantages, the sampler's logprobs and the clip thresholds; an unknown loss and malformed datums
+get the SDK's error (a failed request, category user) and change nothing; `save_weights_for_sampler` moves the
+adapters to a vLLM engine whose samples' logprobs are the learner's, tagged with the weights version; and no API key,
+no service."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -132,6 +134,25 @@ def test_samples_come_from_the_trained_adapters_tagged_with_their_version(traini
     training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     again = training.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
     assert again.sequences[0].sequence_id.split(":v")[1].split(":")[0] == str(int(version) + 1)
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
+def test_the_policy_losses_take_the_sdks_advantages_logprobs_and_clip_thresholds(training, loss):
+    tokens, answer_at = demo_tokens()
+    plain = datum(tokens, answer_at)
+    rows = training.forward([plain], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    adv = [0.0] * (answer_at - 1) + [1.0] * (len(tokens) - answer_at)
+    sampled = [lp - math.log(2.0) for lp in rows]  # the sampler's logprobs: every ratio pi/q is 2
+    rl = tinker.Datum(model_input=plain.model_input, loss_fn_inputs={"target_tokens": tokens[1:], "advantages": adv,
+                                                                     "logprobs": sampled})
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5} if loss != "importance_sampling" else None
+    out = training.forward([rl], loss, config).result()
+    ratio = {"importance_sampling": 2.0, "ppo": 1.5, "cispo": 1.5}[loss]
+    per_token = [a * (lp if loss == "cispo" else 1.0) for a, lp in zip(adv, rows, strict=True)]
+    assert out.metrics["loss:sum"] == pytest.approx(-ratio * sum(per_token), rel=1e-4)
+    if loss != "importance_sampling":
+        with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_config \['clip_ratio'\] is not read"):
+            training.forward([rl], loss, {"clip_ratio": 0.2}).result()
 
 
 @pytest.mark.parametrize("loss", ["dro", "gspo"])
