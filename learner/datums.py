@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,3 +165,18 @@ class DatumLearner:
     def weights_fingerprint(self) -> dict[str, str]:
         """{name: fingerprint} of what an engine must receive (`WeightPublisher.weights_fingerprint`)."""
         return self.learner.weights_fingerprint()
+
+    def save_state(self, directory: str) -> None:
+        """The learner's whole state (adapters, AdamW, counters: `Learner.save_checkpoint`) into a new `directory`;
+        gradients accumulated since the last `optim_step` are not part of it."""
+        Path(directory).mkdir(parents=True)
+        self.learner.save_checkpoint(directory)
+
+    def load_state(self, directory: str, optimizer: bool) -> int:
+        """Restore what `save_state` wrote (`Learner.load_checkpoint`: the next step is bitwise the same); without
+        `optimizer` the AdamW state starts afresh. Accumulated gradients are dropped. The weights version."""
+        version = self.learner.load_checkpoint(directory)
+        if not optimizer:
+            self.learner._make_optimizer()
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        return version

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerConfig, LoraConfig
+
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # a checkpoint's name: one path component
 
 
 class UserError(ValueError):
@@ -85,7 +89,8 @@ class TrainingRuns:
     """Every model this server trains, by id. Requests of one model run in the order they were sent."""
 
     def __init__(self, base_model: str, model_path: str, learner: LearnerConfig, dtype: str, timeouts: Any,
-                 max_lora_rank: int = 128, learner_options: dict[str, Any] | None = None):
+                 state_dir: Path, max_lora_rank: int = 128, learner_options: dict[str, Any] | None = None):
+        self.state_dir = state_dir  # save_weights' checkpoints: <state_dir>/<model id>/<name>/
         self.base_model, self.model_path, self.learner = base_model, model_path, learner
         self.dtype, self.timeouts, self.max_lora_rank = dtype, timeouts, max_lora_rank
         self.learner_options = learner_options or {}
@@ -115,7 +120,7 @@ class TrainingRuns:
             start_learner_group, [options], self.model_path, config, dtype=self.dtype, temperature=1.0,
             seed=0 if seed is None else seed, critic=None, norm_length=None, timeouts=self.timeouts,
             learner_cls=DatumLearner)
-        model_id = f"{self.base_model}:{next(self._ids)}:{uuid.uuid4().hex[:8]}"
+        model_id = f"model-{next(self._ids)}-{uuid.uuid4().hex[:8]}"  # a plain name: its checkpoints' directory
         self.runs[model_id] = TrainingRun(model_id, base_model, rank, group)
         return model_id
 
@@ -125,6 +130,24 @@ class TrainingRuns:
             raise UserError(f"model_id {model_id!r} is unknown to this server; create the model first "
                             "(ServiceClient.create_lora_training_client)")
         return run
+
+    def checkpoint(self, model_id: str, name: Any) -> tuple[str, Path]:
+        """The SDK's path (`tinker://<model id>/weights/<name>`) and the directory of a model's checkpoint `name`."""
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name.startswith("."):
+            raise UserError(f"checkpoint name {name!r} is not a plain name; use letters, digits, '.', '_' and '-'")
+        return f"tinker://{model_id}/weights/{name}", self.state_dir / model_id / name
+
+    def saved(self, path: Any) -> Path:
+        """The directory a `tinker://<model id>/weights/<name>` path saved on this server names."""
+        model_id, sep, name = str(path).removeprefix("tinker://").partition("/weights/")
+        if not sep or not str(path).startswith("tinker://"):
+            raise UserError(f"path {path!r} is not a checkpoint path; give one save_weights (save_state) returned")
+        if not NAME.fullmatch(model_id) or model_id.startswith("."):
+            raise UserError(f"path {path!r} names no model of this server; give a path save_state returned here")
+        directory = self.checkpoint(model_id, name)[1]
+        if not directory.is_dir():
+            raise UserError(f"no checkpoint {path!r} on this server; give a path save_state returned here")
+        return directory
 
     def in_order(self, run: TrainingRun, work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         """`work()` once every request sent to `run` before it has finished (whatever its outcome)."""

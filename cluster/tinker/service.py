@@ -2,13 +2,13 @@
 user's own training loop written against the SDK drives relay's learner (docs/tinker.md).
 
 Owns: the routes (client config, sessions and heartbeats, server capabilities, health, `create_model`, `get_info`,
-`forward_backward`, `optim_step`, `save_weights_for_sampler`, `create_sampling_session`, `asample`, `retrieve_future`,
-telemetry accepted and dropped), the API key (`X-API-Key`, or a bearer token: required beyond loopback), the guard
-against web pages (rewards/http.py's `BrowserGuard`, which here also admits the SDK's protobuf bodies), starting or
-joining Ray, and serving.
+`forward_backward`, `optim_step`, `save_weights`, `load_weights`, `save_weights_for_sampler`,
+`create_sampling_session`, `asample`, `retrieve_future`, telemetry accepted and dropped), the API key (`X-API-Key`, or
+a bearer token: required beyond loopback), the guard against web pages (rewards/http.py's `BrowserGuard`, which here
+also admits the SDK's protobuf bodies), starting or joining Ray, and serving.
 Does not own: the models and the order of their requests (cluster/tinker/models.py), the binary wire format
 (cluster/tinker/wire.py), sampling (cluster/tinker/sampling.py), the learner's passes (learner/datums.py). Not yet:
-`save_weights`/`load_weights`, the losses `dro`, `gspo`, `stable_reinforce` and `custom`.
+the losses `dro`, `gspo`, `stable_reinforce` and `custom`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,40 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
 
         return future(futures.start(runs.in_order(run, step)), run.model_id)
 
+    @app.post(f"{api}/save_weights")
+    async def save_weights(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            run = runs.get(data.get("model_id"))
+            path, directory = runs.checkpoint(run.model_id, data.get("path"))
+            if directory.exists() and not data.get("overwrite"):
+                raise UserError(f"checkpoint {path} exists; choose another name or pass overwrite")
+        except UserError as err:
+            return future(futures.start(_raise(err)))
+
+        async def save() -> dict[str, Any]:
+            if directory.exists():
+                shutil.rmtree(directory)
+            await runs.call(run, "save_state", str(directory))
+            return {"type": "save_weights", "path": path}
+
+        return future(futures.start(runs.in_order(run, save)), run.model_id)
+
+    @app.post(f"{api}/load_weights")
+    async def load_weights(request: Request) -> Any:
+        try:
+            data = await body_json(request)
+            run = runs.get(data.get("model_id"))
+            directory = runs.saved(data.get("path"))
+        except UserError as err:
+            return future(futures.start(_raise(err)))
+
+        async def load() -> dict[str, Any]:
+            await runs.call(run, "load_state", str(directory), bool(data.get("optimizer")))
+            return {"type": "load_weights", "path": data["path"], "model_id": run.model_id}
+
+        return future(futures.start(runs.in_order(run, load)), run.model_id)
+
     @app.post(f"{api}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> Any:
         try:
@@ -273,21 +309,42 @@ def _adam(data: dict[str, Any]) -> tuple[float, ...]:
     return tuple(values)
 
 
+def start_ray(rc: Any) -> bool:
+    """Join the cluster at `ray.address` (or $RAY_ADDRESS), else start a local Ray of `ray.num_cpus` CPUs: a new one,
+    never a cluster some other process started on this machine (Ray would join its `ray_current_cluster` file). Whether
+    this call started it (the service then shuts it down). A cluster that cannot be reached is a one-line error."""
+    import ray
+
+    from cluster.fleet.placement import check_reachable
+
+    if ray.is_initialized():
+        return False
+    address = rc.address or os.environ.get("RAY_ADDRESS")
+    try:
+        check_reachable(address)
+    except ConnectionError as err:
+        raise ValueError(f"cannot reach a Ray cluster at ray.address={address}: {err}") from None
+    ray.init(address=address or "local", num_cpus=None if address else rc.num_cpus, include_dashboard=False,
+             log_to_driver=rc.log_to_driver, logging_level="WARNING")
+    return not address
+
+
 def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins: list[str]) -> None:
     """Start (or join) Ray, then serve the Tinker API for `config`'s model on host:port until interrupted."""
     import uvicorn
 
-    from cluster.run.launch import _demo_model, _init_ray
+    from cluster.demo.cache import ensure_demo_model
 
     key = token_from_env(key_env, "--key-env")
     if key is None and not is_loopback(host):
         raise ValueError(f"--host {host} is beyond loopback: set an API key (export TINKER_API_KEY=tml-...; relay "
                          "serve --key-env TINKER_API_KEY)")
-    model_path = config.model.path or _demo_model(config)
+    model_path = config.model.path or str(ensure_demo_model(log=lambda line: print(f"relay: {line}", flush=True)))
     base_model = config.model.path or "relay-demo"
     model_config = json.loads((Path(model_path) / "config.json").read_text())
-    started = _init_ray(config)
-    runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts)
+    started = start_ray(config.ray)
+    state_dir = Path(config.run_dir) if config.run_dir else Path.home() / ".cache" / "relay" / "serve"
+    runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts, state_dir)
     samplers = Samplers(runs, config)
     app = create_app(runs, samplers, key, allow_origins, model_config.get("max_position_embeddings"),
                      model_config.get("vocab_size"))

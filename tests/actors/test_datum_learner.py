@@ -102,3 +102,24 @@ def test_ppo_and_cispo_are_relays_losses_summed_over_the_datum(tiny_model_dir, l
     wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0}  # ratio 2 inside: -r A_t
     assert dl.forward_backward([datum(advantages=adv, behavior=behavior)], "ppo", True, wide)[1]["loss:sum"] == \
         pytest.approx(-2.0 * sum(adv), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_saved_state_resumes_bit_for_bit(tiny_model_dir, tmp_path, dtype):
+    weights = [0, 0, 1, 1, 1]
+
+    def step(dl: DatumLearner) -> list[float]:
+        dl.forward_backward([datum(weights)], "cross_entropy")
+        dl.optim_step(1e-2, 0.9, 0.95, 1e-8)
+        return dl.forward_backward([datum(weights)], "cross_entropy", forward_only=True)[0][0]
+
+    first = make(tiny_model_dir, dtype)
+    step(first)
+    first.save_state(str(tmp_path / "state"))
+    after = step(first)
+    resumed = make(tiny_model_dir, dtype)
+    assert resumed.load_state(str(tmp_path / "state"), optimizer=True) == 1
+    assert step(resumed) == after  # bitwise: the adapters and AdamW's moments came back
+    fresh = make(tiny_model_dir, dtype)
+    fresh.load_state(str(tmp_path / "state"), optimizer=False)
+    assert step(fresh) != after  # AdamW started afresh: another update

@@ -39,7 +39,7 @@ def served(tmp_path_factory):
     env.update({"PYTHONPATH": str(ROOT), "SERVE_KEY": KEY})
     with log.open("w") as err:
         process = subprocess.Popen([str(script), "serve", "--port", str(port), "--key-env", "SERVE_KEY",
-                                    "ray.num_cpus=2", "learner.num_threads=1"],
+                                    "ray.num_cpus=2", "learner.num_threads=1", f"run_dir={log.parent}"],
                                    cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -153,6 +153,27 @@ def test_the_policy_losses_take_the_sdks_advantages_logprobs_and_clip_thresholds
     if loss != "importance_sampling":
         with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_config \['clip_ratio'\] is not read"):
             training.forward([rl], loss, {"clip_ratio": 0.2}).result()
+
+
+def test_a_saved_state_resumes_exactly_and_bad_paths_are_refused(training):
+    tokens, answer_at = demo_tokens()
+
+    def step() -> list[float]:
+        training.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        return training.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0][
+            "logprobs"].tolist()
+
+    path = training.save_state("resume-me").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/resume-me")
+    after = step()
+    training.load_state_with_optimizer(path).result()
+    assert step() == after  # bitwise: the adapters and AdamW's moments came back
+    for bad, says in ((path.replace("resume-me", "never-saved"), "no checkpoint"), ("/etc/passwd", "not a checkpoint")):
+        with pytest.raises(tinker.RequestFailedError, match=says):
+            training.load_state(bad).result()
+    with pytest.raises(tinker.RequestFailedError, match="is not a plain name"):
+        training.save_state("../escape").result()
 
 
 @pytest.mark.parametrize("loss", ["dro", "gspo"])
