@@ -4,7 +4,7 @@ supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; th
 ppo, cispo) read the advantages, the sampler's logprobs and the clip thresholds; an unknown loss and malformed datums
 get the SDK's error (a failed request, category user) and change nothing; `save_weights_for_sampler` moves the
 adapters to a vLLM engine whose samples' logprobs are the learner's, tagged with the weights version; and no API key,
-no service."""
+no service; two models train at once without mixing."""
 
 from __future__ import annotations
 
@@ -174,6 +174,27 @@ def test_a_saved_state_resumes_exactly_and_bad_paths_are_refused(training):
             training.load_state(bad).result()
     with pytest.raises(tinker.RequestFailedError, match="is not a plain name"):
         training.save_state("../escape").result()
+
+
+def test_two_models_train_at_once_without_mixing(served, training):
+    tokens, answer_at = demo_tokens()
+    other = tinker.ServiceClient(base_url=served, api_key=KEY).create_lora_training_client(
+        base_model="relay-demo", rank=2)
+    assert other.model_id != training.model_id
+
+    def logprobs(client) -> list[float]:
+        return client.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0][
+            "logprobs"].tolist()
+
+    before, other_before = logprobs(training), logprobs(other)
+    for _ in range(2):  # the other model trains; gradients sent to this one meanwhile wait for its own step
+        training.forward_backward([datum(tokens, answer_at)], "cross_entropy")
+        other.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        other.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert logprobs(training) == before  # untouched by the other's steps
+    assert logprobs(other) != other_before
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert logprobs(training) != before
 
 
 @pytest.mark.parametrize("loss", ["dro", "gspo"])
