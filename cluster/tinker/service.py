@@ -136,8 +136,8 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
         try:
             data = await body_json(request)
             rank = runs.check_new(data.get("base_model"), (data.get("lora_config") or {}).get("rank"))
-        except UserError as err:
-            return refused(err)
+        except UserError as err:  # the SDK's error shape: a failed future, category user
+            return future(futures.start(_raise(err)))
         seed = (data.get("lora_config") or {}).get("seed")
 
         async def create() -> dict[str, Any]:

@@ -216,6 +216,15 @@ def test_malformed_datums_are_refused_with_a_user_error(training):
             training.forward_backward([bad], "cross_entropy").result()
 
 
+@pytest.mark.parametrize("base, rank, says", [("Qwen/Qwen3-8B", 4, "is not served here; use 'relay-demo'"),
+                                              ("relay-demo", 1024, "LoRA rank 1024 is out of bounds")])
+def test_a_model_that_cannot_be_made_is_refused(served, base, rank, says):
+    service = tinker.ServiceClient(base_url=served, api_key=KEY)
+    with pytest.raises(tinker.RequestFailedError, match=says) as failed:
+        service.create_lora_training_client(base_model=base, rank=rank).result()
+    assert failed.value.category == tinker.types.RequestErrorCategory.User
+
+
 def test_without_the_key_nothing_is_served(served):
     assert httpx.get(f"{served}/api/v1/healthz").status_code == 401
     assert httpx.get(f"{served}/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
