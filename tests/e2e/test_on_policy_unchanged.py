@@ -39,8 +39,9 @@ NEW_KEYS = ("rollout/version", "async/staleness", "time/learner_wait", "time/rol
 # Keys measured another way since: the probe's gap is the root mean square of its token gaps (issue 43), not the
 # largest one. The probe checks the run; it takes no part in what the run computes.
 REDEFINED = ("sync/probe_max_diff",)
-# Keys added since that measure the run without taking part in what it computes: the bytes each sync moves.
-MEASURED = ("sync/bytes",)
+# Keys added since that measure the run without taking part in what it computes: the bytes each sync moves, and
+# whether every engine passed its batch-invariance check at its start.
+MEASURED = ("sync/bytes", "engine/batch_invariant")
 VOLATILE = ("time/", "throughput/", "memory/")
 OLD_WAYS = ["learner.share_prompts=false", "reference.share_prompts=false",  # settings the old code did not have
             "learner.pack_sequences=false", "reference.pack_sequences=false", "rollout.cpu_linear=onednn"]
