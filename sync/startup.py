@@ -4,16 +4,19 @@ start (the console shows them) and once they are up (the first record's `time/st
 
 Owns: the states' names (`STATES`), the environment variable that names an actor to its own process (`ENV`, set by
 the driver in the actor's runtime environment: cluster/fleet/placement.py), writing an actor's marks (`mark`; Ray's
-worker setup hook `process_started` writes the first) to Ray's internal key-value store under the driver's job, and
-reading them back (`read_marks`, `clear_marks`). Here, in `sync/`, because it is the lowest layer that calls Ray
-(as `calls` is) and both `actors/` and `learner/` mark. Does not own: showing or recording the marks
-(cluster/run/startup.py). Without Ray, or without `ENV` (an actor built in a test), `mark` does nothing.
+worker setup hook `process_started` writes the first) to Ray's internal key-value store under the driver's job
+(`marks_key`). Here, in `sync/`, because both `actors/` and `learner/` mark. It imports no Ray: `mark` uses the Ray a
+process already has, so the learner stays importable where Ray is not installed (bench/gpu_learner.py). Does not
+own: reading, showing or recording the marks (cluster/run/startup.py). Without Ray, or without `ENV` (an actor built
+in a test), `mark` does nothing.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -28,20 +31,17 @@ _marks: dict[str, object] = {}  # this process's marks, written whole at every m
 
 
 def mark(state: str) -> None:
-    """Note that this actor process reached `state` (one of `STATES`) now, if the driver named it (`ENV`)."""
+    """Note that this actor process reached `state` (one of `STATES`) now, if the driver named it (`ENV`) and the
+    process runs in Ray."""
     name = os.environ.get(ENV)
-    if not name or state in _marks:
+    ray = sys.modules.get("ray")  # an actor's process has imported Ray before its class
+    if not name or state in _marks or ray is None or not ray.is_initialized():
         return
-    import ray
-
-    if not ray.is_initialized():
-        return
-    from ray.experimental import internal_kv
-
+    internal_kv = importlib.import_module("ray.experimental.internal_kv")
     if not _marks:
         _marks.update(process_facts())
     _marks[state] = time.time()
-    internal_kv._internal_kv_put(_key(ray.get_runtime_context().get_job_id(), name), json.dumps(_marks),
+    internal_kv._internal_kv_put(marks_key(ray.get_runtime_context().get_job_id(), name), json.dumps(_marks),
                                  overwrite=True, namespace=NAMESPACE)
 
 
@@ -63,7 +63,8 @@ def process_facts() -> dict[str, object]:
 
 
 def process_start_time(pid: int | None = None) -> float:
-    """When process `pid` (this one by default) started, in epoch seconds: from /proc (Linux), else psutil's."""
+    """When process `pid` (this one by default) started, in epoch seconds, from /proc; where there is none (not
+    Linux), now."""
     pid = pid or os.getpid()
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -71,30 +72,9 @@ def process_start_time(pid: int | None = None) -> float:
                     if line.startswith("btime"))
         return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: starttime, in clock ticks
     except (OSError, IndexError, StopIteration, ValueError):
-        import psutil
-
-        return psutil.Process(pid).create_time()
+        return time.time()
 
 
-def read_marks(job_id: str) -> dict[str, dict[str, object]]:
-    """Every actor's marks of the driver's job `job_id`, by actor name (only the actors that marked something)."""
-    from ray.experimental import internal_kv
-
-    prefix = _key(job_id, "")
-    found = {}
-    for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):
-        value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-        if value is not None:
-            found[key.decode()[len(prefix):]] = json.loads(value)
-    return found
-
-
-def clear_marks(job_id: str) -> None:
-    """Forget the marks of `job_id` (the next fleet the same driver starts marks afresh)."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_del(_key(job_id, ""), del_by_prefix=True, namespace=NAMESPACE)
-
-
-def _key(job_id: str, name: str) -> str:
+def marks_key(job_id: str, name: str) -> str:
+    """Where the marks of actor `name` of the driver's job `job_id` are kept (`NAMESPACE`); name "" for the prefix."""
     return f"{job_id}/{name}"

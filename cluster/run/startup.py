@@ -5,19 +5,20 @@ from the first second, and the `time/startup/*` keys of the run's first record.
 Owns: the phases' names and order (`PHASES`), timing them (`Startup.begin`), the console's line (a live line on a
 terminal, one plain line per change in a log; nothing with `--quiet`), the first record's `time/startup/*` keys
 (`Startup.stamp`: docs/operations.md), and naming the log file of each actor that did not start (`Startup.logs`).
-Does not own: the marks (sync/startup.py), starting the actors (cluster/fleet/placement.py), or the steps' display
-(cluster/run/metrics.py).
+Reads the actors' marks (`read_marks`, `clear_marks`). Does not own: making the marks (sync/startup.py),
+starting the actors (cluster/fleet/placement.py), or the steps' display (cluster/run/metrics.py).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from sync.startup import LABELS, STATES, clear_marks, read_marks
+from sync.startup import LABELS, NAMESPACE, STATES, marks_key
 
 if TYPE_CHECKING:
     from cluster.config import RunConfig
@@ -197,3 +198,23 @@ def _tail(path: str, size: int = 1 << 16) -> str:
 def state_of(marks: dict[str, Any]) -> str:
     """An actor's latest state of `STATES` by its marks."""
     return next((state for state in reversed(STATES) if state in marks), "started")
+
+
+def read_marks(job_id: str) -> dict[str, dict[str, object]]:
+    """Every actor's marks of the driver's job `job_id`, by actor name (only the actors that marked something)."""
+    from ray.experimental import internal_kv
+
+    prefix = marks_key(job_id, "")
+    found = {}
+    for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):
+        value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        if value is not None:
+            found[key.decode()[len(prefix):]] = json.loads(value)
+    return found
+
+
+def clear_marks(job_id: str) -> None:
+    """Forget the marks of `job_id` (the next fleet the same driver starts marks afresh)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(marks_key(job_id, ""), del_by_prefix=True, namespace=NAMESPACE)
