@@ -56,6 +56,14 @@ def three_nodes():
     cluster.wait_for_nodes()
     yield cluster.address, cluster.head_node.node_id, {n.node_id for n in rollout_nodes}
     cluster.shutdown()
+    # Cluster.shutdown resets this process's client of Ray's key-value store, which the session's Ray (`ray_local`)
+    # still has: the runs after this test read their actors' start-up marks through it (cluster/run/startup.py).
+    import ray
+
+    if ray.is_initialized():
+        from ray.experimental import internal_kv
+
+        internal_kv._initialize_internal_kv(ray._private.worker.global_worker.gcs_client)
 
 
 def relay(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
