@@ -118,8 +118,8 @@ def test_a_worker_killed_with_requests_queued_is_replaced_and_the_run_is_unchang
     assert sum(r["time/recovery"] > 0 for r in metrics) == 1
 
 
-# Updates of several seconds, longer than the deadlines below also on the fastest CI CPU (60 epochs took 3.5 s on the
-# AVX-512 EPYC: under `timeouts.generate`, which tested nothing).
+# Updates of several seconds, longer than the deadlines below also on the fastest CI CPU (60 epochs did not outlast
+# `timeouts.generate` on the AVX-512 EPYC, which tested nothing).
 SLOW_UPDATES = ["learner.ppo_epochs=100", "learner.num_minibatches=4"]
 
 
