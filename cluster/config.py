@@ -91,8 +91,9 @@ class RayConfig(_Section):
     """Ray cluster address (`auto`, `ray://host:10001`); empty starts a local Ray instance for this run."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs a local Ray instance advertises (default: every core)."""
-    dashboard: bool = True
-    """Start the Ray dashboard with a local instance, bound to 127.0.0.1; its address is printed at start."""
+    dashboard: bool = False
+    """Start the Ray dashboard with a local instance, bound to 127.0.0.1; its address is printed at start. Off by
+    default: on 2 cores it costs the demo ~6 s of start-up and a 25M step ~5% (docs/benchmarks.md)."""
     log_to_driver: bool = False
     """Echo every actor's log (vLLM's included) on the console; otherwise they stay in Ray's session logs."""
 

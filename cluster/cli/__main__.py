@@ -1,3 +1,3 @@
-from cluster.cli.commands import main
+from cluster.cli import main
 
 raise SystemExit(main())

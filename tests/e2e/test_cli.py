@@ -108,8 +108,8 @@ def check_startup(stderr: str, records: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
-    """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address and start-up's
-    phases with each actor's state, the run directory holds metrics.jsonl (the first record with start-up's
+    """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address (asked for)
+    and start-up's phases with each actor's state, the run directory holds metrics.jsonl (the first record with start-up's
     `time/startup/*`), the resolved config and TensorBoard events, and the PNG has every panel."""
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -117,7 +117,8 @@ def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
     from cluster.cli.plot import PANELS, load_run, plot_figure
 
     run_dir = tmp_path / "run"
-    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16", "rollout.num_workers=1")
+    result = relay("train", "max_steps=2", f"run_dir={run_dir}", "data.prompts_per_step=16", "rollout.num_workers=1",
+                   "ray.dashboard=true")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Ray dashboard: http://127.0.0.1:" in result.stdout + result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
