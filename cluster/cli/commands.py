@@ -288,7 +288,8 @@ def _add_control_commands(commands) -> None:
     scale.add_argument("--rollout-workers", type=int, metavar="N", help="the fleet size wanted")
     scale.add_argument("--remove-worker", type=int, action="append", default=[], metavar="ID",
                        help="remove this worker (an id from `relay status`, e.g. one on a node to drain); repeatable")
-    status = commands.add_parser("status", help="show a running run's step and rollout fleet (JSON)")
+    status = commands.add_parser("status", help="show a running run's step and rollout fleet, or during its "
+                                                "start-up the phase and each actor's state (JSON)")
     for sub in (scale, status):
         sub.add_argument("--run", metavar="NAME", help="the run's run_dir name (needed when several runs are going)")
         sub.add_argument("--address", default="auto", help=CONTROL_ADDRESS_HELP)

@@ -282,6 +282,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         try:
             control = start_control(str(run_dir))
             cleanup.callback(control.leave)
+            startup.attach(control)  # `relay status` shows start-up's phase and actors
             fleet = _start_fleet(startup, config, model_path, rollout_cls, pool)
 
             cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))

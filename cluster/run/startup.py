@@ -44,6 +44,8 @@ class Startup:
         self.expected: list[str] = []  # the actors the fleet's start names (`begin`)
         self._shown = ""
         self._status: Any = None
+        self.control: Any = None  # the run's mailbox (`attach`): `relay status` shows start-up from it
+        self._published: tuple = ()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
@@ -62,12 +64,29 @@ class Startup:
             clear_marks(self._job)  # marks of an earlier fleet of this driver are not this one's
             self.expected = list(actors or [])
         self.began[phase] = time.time()
-        if self.show and self._poller is None:  # the line's clock and the actors' states, every POLL_S
+        if (self.show or self.control is not None) and self._poller is None:  # the clock and the actors' states
             self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
             self._poller.start()
         self._refresh()
+        self._publish()
         if phase == "first_step":
             self.close()
+
+    def attach(self, control: Any) -> None:
+        """From now until the first step, publish start-up's `state` to the run's mailbox (a `RunHandle`:
+        cluster/fleet/control.py) whenever it changes, with `--quiet` too: `relay status` shows it."""
+        self.control = control
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
+            self._poller.start()
+        self._publish()
+
+    def state(self) -> dict[str, Any]:
+        """What `relay status` shows during start-up: the phase, the seconds since start-up began, and each actor's
+        state (`LABELS`: starting, importing, loading the model, warming up, ready)."""
+        since = next(iter(self.began.values()), time.time())
+        return {"phase": (self.phase or "imports").replace("_", " "), "seconds": round(time.time() - since, 1),
+                "actors": {name: LABELS[state_of(self.marks.get(name, {}))] for name in self._names()}}
 
     def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
         """`record` with the `time/startup/*` keys if it is the run's first, else as it is."""
@@ -132,15 +151,32 @@ class Startup:
         """`start-up 12 s: actors  learner ready, rollout worker 0 warming up`: the phase and each actor's state."""
         phase = self.phase or "imports"
         since = next(iter(self.began.values()), time.time())
-        names = self.expected + sorted(set(self.marks) - set(self.expected))
-        actors = ", ".join(f"{name} {LABELS[state_of(self.marks.get(name, {}))]}" for name in names)
+        actors = ", ".join(f"{name} {LABELS[state_of(self.marks.get(name, {}))]}" for name in self._names())
         return f"start-up {time.time() - since:.0f} s: {phase.replace('_', ' ')}" + (f"  {actors}" if actors else "")
+
+    def _names(self) -> list[str]:
+        return self.expected + sorted(set(self.marks) - set(self.expected))
 
     def _poll(self) -> None:
         while not self._stop.wait(POLL_S):
             if self.phase == "actors":
                 self._read()
             self._refresh()
+            self._publish()
+
+    def _publish(self) -> None:
+        """The mailbox gets `state` when the phase or an actor's state changed, or a second passed (fire and forget:
+        start-up does not wait for it)."""
+        if self.control is None or self.phase == "first_step":
+            return
+        state = self.state()
+        seen = (state["phase"], tuple(state["actors"].items()), int(state["seconds"]))
+        if seen != self._published:
+            self._published = seen
+            try:
+                self.control.publish({"startup": state})
+            except Exception:  # noqa: BLE001 (Ray shutting down under it: `relay status` only misses a change)
+                pass
 
     def _read(self) -> None:
         if self._job is None:
@@ -175,7 +211,7 @@ class Startup:
 
 
 def fleet_actors(config: RunConfig) -> list[str]:
-    """The names a fleet's start gives its actors (cluster/fleet/placement.py), in the order it starts them."""
+    """The names a fleet's start gives its actors (cluster/fleet/placement.py), in the order the console lists them."""
     from rewards.config import ModelSource
 
     ranks = config.learner.num_ranks

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from sync.startup import LABELS
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +96,20 @@ def status(address: str) -> dict:
     return json.loads(result.stdout)
 
 
+def startup_status(run: subprocess.Popen, address: str, timeout: float = 300) -> dict:
+    """`relay status`'s `startup` while the run's actors start (before: no run, or an earlier phase)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run.poll() is not None:
+            pytest.fail(f"the run ended (exit {run.returncode}) during start-up: {run.stderr.read()[-3000:]}")
+        result = relay("status", "--address", address)
+        startup = json.loads(result.stdout).get("startup", {}) if result.returncode == 0 else {}
+        if startup.get("phase") == "actors":
+            return startup
+        time.sleep(0.5)
+    pytest.fail(f"`relay status` showed no start-up's actors phase within {timeout} s")
+
+
 def test_run_across_three_nodes_grows_and_shrinks_with_relay_scale(three_nodes, tmp_path, demo_model_dir):
     address, head_node, rollout_nodes = three_nodes
     run_dir = tmp_path / "multinode"
@@ -106,8 +122,14 @@ def test_run_across_three_nodes_grows_and_shrinks_with_relay_scale(three_nodes, 
          "checkpoint.every=0", "logging.tensorboard=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env())
     try:
+        # During start-up (with --quiet too), `relay status` shows its phase and each actor's state.
+        starting = startup_status(run, address)
+        assert starting["phase"] == "actors" and starting["seconds"] > 0, starting
+        assert set(starting["actors"]) == {"learner", "reference", "rollout worker 0", "rollout worker 1"}, starting
+        assert set(starting["actors"].values()) <= set(LABELS.values()), starting
         wait_for(run, run_dir, lambda r: r["step"] >= 2, "step 2")
         before = status(address)
+        assert "startup" not in before  # the steps' status replaces start-up's
         assert before["learner_node"] == head_node
         assert [w["id"] for w in before["workers"]] == [0, 1]
         assert {w["node_id"] for w in before["workers"]} == rollout_nodes  # spread: one on each rollout node

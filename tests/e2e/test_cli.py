@@ -109,8 +109,8 @@ def check_startup(stderr: str, records: list[dict]) -> None:
 @pytest.mark.slow
 def test_demo_trains_writes_metrics_and_plots(tmp_path, demo_model_dir):
     """`relay train` then `relay plot` as a user runs them: the start prints the Ray dashboard's address (asked for)
-    and start-up's phases with each actor's state, the run directory holds metrics.jsonl (the first record with start-up's
-    `time/startup/*`), the resolved config and TensorBoard events, and the PNG has every panel."""
+    and start-up's phases with each actor's state, the run directory holds metrics.jsonl (the first record with
+    start-up's `time/startup/*`), the resolved config and TensorBoard events, and the PNG has every panel."""
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -84,3 +84,37 @@ def test_states_and_the_process_start():
     import psutil
 
     assert process_start_time() == pytest.approx(psutil.Process(os.getpid()).create_time(), abs=0.05)
+
+
+class Mailbox:
+    """What `Startup` needs of a run's mailbox (`RunHandle.publish`): the published dicts, in order."""
+
+    def __init__(self):
+        self.published = []
+
+    def publish(self, fleet):
+        self.published.append(fleet)
+
+
+def test_the_mailbox_gets_start_ups_state_on_each_change_with_quiet_too(monkeypatch):
+    monkeypatch.setattr(startup_module, "POLL_S", 3600.0)  # published by hand here
+    startup = Startup(None, show=False)  # --quiet: nothing printed, `relay status` still shows it
+    mailbox = Mailbox()
+    startup.begin("checks")
+    startup.begin("registry")
+    startup.attach(mailbox)
+    startup.expected = ["learner", "rollout worker 0"]
+    startup.marks = {"learner": {"started": 1.0, "importing": 2.0}}
+    startup._publish()
+    startup._publish()  # nothing changed (within the second): nothing sent
+    startup.marks["learner"]["ready"] = 3.0
+    startup._publish()
+    startup.begin("first_step")  # the steps' status takes over: nothing more
+    startup._publish()
+    states = [m["startup"] for m in mailbox.published]
+    assert [(s["phase"], s["actors"]) for s in states] == [
+        ("registry", {}),
+        ("registry", {"learner": "importing", "rollout worker 0": "starting"}),
+        ("registry", {"learner": "ready", "rollout worker 0": "starting"})]
+    assert all(0 <= s["seconds"] < 60 for s in states)
+    assert startup._poller is None  # stopped at the first step
