@@ -89,11 +89,10 @@ class SampledCompletion:
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused, and everything already alive frozen (left out of its collections),
-    while vLLM starts: importing it and building an engine allocate millions of objects, and vLLM calls gc.collect()
-    itself five times, each a walk over the whole heap (torch and transformers included), which is most of a small
-    engine's start (docs/benchmarks.md). The collector runs again afterwards; the heap stays frozen, as vLLM's
-    engine core leaves it at the end of its start (`freeze_gc_heap`) and unfreezes it in its own shutdown. Only a start
-    that fails unfreezes it here."""
+    while vLLM starts: importing it and building an engine allocate millions of objects, each automatic collection a
+    walk over them (vLLM's own five `gc.collect()` calls are no-ops on CPU: `_start`). The collector runs again
+    afterwards; the heap stays frozen, as vLLM's engine core leaves it at the end of its start (`freeze_gc_heap`) and
+    unfreezes it in its own shutdown. Only a start that fails unfreezes it here."""
     if not gc.isenabled():  # paused by someone else: theirs to resume
         yield
         return

@@ -1,7 +1,7 @@
 """Where a run's start goes: `relay train max_steps=1` as a user runs it, broken into start-up's phases.
 
 Usage: python bench/startup.py [--shapes demo 25M] [--workers 1 2] [--runs N] [dotted.key=value ...]
-Each configuration (shape x rollout workers) runs `--runs` times (default 3) as a whole `relay train` process; the table
+Each configuration (shape x rollout workers) runs `--runs` times (default 5) as a whole `relay train` process; the table
 shows the median of each phase, read from the run's own first record (`time/startup/*`, cluster/run/startup.py: the
 driver times its phases from the process's start, each actor marks when its process started, began importing, loading
 and warming up, and was ready), and the process's wall time to its exit. Phases, in order: the CLI's imports, the
@@ -83,21 +83,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["demo"], choices=["demo", "25M"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--label", help="the configurations' column names start with it (e.g. the commit)")
+    parser.add_argument("--save", metavar="FILE.jsonl", help="also append each run's figures to FILE, a line each")
+    parser.add_argument("--table", metavar="FILE.jsonl", help="run nothing: the table of the runs saved in FILE "
+                                                              "(runs of one column made in several calls, "
+                                                              "interleaved with another's, as the machine drifts)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value applied to every run")
     args = parser.parse_args()
 
     results: dict[str, list[dict[str, float]]] = {}
+    if args.table:
+        for line in Path(args.table).read_text().splitlines():
+            run = json.loads(line)
+            results.setdefault(run.pop("configuration"), []).append(run)
+        print(table(results))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             for workers in args.workers:
-                name = f"{shape}, {workers} worker{'s' if workers > 1 else ''}"
+                name = f"{args.label + ': ' if args.label else ''}{shape}, {workers} worker{'s' if workers > 1 else ''}"
                 overrides = configuration(shape, workers, args.overrides)
                 results[name] = []
                 for i in range(args.runs):
                     results[name].append(one_run(overrides, Path(tmp)))
                     print(f"startup: {name}, run {i + 1}: first step at {results[name][-1]['total']:.1f} s, "
                           f"exit at {results[name][-1]['wall']:.1f} s", file=sys.stderr, flush=True)
+                    if args.save:
+                        with open(args.save, "a") as saved:
+                            saved.write(json.dumps({"configuration": name, **results[name][-1]}) + "\n")
     load = os.getloadavg()
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at the end "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; median of {args.runs} runs, seconds\n")
