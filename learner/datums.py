@@ -143,10 +143,13 @@ class DatumLearner:
     def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0) -> dict[str, float]:
         """One AdamW step on the accumulated gradients with these parameters (`grad_clip_norm` 0: no clipping), then
-        zero them; the weights version goes up by one. Metrics: the gradient's norm before clipping."""
+        zero them; the weights version goes up by one. Metrics: the gradient's norm before clipping. Whole modules
+        trained beside the adapters (`learner.lora.modules_to_save`) keep their rate's ratio to the adapters'
+        (`modules_lr` / `lr` of the served config): `learning_rate` x that ratio."""
         learner = self.learner
         for group in learner.optimizer.param_groups:
-            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+            ratio = group.get("initial_lr", learner.config.lr) / learner.config.lr
+            group.update(lr=learning_rate * ratio, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         params = [p for p in learner.model.parameters() if p.requires_grad]
         norm = clip_grad_norm(params, grad_clip_norm if grad_clip_norm > 0 else float("inf"))
         learner.optimizer.step()

@@ -37,6 +37,9 @@ class Samplers:
         self.workers: dict[str, Any] = {}
         self.served: dict[str, int] = {}  # model id -> the weights version its worker holds
         self.sessions: dict[str, SamplingSession] = {}
+        # model id -> the samples asked for while its worker was busy: (prompt, settings, seed, where the group goes)
+        self.queued: dict[str, list[tuple[list[int], Any, int, asyncio.Future]]] = {}
+        self.draining: set[str] = set()  # model ids whose worker is sampling a batch of them now
 
     async def save(self, run: TrainingRun) -> str:
         """Sync `run`'s current adapters to its worker (started first if need be) and open a sampling session on
@@ -100,12 +103,46 @@ class Samplers:
         return session, prompt, settings, seed, ids
 
     async def sample(self, session: SamplingSession, prompt: list[int], settings: Any, seed: int) -> bytes:
-        """The `SampleResponse` bytes of `settings.group_size` samples continuing `prompt`."""
-        worker = self.workers[session.run.model_id]
-        [group] = await worker.generate.remote([prompt], [seed], settings)
+        """The `SampleResponse` bytes of `settings.group_size` samples continuing `prompt`.
+
+        Requests a model's worker gets while it is sampling wait, and then go to it as one engine batch (`_drain`),
+        the ones with the same sampling settings together: a loop that sends a step's prompts at once, as the SDK
+        lets it, samples them in a batch or two, not one by one. On a batch-invariant engine (every CPU engine
+        relay starts, `engine.batch_invariant`), a prompt's samples are the same bits whatever else is in its batch,
+        given its seed (tests/e2e/test_tinker.py)."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        model_id = session.run.model_id
+        self.queued.setdefault(model_id, []).append((prompt, settings, seed, done))
+        if model_id not in self.draining:
+            self.draining.add(model_id)
+            asyncio.ensure_future(self._drain(model_id))
+        group = await done
         if any(r.weights_version != session.version for r in group):
             raise RuntimeError(f"the sampler served another weights version than {session.version}")
         return write_sample_response(group)
+
+    async def _drain(self, model_id: str) -> None:
+        """Sample what is queued for `model_id`, a batch per sampling settings, until nothing is."""
+        worker = self.workers[model_id]
+        try:
+            while self.queued.get(model_id):
+                batch = self.queued.pop(model_id)
+                by_settings: dict[Any, list[tuple[list[int], Any, int, asyncio.Future]]] = {}
+                for item in batch:
+                    by_settings.setdefault(item[1], []).append(item)
+                for settings, items in by_settings.items():
+                    try:
+                        groups = await worker.generate.remote([i[0] for i in items], [i[2] for i in items], settings)
+                    except Exception as err:  # noqa: BLE001 (each request's client gets it)
+                        for *_, done in items:
+                            if not done.done():
+                                done.set_exception(err)
+                        continue
+                    for (*_, done), group in zip(items, groups):
+                        if not done.done():  # (a request given up on meanwhile)
+                            done.set_result(group)
+        finally:
+            self.draining.discard(model_id)
 
     def close(self) -> None:
         import ray

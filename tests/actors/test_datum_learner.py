@@ -123,3 +123,13 @@ def test_a_saved_state_resumes_bit_for_bit(tiny_model_dir, tmp_path, dtype):
     fresh = make(tiny_model_dir, dtype)
     fresh.load_state(str(tmp_path / "state"), optimizer=False)
     assert step(fresh) != after  # AdamW started afresh: another update
+
+
+def test_whole_modules_keep_their_rates_ratio_to_the_adapters(tiny_model_dir):
+    # configs/grpo_lora.yaml's shape: the head trains whole beside the adapters at half their rate (modules_lr / lr).
+    lora = LoraConfig(rank=4, modules_to_save=["lm_head"], modules_lr=5e-3)
+    dl = DatumLearner(str(tiny_model_dir), LearnerConfig(lr=1e-2, warmup_steps=0, num_threads=2, lora=lora),
+                      seed=0)
+    dl.forward_backward([datum([0, 0, 1, 1, 1])], "cross_entropy")
+    dl.optim_step(4e-4, 0.9, 0.95, 1e-8)
+    assert sorted(g["lr"] for g in dl.learner.optimizer.param_groups) == pytest.approx([2e-4, 4e-4])

@@ -136,6 +136,30 @@ def test_samples_come_from_the_trained_adapters_tagged_with_their_version(traini
     assert again.sequences[0].sequence_id.split(":v")[1].split(":")[0] == str(int(version) + 1)
 
 
+def test_samples_asked_at_once_are_the_same_as_asked_one_by_one(training):
+    # Requests that arrive while the engine samples go to it as one batch (cluster/tinker/sampling.py); the engine is
+    # batch-invariant, so each prompt's samples (by its seed) are the bits it gets alone, whatever its batch holds.
+    from transformers import AutoTokenizer
+
+    from cluster.demo.cache import ensure_demo_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model(log=lambda _: None)))
+    prompts = [tinker.ModelInput.from_ints(tokenizer(p, add_special_tokens=False)["input_ids"])
+               for p in ["12+34=", "7+8=", "55+44=", "3+9=", "21+21=", "60+1="]]
+    sampler = training.save_weights_and_get_sampling_client().result()
+
+    def params(i: int) -> "tinker.SamplingParams":
+        return tinker.SamplingParams(max_tokens=4, temperature=1.0, seed=100 + i)
+
+    alone = [sampler.sample(p, num_samples=4, sampling_params=params(i)).result() for i, p in enumerate(prompts)]
+    futures = [sampler.sample(p, num_samples=4, sampling_params=params(i)) for i, p in enumerate(prompts)]
+    together = [f.result() for f in futures]
+    for one, other in zip(alone, together):
+        assert [list(s.tokens) for s in one.sequences] == [list(s.tokens) for s in other.sequences]
+        assert [list(s.logprobs) for s in one.sequences] == [list(s.logprobs) for s in other.sequences]
+    assert len({tuple(s.tokens) for r in together for s in r.sequences}) > 4  # not one group copied to every prompt
+
+
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
 def test_the_policy_losses_take_the_sdks_advantages_logprobs_and_clip_thresholds(training, loss):
     tokens, answer_at = demo_tokens()
