@@ -73,6 +73,27 @@ def _clipped(policy_loss: Callable[..., tuple[torch.Tensor, dict]]) -> Callable[
     return loss
 
 
+def check_datum(datum: Datum, loss_fn: str, config: Mapping[str, float]) -> None:
+    """A one-line `ValueError` for a datum `loss_fn` cannot take: targets or per-token inputs of another length than
+    the input, a policy loss without advantages and the sampler's logprobs, clip thresholds out of order."""
+    n = len(datum.input_ids)
+    if len(datum.target_ids) != n:
+        raise ValueError(f"target_tokens has {len(datum.target_ids)} tokens for a model_input of {n}; give one "
+                         "target per input token")
+    for name, values in (("weights", datum.weights), ("advantages", datum.advantages),
+                         ("logprobs", datum.behavior_logprobs)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"a per-token input ({name}) has {len(values)} values for {n} tokens; give one per "
+                             "token")
+    if loss_fn != "cross_entropy" and (datum.advantages is None or datum.behavior_logprobs is None):
+        raise ValueError(f"{loss_fn} needs loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
+    if loss_fn in ("ppo", "cispo"):
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        if not 0 <= low <= 1 <= high:
+            raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
+                             "clip_high_threshold")
+
+
 def _row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     if len(values) != like.shape[0]:
         raise ValueError(f"a per-token input has {len(values)} values for {like.shape[0]} tokens; give one per token")
@@ -114,31 +135,52 @@ class DatumLearner:
         if loss_fn not in DATUM_LOSSES:
             raise ValueError(f"loss_fn {loss_fn!r} is not supported; use one of {sorted(DATUM_LOSSES)}")
         for datum in datums:
-            if len(datum.target_ids) != len(datum.input_ids):
-                raise ValueError(f"target_tokens has {len(datum.target_ids)} tokens for a model_input of "
-                                 f"{len(datum.input_ids)}; give one target per input token")
+            check_datum(datum, loss_fn, config or {})
         rows, total = [], 0.0
-        with torch.set_grad_enabled(not forward_only):
-            losses = []
-            for datum in datums:
-                logprobs = self._target_logprobs(datum)
-                losses.append(DATUM_LOSSES[loss_fn](logprobs, datum, config or {}))
-                rows.append(logprobs.detach().cpu().tolist())
-            loss = torch.stack(losses).sum()
-            if not forward_only:
-                with matmuls_in(self.learner.device, self.learner.compute_dtype):
-                    loss.backward()
-            total = float(loss.detach())
+        # Passes of several datums (right-padded: a row's real tokens see nothing after them), within the learner's
+        # micro-batch limits, each pass's gradient added before the next: every datum was checked above, so a
+        # malformed one fails before any gradient changes.
+        for chunk in self._passes(datums):
+            with torch.set_grad_enabled(not forward_only):
+                logprobs = self._target_logprobs(chunk)
+                loss = torch.stack([DATUM_LOSSES[loss_fn](lp, d, config or {}) for lp, d in zip(logprobs, chunk)]).sum()
+                if not forward_only:
+                    with matmuls_in(self.learner.device, self.learner.compute_dtype):
+                        loss.backward()
+            rows += [lp.detach().cpu().tolist() for lp in logprobs]
+            total += float(loss.detach())
         return rows, {"loss:sum": total}
 
-    def _target_logprobs(self, datum: Datum) -> torch.Tensor:
-        """log pi(target_t | input_<=t) at temperature 1, in float32: [N]."""
+    def _passes(self, datums: Sequence[Datum]) -> list[list[Datum]]:
+        """`datums` in order, cut into passes of at most `learner.micro_batch_size` rows and (but for a longer datum
+        alone) `learner.max_tokens_per_micro_batch` padded tokens."""
+        cfg = self.learner.config
+        rows_max, tokens_max = cfg.micro_batch_size or len(datums), cfg.max_tokens_per_micro_batch or 2**62
+        passes: list[list[Datum]] = []
+        for datum in datums:
+            last = passes[-1] if passes else None
+            width = max([len(d.input_ids) for d in last or []] + [len(datum.input_ids)])
+            if last and len(last) < rows_max and (len(last) + 1) * width <= tokens_max:
+                last.append(datum)
+            else:
+                passes.append([datum])
+        return passes
+
+    def _target_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
+        """log pi(target_t | input_<=t) at temperature 1, in float32, one pass for every datum: [B][N_i]."""
         device = self.learner.device
-        ids = torch.tensor([datum.input_ids], device=device)
-        targets = torch.tensor(datum.target_ids, device=device)
+        width = max(len(d.input_ids) for d in datums)
+        ids = torch.full((len(datums), width), self.learner.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        targets = torch.zeros_like(ids)
+        for i, d in enumerate(datums):
+            ids[i, :len(d.input_ids)] = torch.tensor(d.input_ids)
+            targets[i, :len(d.target_ids)] = torch.tensor(d.target_ids)
+            mask[i, :len(d.input_ids)] = 1
         with self.learner._compute():
-            logits = self.learner.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+            logits = self.learner.model(input_ids=ids, attention_mask=mask).logits
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+        return [logprobs[i, :len(d.input_ids)] for i, d in enumerate(datums)]
 
     def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
                    grad_clip_norm: float = 0.0) -> dict[str, float]:

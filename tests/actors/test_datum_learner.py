@@ -133,3 +133,30 @@ def test_whole_modules_keep_their_rates_ratio_to_the_adapters(tiny_model_dir):
     dl.forward_backward([datum([0, 0, 1, 1, 1])], "cross_entropy")
     dl.optim_step(4e-4, 0.9, 0.95, 1e-8)
     assert sorted(g["lr"] for g in dl.learner.optimizer.param_groups) == pytest.approx([2e-4, 4e-4])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_datums_of_other_lengths_in_one_pass_are_each_the_datum_alone(tiny_model_dir, dtype):
+    # Right-padded into passes (here several, at most 2 rows each): each datum's logprobs, loss and gradient are the
+    # ones it has alone, within the dtype's noise; a malformed datum in a later pass changes no gradient.
+    rows = [ROW, ROW[:4], [5, 9, 3, 3, 8, 1, 2, 7, 4], ROW[1:]]
+    data = [Datum(r[:-1], r[1:], [1.0] * (len(r) - 1)) for r in rows]
+    config = LearnerConfig(lr=1e-2, warmup_steps=0, num_threads=2, lora=LoraConfig(rank=4), micro_batch_size=2)
+    dl = DatumLearner(str(tiny_model_dir), config, dtype=dtype, seed=0)
+    together, metrics = dl.forward_backward(data, "cross_entropy")
+    summed = grads(dl)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    alone_grads = None
+    for d, got in zip(data, together, strict=True):
+        dl.learner.optimizer.zero_grad(set_to_none=True)
+        [alone], _ = dl.forward_backward([d], "cross_entropy")
+        assert got == pytest.approx(alone, abs=tol)
+        alone_grads = grads(dl) if alone_grads is None else [a + g for a, g in zip(alone_grads, grads(dl))]
+    assert metrics["loss:sum"] == pytest.approx(-sum(sum(r) for r in together), abs=1e-3)
+    for g1, g2 in zip(summed, alone_grads, strict=True):
+        torch.testing.assert_close(g1, g2, rtol=1e-4 if dtype == "float32" else 5e-2,
+                                   atol=1e-6 if dtype == "float32" else 5e-2)
+    dl.learner.optimizer.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"a per-token input \(weights\) has 2 values"):
+        dl.forward_backward([*data, Datum(ROW[:-1], ROW[1:], [1.0, 1.0])], "cross_entropy")
+    assert not grads(dl)
