@@ -1,7 +1,8 @@
 """A GRPO loop written against the real tinker SDK (bench/tinker_grpo.py's `grpo_loop`: sample groups from the newest
 sampling client, score them with exact match, group-relative advantages, one `forward_backward` + `optim_step` a step,
 save the weights for the next step's sampler) trains the demo task through `relay serve configs/grpo_lora.yaml`: the
-reward rises from about 0.25 to 0.9, with the SDK's `importance_sampling` loss and with `ppo`."""
+reward rises from about 0.25 to 0.9, with the SDK's `importance_sampling` loss and with `ppo`, in float32, and with
+`importance_sampling` in bfloat16."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ from bench.tinker_grpo import grpo_loop, served  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def url(request, tmp_path_factory):
+    """`relay serve configs/grpo_lora.yaml` in the dtype `request.param`."""
     os.environ["TINKER_TELEMETRY"] = "0"
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    with served(["ray.num_cpus=2", "learner.num_threads=1", f"run_dir={log.parent}"], KEY, log) as base_url:
+    with served(["ray.num_cpus=2", "learner.num_threads=1", f"model.dtype={request.param}", f"run_dir={log.parent}"],
+                KEY, log) as base_url:
         yield base_url
 
 
-@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
+@pytest.mark.parametrize("url, loss", [("float32", "importance_sampling"), ("float32", "ppo"),
+                                       ("bfloat16", "importance_sampling")], indirect=["url"])
 def test_an_sdk_grpo_loop_learns_the_demo_through_relay_serve(url, loss):
     records = grpo_loop(url, KEY, steps=30, loss=loss)
     rewards = [r["reward"] for r in records]
