@@ -72,6 +72,8 @@ class Request:
     max_tokens: int
     seed: int | None
     cache_salt: str | None = None  # its own prefix-cache space: it neither reads nor writes another salt's entries
+    stop: tuple[str, ...] = ()  # strings that end a completion (vLLM's `stop`; the request is then detokenized)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end a completion, kept in it (vLLM's `stop_token_ids`)
 
 
 @dataclass(frozen=True)
@@ -276,12 +278,14 @@ class VllmEngine:
 
         vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
         would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
-        batched call of the tokenizer instead, the same text (tests/actors/test_rollout_worker.py)."""
+        batched call of the tokenizer instead, the same text (tests/actors/test_rollout_worker.py). Only a request
+        with `stop` strings is detokenized by vLLM, which matches them on the text."""
         from vllm import SamplingParams
 
         params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                 logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=False,
-                                 flat_logprobs=True)
+                                 logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=bool(r.stop),
+                                 flat_logprobs=True, stop=list(r.stop) or None,
+                                 stop_token_ids=list(r.stop_token_ids) or None)
                   for r in requests]
         prompts = [_tokens_prompt(ids, r.cache_salt) for ids, r in zip(prompt_ids, requests)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)

@@ -89,7 +89,7 @@ class RolloutWorker:
             result.env_wait_s = env_wait_s
         else:
             requests = [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                                seed, sampling.cache_salt) for seed in seeds]
+                                seed, sampling.cache_salt, sampling.stop, sampling.stop_token_ids) for seed in seeds]
             if in_batch:
                 probe_ids, probe_request = self._probe_request(*probe)
                 [[c], *groups] = self.engine.sample([probe_ids, *prompt_ids], [probe_request, *requests])
@@ -122,6 +122,8 @@ class RolloutWorker:
         loads is probed after the request (`score_probe` without the prefix-cache check: the request's own entries
         are in it by then). The result's `loads` lists every load with its probe (or None) and whether it came during
         the request; its rollouts' `versions` tag the tokens."""
+        if sampling.stop or sampling.stop_token_ids:
+            raise ValueError("stop sequences are not supported with in-flight updates (rollout.in_flight_updates)")
         loads: list[tuple[Loaded, ProbeSample | None, bool]] = []  # (report, probe, during the request)
         first = max((o for o in (asked, self._newest_offer()) if o is not None and o.version is not None),
                     key=lambda o: o.version, default=None)

@@ -29,6 +29,8 @@ class SamplingSettings:
     top_p: float = 1.0
     # The requests' own prefix-cache space (evaluation's: the entries training requests find stay as they were).
     cache_salt: str | None = None
+    stop: tuple[str, ...] = ()  # a completion ends at the first of these strings (the Tinker API's `stop`)
+    stop_token_ids: tuple[int, ...] = ()  # or at the first of these tokens, which it keeps
 
 
 class EpisodePrompt(NamedTuple):

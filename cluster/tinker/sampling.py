@@ -82,8 +82,7 @@ class Samplers:
                             "create the sampling client again (sampling from a base model alone is not served yet)")
         prompt = prompt_tokens(body.get("prompt"))
         params = body.get("sampling_params") or {}
-        if params.get("stop"):
-            raise UserError("sampling_params.stop is not supported by relay serve yet; leave it unset")
+        stop, stop_token_ids = stop_sequences(params.get("stop"))
         num = int(body.get("num_samples", 1))
         if not 1 <= num <= 1024:
             raise UserError(f"num_samples must be in 1..1024 (got {num})")
@@ -97,7 +96,7 @@ class Samplers:
                             "a later save_weights_for_sampler; sample from the newest sampling client")
         settings = SamplingSettings(group_size=num, max_new_tokens=max_tokens,
                                     temperature=float(params.get("temperature", 1.0)),
-                                    top_p=float(params.get("top_p", 1.0)))
+                                    top_p=float(params.get("top_p", 1.0)), stop=stop, stop_token_ids=stop_token_ids)
         seed = int(params["seed"]) if params.get("seed") is not None else 0
         ids = [f"{session.run.model_id}:v{session.version}:{body.get('seq_id', 0)}:{i}" for i in range(num)]
         return session, prompt, settings, seed, ids
@@ -150,6 +149,20 @@ class Samplers:
         for worker in self.workers.values():
             ray.kill(worker)
         self.workers.clear()
+
+
+def stop_sequences(stop: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`sampling_params.stop` as the SDK sends it (a string, strings, or token ids) as (stop strings, stop tokens); a
+    `UserError` for anything else."""
+    if stop is None or stop == []:
+        return (), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        return tuple(stop), ()
+    if isinstance(stop, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stop):
+        return (), tuple(stop)
+    raise UserError("sampling_params.stop must be a string, a list of strings or a list of token ids (not mixed)")
 
 
 def prompt_tokens(prompt: Any) -> list[int]:

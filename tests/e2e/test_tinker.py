@@ -160,6 +160,34 @@ def test_samples_asked_at_once_are_the_same_as_asked_one_by_one(training):
     assert len({tuple(s.tokens) for r in together for s in r.sequences}) > 4  # not one group copied to every prompt
 
 
+def test_sampling_stops_at_a_stop_token_or_string(training):
+    from transformers import AutoTokenizer
+
+    from cluster.demo.cache import ensure_demo_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model(log=lambda _: None)))
+    prompt = tinker.ModelInput.from_ints(tokenizer("31+44=", add_special_tokens=False)["input_ids"])
+    sampler = training.save_weights_and_get_sampling_client().result()
+
+    def sample(stop=None) -> list:
+        params = tinker.SamplingParams(max_tokens=5, temperature=1.0, seed=11, stop=stop)
+        return sampler.sample(prompt, num_samples=3, sampling_params=params).result().sequences
+
+    free = sample()
+    firsts = [s.tokens[0] for s in free]
+    text = tokenizer.decode([firsts[0]])
+    # The same seed draws the same first tokens: a stop on the first one's token ends its samples there, token kept.
+    for stopped, free_seq in zip(sample([firsts[0]]), free):
+        if free_seq.tokens[0] == firsts[0]:
+            assert list(stopped.tokens) == [firsts[0]] and stopped.stop_reason == "stop"
+            assert list(stopped.logprobs) == pytest.approx(list(free_seq.logprobs)[:1], abs=1e-6)
+        else:
+            assert firsts[0] not in list(stopped.tokens)
+    for stopped, free_seq in zip(sample(text), free):  # the same as a string
+        if free_seq.tokens[0] == firsts[0]:
+            assert list(stopped.tokens) == [firsts[0]] and stopped.stop_reason == "stop"
+
+
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
 def test_the_policy_losses_take_the_sdks_advantages_logprobs_and_clip_thresholds(training, loss):
     tokens, answer_at = demo_tokens()
