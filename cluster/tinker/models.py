@@ -22,6 +22,9 @@ from typing import Any
 from learner.config import LearnerConfig, LoraConfig
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # a checkpoint's name: one path component
+# A model's id: this server's (`model-<n>-<hex>`) or the SDK's for a model made from a checkpoint
+# (`<session id>:train:<n>`, `create_training_client_from_state`); its checkpoints' directory
+MODEL_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
 
 class UserError(ValueError):
@@ -108,8 +111,9 @@ class TrainingRuns:
             raise UserError(f"LoRA rank {rank} is out of bounds; give 1..{self.max_lora_rank}")
         return rank
 
-    async def create(self, base_model: str, rank: int, seed: int | None) -> str:
-        """Start a model's learner (in a thread: loading takes seconds) and return its id."""
+    async def create(self, base_model: str, rank: int, seed: int | None, model_id: str | None = None) -> str:
+        """Start a model's learner (in a thread: loading takes seconds) and return its id (`model_id`: the one the
+        SDK derived for a model made from a checkpoint; else a new one)."""
         from cluster.fleet.learner_group import start_learner_group
         from learner.datums import DatumLearner
 
@@ -120,7 +124,7 @@ class TrainingRuns:
             start_learner_group, [options], self.model_path, config, dtype=self.dtype, temperature=1.0,
             seed=0 if seed is None else seed, critic=None, norm_length=None, timeouts=self.timeouts,
             learner_cls=DatumLearner)
-        model_id = f"model-{next(self._ids)}-{uuid.uuid4().hex[:8]}"  # a plain name: its checkpoints' directory
+        model_id = model_id or f"model-{next(self._ids)}-{uuid.uuid4().hex[:8]}"  # its checkpoints' directory
         self.runs[model_id] = TrainingRun(model_id, base_model, rank, group)
         return model_id
 
@@ -142,12 +146,34 @@ class TrainingRuns:
         model_id, sep, name = str(path).removeprefix("tinker://").partition("/weights/")
         if not sep or not str(path).startswith("tinker://"):
             raise UserError(f"path {path!r} is not a checkpoint path; give one save_weights (save_state) returned")
-        if not NAME.fullmatch(model_id) or model_id.startswith("."):
+        if not MODEL_ID.fullmatch(model_id) or model_id.startswith("."):
             raise UserError(f"path {path!r} names no model of this server; give a path save_state returned here")
         directory = self.checkpoint(model_id, name)[1]
         if not directory.is_dir():
             raise UserError(f"no checkpoint {path!r} on this server; give a path save_state returned here")
         return directory
+
+    def new_id(self, session_id: Any, model_seq_id: Any) -> str:
+        """The id the SDK derives for the model `create_training_client_from_state` makes (`<session>:train:<n>`);
+        a `UserError` for one that is taken or malformed."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if not MODEL_ID.fullmatch(model_id) or model_id.startswith(".") or not isinstance(model_seq_id, int):
+            raise UserError(f"load_weights without model_id needs the session's session_id and model_seq_id "
+                            f"(got {session_id!r}, {model_seq_id!r})")
+        if model_id in self.runs:
+            raise UserError(f"model {model_id} exists; create the training client from the checkpoint once")
+        return model_id
+
+    @staticmethod
+    def saved_rank(directory: Path) -> int:
+        """The LoRA rank of the adapters a checkpoint holds (its peft `adapter_config.json`)."""
+        import json
+
+        config = directory / "policy" / "adapter_config.json"
+        try:
+            return int(json.loads(config.read_text())["r"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"checkpoint {directory.name} holds no LoRA adapters this server can read") from None
 
     def in_order(self, run: TrainingRun, work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         """`work()` once every request sent to `run` before it has finished (whatever its outcome)."""

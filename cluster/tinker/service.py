@@ -222,6 +222,8 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
     async def load_weights(request: Request) -> Any:
         try:
             data = await body_json(request)
+            if data.get("model_id") is None:  # create_training_client_from_state[_with_optimizer]: a new model
+                return from_state(data)
             run = runs.get(data.get("model_id"))
             directory = runs.saved(data.get("path"))
         except UserError as err:
@@ -232,6 +234,24 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
             return {"type": "load_weights", "path": data["path"], "model_id": run.model_id}
 
         return future(futures.start(runs.in_order(run, load)), run.model_id)
+
+    def from_state(data: dict[str, Any]) -> Any:
+        """A new model (the id the SDK derived) with the rank of the checkpoint at `path`, loaded from it (AdamW's
+        state too with `optimizer`)."""
+        model_id = runs.new_id(data.get("session_id"), data.get("model_seq_id"))
+        directory = runs.saved(data.get("path"))
+        rank = runs.check_new(data.get("base_model") or runs.base_model, runs.saved_rank(directory))
+
+        async def create_and_load() -> dict[str, Any]:
+            await runs.create(runs.base_model, rank, None, model_id=model_id)
+            try:
+                await runs.call(runs.get(model_id), "load_state", str(directory), bool(data.get("optimizer")))
+            except BaseException:
+                runs.runs.pop(model_id).group.kill()  # no half-made model left behind
+                raise
+            return {"type": "load_weights", "path": data["path"], "model_id": model_id}
+
+        return future(futures.start(create_and_load()), model_id)
 
     @app.post(f"{api}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> Any:

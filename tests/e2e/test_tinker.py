@@ -228,6 +228,32 @@ def test_a_saved_state_resumes_exactly_and_bad_paths_are_refused(training):
         training.save_state("../escape").result()
 
 
+def test_a_training_client_made_from_a_saved_state_continues_it(served, training):
+    tokens, answer_at = demo_tokens()
+
+    def logprobs(client) -> list[float]:
+        return client.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0][
+            "logprobs"].tolist()
+
+    def step(client) -> list[float]:
+        client.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        return logprobs(client)
+
+    training.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()  # AdamW has moments to carry over
+    path = training.save_state("from-state").result().path
+    service = tinker.ServiceClient(base_url=served, api_key=KEY)
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    assert restored.model_id != training.model_id and restored.get_info().lora_rank == 4
+    assert logprobs(restored) == logprobs(training)  # the same adapters, bit for bit
+    assert step(restored) == step(training)  # and the same AdamW state: the next step is the same too
+    again = restored.save_state("again").result().path  # a model made from a state saves and loads as any
+    restored.load_state(again).result()
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint"):
+        service.create_training_client_from_state(path.replace("from-state", "never-saved")).result()
+
+
 def test_two_models_train_at_once_without_mixing(served, training):
     tokens, answer_at = demo_tokens()
     other = tinker.ServiceClient(base_url=served, api_key=KEY).create_lora_training_client(
