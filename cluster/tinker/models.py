@@ -100,11 +100,15 @@ class TrainingRuns:
         self.runs: dict[str, TrainingRun] = {}
         self._ids = itertools.count()
 
-    def check_new(self, base_model: str, rank: int | None) -> int:
-        """The LoRA rank to train `base_model` with; a `UserError` for another model or a rank out of bounds."""
+    def check_base(self, base_model: Any) -> None:
+        """A `UserError` unless `base_model` is the model this server serves."""
         if base_model != self.base_model:
             raise UserError(f"base_model {base_model!r} is not served here; use {self.base_model!r} (relay serve "
                             "serves its config's model: model.path)")
+
+    def check_new(self, base_model: str, rank: int | None) -> int:
+        """The LoRA rank to train `base_model` with; a `UserError` for another model or a rank out of bounds."""
+        self.check_base(base_model)
         if rank is None:
             raise UserError("create_model without lora_config: relay serve trains LoRA adapters; give a LoRA rank")
         if not 1 <= rank <= self.max_lora_rank:

@@ -21,11 +21,15 @@ from cluster.tinker.models import TrainingRun, TrainingRuns, UserError
 BUCKET_BYTES = 64 * 2**20
 
 
+BASE = "base"  # the worker of the base model alone (`create_sampling_client(base_model=...)`), among the model ids
+
+
 @dataclass
 class SamplingSession:
-    """Weights a client samples from: a model's adapters as of one `save_weights_for_sampler`."""
+    """Weights a client samples from: a model's adapters as of one `save_weights_for_sampler` (`model_id` the
+    model's id, `version` its weights version), or the base model (`BASE`, version 0)."""
 
-    run: TrainingRun
+    model_id: str
     version: int
 
 
@@ -56,15 +60,25 @@ class Samplers:
             check_loaded("the sampler", loaded, version, expected)
             self.served[run.model_id] = version
         session_id = uuid.uuid4().hex
-        self.sessions[session_id] = SamplingSession(run, version)
+        self.sessions[session_id] = SamplingSession(run.model_id, version)
         return session_id
 
-    def _start_worker(self, run: TrainingRun) -> Any:
+    async def base_session(self) -> str:
+        """A sampling session on the base model alone (its own worker, started at the first such session)."""
+        if BASE not in self.workers:
+            self.workers[BASE] = await asyncio.to_thread(self._start_worker, None)
+            self.served[BASE] = 0
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = SamplingSession(BASE, 0)
+        return session_id
+
+    def _start_worker(self, run: TrainingRun | None) -> Any:
+        """A rollout worker serving `run`'s LoRA rank on the base, or (None) the base alone."""
         import ray
 
         from cluster.fleet.placement import RolloutLauncher
 
-        lora = self.config.learner.lora.model_copy(update={"rank": run.lora_rank})
+        lora = self.config.learner.lora.model_copy(update={"rank": run.lora_rank if run is not None else 0})
         config = self.config.model_copy(update={"learner": self.config.learner.model_copy(update={"lora": lora})})
         launcher = RolloutLauncher(config, self.runs.model_path)
         worker = launcher.start(launcher.reserve([]))
@@ -79,7 +93,7 @@ class Samplers:
         session = self.sessions.get(body.get("sampling_session_id") or "")
         if session is None:
             raise UserError("asample needs a sampling session from save_weights_for_sampler on this server; "
-                            "create the sampling client again (sampling from a base model alone is not served yet)")
+                            "create the sampling client again")
         prompt = prompt_tokens(body.get("prompt"))
         params = body.get("sampling_params") or {}
         stop, stop_token_ids = stop_sequences(params.get("stop"))
@@ -91,14 +105,14 @@ class Samplers:
             raise UserError(f"a prompt of {len(prompt)} tokens and max_tokens={max_tokens} exceed the sampler's "
                             f"context of {self.config.rollout.max_model_len}; shorten them or raise "
                             "rollout.max_model_len")
-        if self.served.get(session.run.model_id) != session.version:
+        if self.served.get(session.model_id) != session.version:
             raise UserError(f"the weights of this sampling session (version {session.version}) were replaced by "
                             "a later save_weights_for_sampler; sample from the newest sampling client")
         settings = SamplingSettings(group_size=num, max_new_tokens=max_tokens,
                                     temperature=float(params.get("temperature", 1.0)),
                                     top_p=float(params.get("top_p", 1.0)), stop=stop, stop_token_ids=stop_token_ids)
         seed = int(params["seed"]) if params.get("seed") is not None else 0
-        ids = [f"{session.run.model_id}:v{session.version}:{body.get('seq_id', 0)}:{i}" for i in range(num)]
+        ids = [f"{session.model_id}:v{session.version}:{body.get('seq_id', 0)}:{i}" for i in range(num)]
         return session, prompt, settings, seed, ids
 
     async def sample(self, session: SamplingSession, prompt: list[int], settings: Any, seed: int) -> bytes:
@@ -110,7 +124,7 @@ class Samplers:
         relay starts, `engine.batch_invariant`), a prompt's samples are the same bits whatever else is in its batch,
         given its seed (tests/e2e/test_tinker.py)."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
-        model_id = session.run.model_id
+        model_id = session.model_id
         self.queued.setdefault(model_id, []).append((prompt, settings, seed, done))
         if model_id not in self.draining:
             self.draining.add(model_id)

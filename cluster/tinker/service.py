@@ -272,6 +272,9 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
     async def create_sampling_session(request: Request) -> Any:
         try:
             data = await body_json(request)
+            if not data.get("model_path"):  # the base model alone
+                runs.check_base(data.get("base_model"))
+                return {"type": "create_sampling_session", "sampling_session_id": await samplers.base_session()}
             session_id = str(data.get("model_path") or "").removeprefix("tinker://")
             if session_id not in samplers.sessions:
                 raise UserError(f"model_path {data.get('model_path')!r} is not a sampler's weights saved on this "

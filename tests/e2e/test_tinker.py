@@ -37,9 +37,10 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({"PYTHONPATH": str(ROOT), "SERVE_KEY": KEY})
+    # ray.num_cpus: Ray's logical CPUs, 0.5 each for the module's three models, their sampler and the base's.
     with log.open("w") as err:
         process = subprocess.Popen([str(script), "serve", "--port", str(port), "--key-env", "SERVE_KEY",
-                                    "ray.num_cpus=2", "learner.num_threads=1", f"run_dir={log.parent}"],
+                                    "ray.num_cpus=4", "learner.num_threads=1", f"run_dir={log.parent}"],
                                    cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -158,6 +159,22 @@ def test_samples_asked_at_once_are_the_same_as_asked_one_by_one(training):
         assert [list(s.tokens) for s in one.sequences] == [list(s.tokens) for s in other.sequences]
         assert [list(s.logprobs) for s in one.sequences] == [list(s.logprobs) for s in other.sequences]
     assert len({tuple(s.tokens) for r in together for s in r.sequences}) > 4  # not one group copied to every prompt
+
+
+def test_a_base_model_samples_without_a_training_run(served):
+    service = tinker.ServiceClient(base_url=served, api_key=KEY)
+    sampler = service.create_sampling_client(base_model="relay-demo")
+    tokens, answer_at = demo_tokens()
+    params = tinker.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    result = sampler.sample(tinker.ModelInput.from_ints(tokens[:answer_at]), num_samples=2,
+                            sampling_params=params).result()
+    for seq in result.sequences:
+        assert seq.sequence_id.startswith("base:v0:")
+        row = tokens[:answer_at] + list(seq.tokens)
+        assert list(seq.logprobs) == pytest.approx(base_logprobs(row)[answer_at - 1:], abs=1e-4)  # the base's own
+    with pytest.raises(tinker.BadRequestError, match="is not served here"):  # refused (400, category user)
+        service.create_sampling_client(base_model="Qwen/Qwen3-8B").sample(
+            tinker.ModelInput.from_ints(tokens[:answer_at]), num_samples=1, sampling_params=params).result()
 
 
 def test_sampling_stops_at_a_stop_token_or_string(training):
