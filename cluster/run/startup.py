@@ -64,9 +64,8 @@ class Startup:
             clear_marks(self._job)  # marks of an earlier fleet of this driver are not this one's
             self.expected = list(actors or [])
         self.began[phase] = time.time()
-        if (self.show or self.control is not None) and self._poller is None:  # the clock and the actors' states
-            self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
-            self._poller.start()
+        if self.show or self.control is not None:  # the clock and the actors' states, every POLL_S
+            self._start_polling()
         self._refresh()
         self._publish()
         if phase == "first_step":
@@ -76,9 +75,7 @@ class Startup:
         """From now until the first step, publish start-up's `state` to the run's mailbox (a `RunHandle`:
         cluster/fleet/control.py) whenever it changes, with `--quiet` too: `relay status` shows it."""
         self.control = control
-        if self._poller is None:
-            self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
-            self._poller.start()
+        self._start_polling()
         self._publish()
 
     def state(self) -> dict[str, Any]:
@@ -149,13 +146,17 @@ class Startup:
 
     def line(self) -> str:
         """`start-up 12 s: actors  learner ready, rollout worker 0 warming up`: the phase and each actor's state."""
-        phase = self.phase or "imports"
-        since = next(iter(self.began.values()), time.time())
-        actors = ", ".join(f"{name} {LABELS[state_of(self.marks.get(name, {}))]}" for name in self._names())
-        return f"start-up {time.time() - since:.0f} s: {phase.replace('_', ' ')}" + (f"  {actors}" if actors else "")
+        state = self.state()
+        actors = ", ".join(f"{name} {label}" for name, label in state["actors"].items())
+        return f"start-up {state['seconds']:.0f} s: {state['phase']}" + (f"  {actors}" if actors else "")
 
     def _names(self) -> list[str]:
         return self.expected + sorted(set(self.marks) - set(self.expected))
+
+    def _start_polling(self) -> None:
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="relay-startup", daemon=True)
+            self._poller.start()
 
     def _poll(self) -> None:
         while not self._stop.wait(POLL_S):
