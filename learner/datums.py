@@ -21,6 +21,7 @@ from learner.algo.losses import cispo_policy_loss, clipped_policy_loss
 from learner.distributed import clip_grad_norm
 from learner.learner import Learner
 from learner.passes.device import matmuls_in
+from learner.passes.sequences import pad_sequences
 
 if TYPE_CHECKING:
     from learner.config import CriticConfig, LearnerConfig
@@ -46,8 +47,6 @@ def cross_entropy_loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str
 def importance_sampling_loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str, float]) -> torch.Tensor:
     """REINFORCE with an importance weight for samples from other weights, summed over tokens:
     L = -sum_t (pi(y_t) / q(y_t)) A_t, q the sampler's policy. logprobs: [N]."""
-    if datum.advantages is None or datum.behavior_logprobs is None:
-        raise ValueError("importance_sampling needs loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
     ratio = torch.exp(logprobs - _row(datum.behavior_logprobs, logprobs))  # pi / q
     return -(ratio * _row(datum.advantages, logprobs)).sum()
 
@@ -58,12 +57,7 @@ def _clipped(policy_loss: Callable[..., tuple[torch.Tensor, dict]]) -> Callable[
     relay's clip_low = 1 - low, clip_high = high - 1."""
 
     def loss(logprobs: torch.Tensor, datum: Datum, config: Mapping[str, float]) -> torch.Tensor:
-        if datum.advantages is None or datum.behavior_logprobs is None:
-            raise ValueError("ppo and cispo need loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
-        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-        if not 0 <= low <= 1 <= high:
-            raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
-                             "clip_high_threshold")
+        low, high = clip_thresholds(config)
         row = logprobs[None]  # [1, N]
         value, _ = policy_loss(row, _row(datum.behavior_logprobs, logprobs)[None],
                                _row(datum.advantages, logprobs)[None], torch.ones_like(row), 1 - low, high - 1,
@@ -73,9 +67,16 @@ def _clipped(policy_loss: Callable[..., tuple[torch.Tensor, dict]]) -> Callable[
     return loss
 
 
+def clip_thresholds(config: Mapping[str, float]) -> tuple[float, float]:
+    """`ppo`'s and `cispo`'s (clip_low_threshold, clip_high_threshold): the `loss_fn_config`'s, 0.8 and 1.2 unless
+    given."""
+    return config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+
+
 def check_datum(datum: Datum, loss_fn: str, config: Mapping[str, float]) -> None:
     """A one-line `ValueError` for a datum `loss_fn` cannot take: targets or per-token inputs of another length than
-    the input, a policy loss without advantages and the sampler's logprobs, clip thresholds out of order."""
+    the input, a policy loss without advantages and the sampler's logprobs, clip thresholds out of order. The losses
+    (`DATUM_LOSSES`) take only datums checked here."""
     n = len(datum.input_ids)
     if len(datum.target_ids) != n:
         raise ValueError(f"target_tokens has {len(datum.target_ids)} tokens for a model_input of {n}; give one "
@@ -87,16 +88,14 @@ def check_datum(datum: Datum, loss_fn: str, config: Mapping[str, float]) -> None
                              "token")
     if loss_fn != "cross_entropy" and (datum.advantages is None or datum.behavior_logprobs is None):
         raise ValueError(f"{loss_fn} needs loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
-    if loss_fn in ("ppo", "cispo"):
-        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if "clip_low_threshold" in LOSS_CONFIG_KEYS[loss_fn]:
+        low, high = clip_thresholds(config)
         if not 0 <= low <= 1 <= high:
             raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
                              "clip_high_threshold")
 
 
 def _row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    if len(values) != like.shape[0]:
-        raise ValueError(f"a per-token input has {len(values)} values for {like.shape[0]} tokens; give one per token")
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
@@ -168,17 +167,11 @@ class DatumLearner:
 
     def _target_logprobs(self, datums: Sequence[Datum]) -> list[torch.Tensor]:
         """log pi(target_t | input_<=t) at temperature 1, in float32, one pass for every datum: [B][N_i]."""
-        device = self.learner.device
-        width = max(len(d.input_ids) for d in datums)
-        ids = torch.full((len(datums), width), self.learner.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        targets = torch.zeros_like(ids)
-        for i, d in enumerate(datums):
-            ids[i, :len(d.input_ids)] = torch.tensor(d.input_ids)
-            targets[i, :len(d.target_ids)] = torch.tensor(d.target_ids)
-            mask[i, :len(d.input_ids)] = 1
+        device, none = self.learner.device, [[]] * len(datums)
+        batch = pad_sequences([d.input_ids for d in datums], none, self.learner.pad_id, device)
+        targets = pad_sequences([d.target_ids for d in datums], none, 0, device).input_ids  # as long: checked
         with self.learner._compute():
-            logits = self.learner.model(input_ids=ids, attention_mask=mask).logits
+            logits = self.learner.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
         return [logprobs[i, :len(d.input_ids)] for i, d in enumerate(datums)]
 
