@@ -108,17 +108,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(overrides: list[str], key: str, log: Path, timeout: float = 180):
-    """`relay serve configs/grpo_lora.yaml` with `overrides` on a free port with API key `key`, until it answers its
-    health check; yields its base URL, stops it after."""
+def served(args: list[str], key: str, log: Path, timeout: float = 180):
+    """`relay serve ARGS` (a config and overrides) on a free port with API key `key` (its stderr to `log`), once it
+    answers its health check within `timeout` s; yields its base URL, stops it after."""
     import httpx
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({"PYTHONPATH": str(ROOT), "RELAY_SERVE_KEY": key})
     with log.open("w") as err:
-        process = subprocess.Popen([*RELAY, "serve", str(CONFIG), "--port", str(port), "--key-env", "RELAY_SERVE_KEY",
-                                    *overrides], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        process = subprocess.Popen([*RELAY, "serve", *args, "--port", str(port), "--key-env", "RELAY_SERVE_KEY"],
+                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
@@ -156,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     with tempfile.TemporaryDirectory() as tmp:
-        with served(args.overrides, "tml-bench", Path(tmp) / "serve.log") as url:
+        with served([str(CONFIG), *args.overrides], "tml-bench", Path(tmp) / "serve.log") as url:
             loop = grpo_loop(url, "tml-bench", args.steps, args.loss, log=lambda line: print(line, file=sys.stderr))
         train = relay_train(args.steps, args.overrides, Path(tmp) / "train")
     rows = [("reward, first 5 steps", statistics.fmean(r["reward"] for r in loop[:5]),

@@ -179,6 +179,10 @@ class TrainingRuns:
         except (OSError, ValueError, KeyError, TypeError):
             raise UserError(f"checkpoint {directory.name} holds no LoRA adapters this server can read") from None
 
+    def drop(self, model_id: str) -> None:
+        """Stop model `model_id`'s learner and forget the model."""
+        self.runs.pop(model_id).group.kill()
+
     def in_order(self, run: TrainingRun, work: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
         """`work()` once every request sent to `run` before it has finished (whatever its outcome)."""
         previous = run.tail

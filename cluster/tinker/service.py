@@ -247,7 +247,7 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
             try:
                 await runs.call(runs.get(model_id), "load_state", str(directory), bool(data.get("optimizer")))
             except BaseException:
-                runs.runs.pop(model_id).group.kill()  # no half-made model left behind
+                runs.drop(model_id)  # no half-made model left behind
                 raise
             return {"type": "load_weights", "path": data["path"], "model_id": model_id}
 

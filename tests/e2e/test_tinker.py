@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -30,34 +28,12 @@ KEY = "tml-relay-test-key"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`relay serve` on the demo model on a free port with an API key; yields its base URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    script = Path(sys.executable).parent / "relay"
+    from bench.tinker_grpo import served as serve
+
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update({"PYTHONPATH": str(ROOT), "SERVE_KEY": KEY})
     # ray.num_cpus: Ray's logical CPUs, 0.5 each for the module's three models, their sampler and the base's.
-    with log.open("w") as err:
-        process = subprocess.Popen([str(script), "serve", "--port", str(port), "--key-env", "SERVE_KEY",
-                                    "ray.num_cpus=4", "learner.num_threads=1", f"run_dir={log.parent}"],
-                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}, timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"relay serve did not answer in 120 s: {log.read_text()}"
-            time.sleep(0.2)
+    with serve(["ray.num_cpus=4", "learner.num_threads=1", f"run_dir={log.parent}"], KEY, log, timeout=120) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 KEY = "tml-relay-loop-key"
 
-from bench.tinker_grpo import grpo_loop, served  # noqa: E402
+from bench.tinker_grpo import CONFIG, grpo_loop, served  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def url(request, tmp_path_factory):
     """`relay serve configs/grpo_lora.yaml` in the dtype `request.param`."""
     os.environ["TINKER_TELEMETRY"] = "0"
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    with served(["ray.num_cpus=2", "learner.num_threads=1", f"model.dtype={request.param}", f"run_dir={log.parent}"],
-                KEY, log) as base_url:
+    with served([str(CONFIG), "ray.num_cpus=2", "learner.num_threads=1", f"model.dtype={request.param}",
+                 f"run_dir={log.parent}"], KEY, log) as base_url:
         yield base_url
 
 
