@@ -221,8 +221,8 @@ class VllmEngine:
             device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
-        # vLLM's start collects the whole heap five times (~2 s on this CPU, each a walk over what importing torch,
-        # transformers and vLLM left alive), to measure free GPU memory; a CPU engine's cache is sized by
+        # vLLM's start collects the whole heap five times (each a walk over what importing torch, transformers and
+        # vLLM left alive: docs/vllm-cpu.md), to measure free GPU memory; a CPU engine's cache is sized by
         # `kv_cache_bytes`, so nothing is measured: no collections while it starts (`_collector_paused` resumes the
         # automatic ones after).
         with _torch_linear_kernels() if torch_linear else contextlib.nullcontext(), _warm_up_marked(), \

@@ -93,7 +93,7 @@ class RayConfig(_Section):
     """CPUs a local Ray instance advertises (default: every core)."""
     dashboard: bool = False
     """Start the Ray dashboard with a local instance, bound to 127.0.0.1; its address is printed at start. Off by
-    default: on 2 cores it costs the demo ~6 s of start-up and a 25M step ~5% (docs/benchmarks.md)."""
+    default: on a small machine its processes slow the run's start and its steps (docs/benchmarks.md, "Start-up")."""
     log_to_driver: bool = False
     """Echo every actor's log (vLLM's included) on the console; otherwise they stay in Ray's session logs."""
 

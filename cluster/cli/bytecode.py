@@ -2,11 +2,11 @@
 
 With PYTHONDONTWRITEBYTECODE set (as many container images and this project's build machines set it) and packages
 installed without bytecode (uv's default), every process of a run compiles every module it imports from source, every
-time: torch, transformers and vLLM in each actor. On 2 cores that doubled the demo's start (60.8 s to the first step
-against 29.7 s with bytecode kept: docs/benchmarks.md, start-up). `keep_bytecode` sends the bytecode to relay's cache
-instead (PYTHONPYCACHEPREFIX, Python's own place for it outside the packages' directories), for the CLI's process and
-every process it starts: Ray's, and the actors' of a local Ray instance. A prefix already set is kept; nothing is
-written into the installed packages.
+time: torch, transformers and vLLM in each actor, which on a small machine is most of a run's start
+(docs/benchmarks.md, "Start-up"). `keep_bytecode` sends the bytecode to relay's cache instead (PYTHONPYCACHEPREFIX,
+Python's own place for it outside the packages' directories), for the CLI's process and every process it starts:
+Ray's, and the actors' of a local Ray instance. A prefix already set is kept; nothing is written into the installed
+packages.
 
 Owns: `keep_bytecode`. Imports nothing beyond the standard library: it runs before the CLI's own imports.
 """
