@@ -1,31 +1,15 @@
 """Learner: the trained policy (and, for PPO, the value model), their optimizers, and one update per step.
 
-Owns: the policy (a transformers causal LM) and AdamW; the `Critic` when the advantage is `gae`; recomputing
-`old_logprobs` (and `old_values`), or, when the batch gets exactly one update (`single_update`; not with LoRA dropout,
-which the training forward has), taking them from the training forward itself (detached: the ratio is exactly 1, as
-TRL and verl do; no extra pass); per-token rewards
-(`learner.batch`: the outcome reward on the last token the model sampled, minus the KL penalty when it goes in the
-reward); advantages (looked up by the config's name), plus on-policy distillation's per-token one from a teacher's
-logprobs (`learner.distill_coef`); multi-turn episodes (`TrainBatch.model_masks`): only the model's
-tokens are trained, every loss, metric and denominator over `SequenceBatch.loss_mask`, the estimators run on each row's
-model tokens (`on_model_tokens`); epochs x minibatches x micro-batches of the configured policy loss
-(+ KL in the loss, - entropy bonus, + value loss), each pass cut by a token budget over length-sorted rows
-(`learner.passes.micro_batches.MicroBatching`), a group's prompt computed once for its rows (`SharedPrompts`); skipping
-non-finite updates; saving and restoring its whole state for checkpoints; the weights version (it counts the updates it
-made, and `train_step` and `load_checkpoint` return it: everyone else reads it from there); with `learner.lora`, the
-adapters on a frozen base (`learner.lora`): only they (and the whole modules trained beside them) train and publish,
-and the reference's logprobs are the base's, computed here with the adapters disabled. Mixed precision: parameters,
-gradients and AdamW state are in `learner.master_dtype` (float32 by default), forward and backward in `model.dtype`
-(autocast when the two differ); whatever leaves for an engine or the Hugging Face policy directory is cast to
-`model.dtype`, once per sync.
-With `learner.num_ranks` > 1 each Learner is one rank of a data-parallel group (`learner.distributed`): every rank
-gets the whole batch and computes its share of each pass, and together they make the one-rank update. Models,
-optimizer state and every tensor of a step live on the actor's GPU when it has one, else on the CPU
-(`learner.passes.device`); what goes back to the driver (lists, metrics, exported weights, checkpoints) is in host
-memory.
-Does not own: sampling, rewards, how weights travel (it publishes them through `sync.publisher.WeightPublisher`,
-mixed in), or checkpoint atomicity and retention (cluster/run/checkpoint.py). A plain class: Ray wraps its ranks in
-cluster/fleet/learner_group.py.
+Owns: the policy (a transformers causal LM, or with `learner.lora` adapters on its frozen base, which is then the
+reference: its logprobs come from here with the adapters off) and AdamW in `learner.master_dtype` (forward and backward
+in `model.dtype`); the `Critic` when a value model is used; `old_logprobs` (the training forward's own, detached, when
+the batch gets exactly one update: `single_update`); epochs x minibatches x micro-batches of the loss
+(`learner.objective`), passes cut by a token budget with shared prompts (`learner.passes`); skipping non-finite
+updates; its whole state in checkpoints; the weights version (`train_step` and `load_checkpoint` return it). With
+`learner.num_ranks` > 1 one rank of a data-parallel group (`learner.distributed`); tensors on the actor's GPU if any.
+Does not own: sampling, rewards, the loss's math (`learner.objective`, `learner.algo`), how weights travel
+(`sync.publisher.WeightPublisher`, mixed in), checkpoint atomicity and retention (cluster/run/checkpoint.py). A plain
+class: Ray wraps its ranks in cluster/fleet/learner_group.py.
 """
 
 from __future__ import annotations
@@ -38,20 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from learner.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    Advantages,
-    distill_advantages,
-    distill_log_ratios,
-    on_model_tokens,
-)
-from learner.algo.correction import rollout_correction
-from learner.algo.losses import POLICY_LOSSES, aggregate, entropy_bonus, kl, micro_batch_weight
+from learner.algo.advantages import AdvantageInputs, distill_log_ratios
+from learner.algo.losses import aggregate, micro_batch_weight
 from learner.batch import StepTensors, TrainBatch, per_token_rewards
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.distributed import DataParallel, clip_grad_norm
 from learner.lora import adapter_dropout, adapter_weights, add_adapters, load_adapters, read_adapters, save_adapters
+from learner.objective import correct_rollouts, micro_batch_loss, step_advantages
 from learner.passes.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
 from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import (
@@ -264,14 +241,7 @@ class Learner(WeightPublisher):
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device, data.model_masks)
         mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
         old_logprobs = None if self.single_update else self._policy_rows(batch)
-        ref_logprobs = data.ref_logprobs if ref_logprobs is None else ref_logprobs
-        if ref_logprobs is None and self.base_reference:
-            ref = self._base_rows(batch)
-        elif callable(ref_logprobs):  # still on their way: waited for where first needed, after the training forward
-            ref = lambda: pad_per_token(ref_logprobs(), batch)  # noqa: E731
-            ref = ref() if cfg.kl_reward_coef > 0 else ref  # the KL in the reward needs them now
-        else:
-            ref = pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
+        ref = self._reference_rows(batch, data.ref_logprobs if ref_logprobs is None else ref_logprobs)
         metrics: dict[str, float] = {}
         token_rewards, step_ends = per_token_rewards(data, batch, old_logprobs, ref, cfg, self.device, metrics)
         old_values = self.dp.compute_rows(batch, self.critic.compute_values, self.batching) if self.critic else None
@@ -285,42 +255,16 @@ class Learner(WeightPublisher):
         inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_size=data.group_size, values=old_values,
                                  gamma=cfg.gamma, lam=cfg.lam, scale=cfg.group_scale, baseline=cfg.baseline,
                                  step_ends=step_ends, distill=distill, distill_discount=cfg.distill_discount)
-
-        def estimate_with(estimator: Callable[[AdvantageInputs], Advantages]) -> Advantages:
-            # Environment tokens between turns: the estimators see each row's model tokens as one contiguous sequence.
-            return on_model_tokens(estimator, inputs) if batch.has_env_tokens else estimator(inputs)
-
-        estimate = estimate_with(ADVANTAGE_ESTIMATORS[cfg.advantage])
-        # The teacher's advantage, weighted: alone, or added to the rewards' (docs/algorithms.md, distillation).
-        if cfg.advantage == "distill":
-            estimate = Advantages(cfg.distill_coef * estimate.advantages, None)
-        elif distill is not None:
-            estimate = Advantages(estimate.advantages + cfg.distill_coef * estimate_with(distill_advantages).advantages,
-                                  estimate.returns)
+        estimate = step_advantages(cfg, inputs, batch.has_env_tokens)
         behavior = pad_per_token(data.behavior_logprobs, batch)
         correction = None
-        if old_logprobs is not None:  # else the training forward measures the mismatch (`_minibatch_update`)
-            correction, correction_metrics = rollout_correction(
-                old_logprobs, behavior, mask, cfg.rollout_correction, cfg.rollout_correction_cap,
-                cfg.rollout_correction_level, cfg.rollout_correction_low, cfg.rollout_correction_high)
-            metrics.update({name: float(value) for name, value in correction_metrics.items()})
-            metrics["logprob/mismatch"] = float(aggregate((behavior - old_logprobs).abs(), mask, "token-mean"))
+        if old_logprobs is not None:  # else the training forward measures the mismatch (`micro_batch_loss`)
+            correction, corrected, mismatch = correct_rollouts(cfg, old_logprobs, behavior, mask)
+            metrics.update({name: float(value) for name, value in corrected.items()})
+            metrics["logprob/mismatch"] = float(mismatch)
         tensors = StepTensors(batch, old_logprobs, estimate.advantages, behavior, ref if cfg.kl_coef > 0 else None,
-                              old_values, estimate.returns,
-                              correction if cfg.rollout_correction != "none" else None)
-
-        sums: dict[str, float] = {}
-        updates = 0
-        for _ in range(cfg.ppo_epochs):
-            # Drawn on the host from the checkpointed generator (the same order on any device), used on the model's.
-            order = torch.randperm(len(batch), generator=self.shuffle, device="cpu").to(self.device)
-            # Fewer than num_minibatches chunks when groups were dropped (on_failure=drop) and the batch shrank.
-            for b_idx in order.chunk(cfg.num_minibatches):
-                updates += 1
-                for key, value in self._minibatch_update(tensors, b_idx).items():
-                    sums[key] = sums.get(key, 0.0) + value
-        metrics.update({key: value / updates for key, value in sums.items()})  # means over the step's updates
-        metrics["train/skipped_updates"] = sums["train/skipped_updates"]  # a count, not a mean
+                              old_values, estimate.returns, correction)
+        metrics.update(self._update(tensors))
         metrics["advantage/mean_abs"] = float(aggregate(estimate.advantages.abs(), mask, "token-mean"))
         if estimate.returns is not None:
             metrics["returns/mean"] = float(aggregate(estimate.returns, mask, "token-mean"))
@@ -331,6 +275,34 @@ class Learner(WeightPublisher):
         self._gathered = self.dp.gather_weights(self.model)
         metrics["sync/bytes"] = float(self.weights_bytes()) if self.dp.is_writer else 0.0
         return metrics
+
+    def _reference_rows(self, batch: SequenceBatch, ref_logprobs: np.ndarray | Callable[[], np.ndarray] | None
+                        ) -> torch.Tensor | Callable[[], torch.Tensor] | None:
+        """The reference's logprobs [B, L-1]: the base's under LoRA when none came, or a callable that waits for them
+        where first needed when they are still on their way (at once with the KL in the reward, which needs them)."""
+        if ref_logprobs is None and self.base_reference:
+            return self._base_rows(batch)
+        if callable(ref_logprobs):
+            ref = lambda: pad_per_token(ref_logprobs(), batch)  # noqa: E731
+            return ref() if self.config.kl_reward_coef > 0 else ref
+        return pad_per_token(ref_logprobs, batch) if ref_logprobs is not None else None
+
+    def _update(self, tensors: StepTensors) -> dict[str, float]:
+        """`ppo_epochs` x `num_minibatches` updates on a shuffled order of the rows; the means of their metrics (of
+        `train/skipped_updates`, the count)."""
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.config.ppo_epochs):
+            # Drawn on the host from the checkpointed generator (the same order on any device), used on the model's.
+            order = torch.randperm(len(tensors.batch), generator=self.shuffle, device="cpu").to(self.device)
+            # Fewer than num_minibatches chunks when groups were dropped (on_failure=drop) and the batch shrank.
+            for b_idx in order.chunk(self.config.num_minibatches):
+                updates += 1
+                for key, value in self._minibatch_update(tensors, b_idx).items():
+                    sums[key] = sums.get(key, 0.0) + value
+        means = {key: value / updates for key, value in sums.items()}
+        means["train/skipped_updates"] = sums["train/skipped_updates"]
+        return means
 
     def _rounds(self, batch: SequenceBatch, rows: torch.Tensor
                 ) -> Iterator[tuple[SharedPrompts | None, list[tuple[torch.Tensor, bool]]]]:
@@ -388,36 +360,11 @@ class Learner(WeightPublisher):
         with self._compute():
             logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0,
                                                               prompts, self.batching.pack)
-        if step.old_logprobs is None:  # one update per batch: pi_old is this forward's own policy
-            old = logprobs.detach()
-            behavior = step.behavior[mb_idx, :width]
-            add("logprob/mismatch", aggregate((behavior - old).abs(), mb_mask, "token-mean"), token_share)
-            correction, corrected = rollout_correction(
-                old, behavior, mb_mask, cfg.rollout_correction, cfg.rollout_correction_cap,
-                cfg.rollout_correction_level, cfg.rollout_correction_low, cfg.rollout_correction_high)
-            for name, value in corrected.items():  # token means
-                add(name, value, token_share)
-            if cfg.rollout_correction == "none":
-                correction = None
-        else:
-            old = step.old_logprobs[mb_idx, :width]
-            correction = None if step.correction is None else step.correction[mb_idx, :width]
-        policy_loss, pg = POLICY_LOSSES[cfg.policy_loss](
-            logprobs, old, step.advantages[mb_idx, :width], mb_mask, cfg.clip_low,
-            cfg.clip_high, cfg.clip_c, cfg.loss_agg, self.norm_length, correction)
-        loss = policy_loss
-        if step.ref_logprobs is not None:  # GRPO style: the KL penalty in the loss
-            token_kl = kl(logprobs, step.reference()[mb_idx, :width], cfg.kl_estimator, mb_mask)
-            loss = loss + cfg.kl_coef * aggregate(token_kl, mb_mask, cfg.loss_agg, self.norm_length)
-            add("kl/mean", aggregate(token_kl.detach(), mb_mask, "token-mean"), token_share)
-        if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mb_mask, cfg.loss_agg, self.norm_length)
+        loss, metrics = micro_batch_loss(cfg, step, mb_idx, mb, logprobs, entropy, self.norm_length)
         with matmuls_in(self.device, self.compute_dtype):
             (loss * weight).backward()
-        add("loss/policy", policy_loss.detach(), weight)
-        add("entropy/mean", aggregate(entropy.detach(), mb_mask, "token-mean"), token_share)
-        for name, value in pg.items():  # the policy loss's own metrics; gspo's seq_* are means over sequences
-            add(name, value, seq_share if name.startswith("seq_") else token_share)
+        for name, value in metrics.items():
+            add(name, value, weight if name == "loss/policy" else seq_share if name.startswith("seq_") else token_share)
         if self.critic:
             for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
                                                       step.returns[mb_idx, :width], token_share).items():
