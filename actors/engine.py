@@ -7,27 +7,27 @@ linear layers run torch's linear, `rollout.cpu_linear`; then a prefix-cache rese
 are handed over or broadcast to the engine's workers by a weight group, and shutting it down without leaving files
 behind.
 Does not own: weight versions, batching across workers or rewards (see `actors.rollout`). Everything engine-specific
-lives here so that a new vLLM release, or another engine, changes one file.
+lives here (its patches around vLLM's start in `actors.engine_hooks`) so that a new vLLM release, or another engine,
+changes this package's two engine files only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from actors import engine_hooks as hooks
 from sync.adapters import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_config, split_whole_modules
 from sync.group import GroupSpec
-from sync.startup import mark
 
 EXTENSION = "actors.vllm_extension.RelayWorkerExtension"
 
@@ -88,41 +88,6 @@ class SampledCompletion:
     versions: list[int] | None = None  # [T_resp] the weights version that sampled each token (`generate_stepwise`)
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused, and everything already alive frozen (left out of its collections),
-    while vLLM starts: importing it and building an engine allocate millions of objects, each automatic collection a
-    walk over them (vLLM's own five `gc.collect()` calls are no-ops on CPU: `_start`). The collector runs again
-    afterwards; the heap stays frozen, as vLLM's engine core leaves it at the end of its start (`freeze_gc_heap`) and
-    unfreezes it in its own shutdown. Only a start that fails unfreezes it here."""
-    if not gc.isenabled():  # paused by someone else: theirs to resume
-        yield
-        return
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    except BaseException:
-        gc.unfreeze()
-        raise
-    finally:
-        gc.enable()
-
-
-@contextlib.contextmanager
-def _no_full_collections() -> Iterator[None]:
-    """`gc.collect()` a no-op: vLLM's engine-core shutdown collects twice (0.85 s of a worker's 0.9 s shutdown on
-    this CPU, mostly walking torch's and vLLM's modules), to hand GPU memory back at once. A CPU engine's memory goes
-    back when its objects die (cycles at the next automatic collection), or with its process, which a stopped worker's
-    is about to be."""
-    collect = gc.collect
-    gc.collect = lambda generation=2: 0
-    try:
-        yield
-    finally:
-        gc.collect = collect
-
-
 def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
     """Whether a CPU engine's linear layers run torch's linear on their weights as loaded (`rollout.cpu_linear`)
     instead of vLLM's oneDNN kernels, which pre-pack a copy of each weight. A load then copies the new weights in
@@ -142,42 +107,23 @@ def wants_torch_linear(settings: EngineSettings, in_process: bool) -> bool:
     return settings.cpu_linear == "torch"
 
 
-@contextlib.contextmanager
-def _warm_up_marked() -> Iterator[None]:
-    """While an engine starts in this process: its start-up mark `warming` (sync/startup.py) is made when vLLM has
-    loaded the model and starts profiling it, sizing the KV cache and warming up (`EngineCore._initialize_kv_caches`),
-    so the console and `time/startup/*` tell the model's load from the warm-up."""
-    from vllm.v1.engine.core import EngineCore
-
-    initialize = EngineCore._initialize_kv_caches
-
-    def marked(core: Any, *args: Any, **kwargs: Any) -> Any:
-        mark("warming")
-        return initialize(core, *args, **kwargs)
-
-    EngineCore._initialize_kv_caches = marked
-    try:
-        yield
-    finally:
-        EngineCore._initialize_kv_caches = initialize
-
-
-@contextlib.contextmanager
-def _torch_linear_kernels() -> Iterator[None]:
-    """While an engine starts: vLLM's CPU layers with 2-D weights take `torch_linear` as their kernel, on their
-    weights as loaded, instead of the oneDNN (or AMX) kernel vLLM would build from a packed copy. vLLM looks its
-    dispatcher up when it processes the loaded weights; it is restored after, so engines started later in this
-    process pick for themselves."""
-    from vllm.model_executor.layers import utils
-
-    from actors.vllm_extension import torch_linear_dispatch
-
-    vllm_dispatch = utils.dispatch_cpu_unquantized_gemm
-    utils.dispatch_cpu_unquantized_gemm = torch_linear_dispatch(vllm_dispatch)
-    try:
-        yield
-    finally:
-        utils.dispatch_cpu_unquantized_gemm = vllm_dispatch
+def _device_args(settings: EngineSettings, cpu: bool) -> dict[str, Any]:
+    """vLLM's arguments that depend on the device kind, LoRA serving and tensor parallelism."""
+    args: dict[str, Any] = {}
+    if cpu:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        # The CPU default (128-token blocks) would leave short prompts out of the prefix cache entirely.
+        args["block_size"] = 32
+    else:
+        args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.lora is not None:
+        args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                    max_lora_rank=next(r for r in MAX_LORA_RANKS if r >= settings.lora.rank))
+    if settings.tensor_parallel_size > 1:
+        # The shards run as Ray workers in the bundles of the placement group this actor was started in (its child
+        # tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
+        args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
+    return args
 
 
 class VllmEngine:
@@ -188,45 +134,30 @@ class VllmEngine:
         # and it starts several times faster on CPU than in vLLM's multiprocess mode (docs/vllm-cpu.md).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.settings = settings
-        with _collector_paused():
+        with hooks.collector_paused():
             self._start(settings)
 
     def _start(self, settings: EngineSettings) -> None:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        device_args: dict = {}
         self._cpu = current_platform.is_cpu()
-        if self._cpu:
-            if settings.enforce_eager:
-                # Eager means eager here: vLLM compiles one sampler helper with inductor even so (the sampled
-                # tokens' ranks among the logprobs, which relay does not read), on the first sample of every new
-                # process: 2 s on this 2-core CPU, 9 s without inductor's on-disk cache (a fresh machine), for an
-                # op that takes microseconds eagerly. Process-wide, as the engine is its process's reason to be.
-                torch._dynamo.config.disable = True
-            device_args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
-            # The CPU default (128-token blocks) would leave short prompts out of the prefix cache entirely.
-            device_args["block_size"] = 32
-        else:
-            device_args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if self._cpu and settings.enforce_eager:
+            # Eager means eager here: vLLM compiles one sampler helper with inductor even so (the sampled tokens'
+            # ranks among the logprobs, which relay does not read), on the first sample of every new process, for an
+            # op that takes microseconds eagerly. Process-wide, as the engine is its process's reason to be.
+            torch._dynamo.config.disable = True
         self._lora = settings.lora
         self._lora_dir: str | None = None  # where loads write the adapters (tmpfs), made by the first load
         self.lora_request = None  # what every request names once adapters are loaded; before, the base serves
-        if settings.lora is not None:
-            device_args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
-                               max_lora_rank=next(r for r in MAX_LORA_RANKS if r >= settings.lora.rank))
-        if settings.tensor_parallel_size > 1:
-            # The shards run as Ray workers in the bundles of the placement group this actor was started in (its
-            # child tasks are captured there: cluster/fleet/placement.py); Ray gives each its own CUDA_VISIBLE_DEVICES.
-            device_args.update(tensor_parallel_size=settings.tensor_parallel_size, distributed_executor_backend="ray")
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
         # vLLM's start collects the whole heap five times (each a walk over what importing torch, transformers and
         # vLLM left alive: docs/vllm-cpu.md), to measure free GPU memory; a CPU engine's cache is sized by
-        # `kv_cache_bytes`, so nothing is measured: no collections while it starts (`_collector_paused` resumes the
-        # automatic ones after).
-        with _torch_linear_kernels() if torch_linear else contextlib.nullcontext(), _warm_up_marked(), \
-                _no_full_collections() if self._cpu else contextlib.nullcontext():
+        # `kv_cache_bytes`, so nothing is measured: no collections while it starts (`hooks.collector_paused`
+        # resumes the automatic ones after).
+        with hooks.torch_linear_kernels() if torch_linear else contextlib.nullcontext(), hooks.warm_up_marked(), \
+                hooks.no_full_collections() if self._cpu else contextlib.nullcontext():
             self.llm = LLM(
                 model=settings.model_path,
                 dtype=settings.dtype,
@@ -237,7 +168,7 @@ class VllmEngine:
                 # Logprobs after temperature, so that they are the behaviour policy's; the learner applies the same.
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
-                **device_args,
+                **_device_args(settings, self._cpu),
             )
         # Loads copy the new weights into the model's own tensors where no kernel holds a copy of them; else (a
         # layer that kept vLLM's kernel) through vLLM's reload, which builds every layer's kernel again as vLLM picks.
@@ -247,23 +178,25 @@ class VllmEngine:
                                "set rollout.cpu_linear=onednn or auto")
         self.tokenizer = self.llm.get_tokenizer()
         self._requests = itertools.count()  # ids of `generate_stepwise`'s requests
-        # Whether a request's logprobs are the same bits whatever else is in its batch, and however the driver split
-        # the step's prompts between the workers. On CPUs, each linear kernel of the model (torch's in fixed blocks of
-        # rows, `torch_linear`, or vLLM's) is checked here, in the engine's own threads; on GPUs only vLLM's
-        # batch-invariant mode claims it. The sync probe rides in a request's batch only where it holds, and a run
-        # repeats bit for bit whatever the split only where it holds (docs/operations.md, exact resume): the driver
-        # says so at the start (`RolloutPool.check_invariance`). tests/actors/test_rollout_worker.py checks the whole
-        # engine.
+        self.batch_invariant, self.invariance = self._batch_invariance()
+
+    def _batch_invariance(self) -> tuple[bool, str]:
+        """Whether a request's logprobs are the same bits whatever else is in its batch, and however the driver split
+        the step's prompts between the workers; and why. On CPUs, each linear kernel of the model (torch's in fixed
+        blocks of rows, `torch_linear`, or vLLM's) is checked here, in the engine's own threads; on GPUs only vLLM's
+        batch-invariant mode claims it. The sync probe rides in a request's batch only where it holds, and a run
+        repeats bit for bit whatever the split only where it holds (docs/operations.md, exact resume): the driver
+        says so at the start (`RolloutPool.check_invariance`). tests/actors/test_rollout_worker.py checks the whole
+        engine."""
         from vllm import envs
 
         if self._cpu:
             verdicts = self.llm.collective_rpc("relay_batch_invariance")
-            self.batch_invariant = all(v["invariant"] for v in verdicts)
-            self.invariance = next((v["detail"] for v in verdicts if not v["invariant"]), verdicts[0]["detail"])
-        else:
-            self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
-            self.invariance = ("vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)" if self.batch_invariant else
-                               "GPU kernels outside vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
+            return (all(v["invariant"] for v in verdicts),
+                    next((v["detail"] for v in verdicts if not v["invariant"]), verdicts[0]["detail"]))
+        invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        return invariant, ("vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)" if invariant else
+                           "GPU kernels outside vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_tokens: int, seeds: Sequence[int | None]) -> list[list[SampledCompletion]]:
@@ -470,7 +403,7 @@ class VllmEngine:
             engine = getattr(self.llm, "llm_engine", None)
             core = getattr(engine, "engine_core", None)
             if core is not None:
-                with _no_full_collections() if self._in_process and self._cpu else contextlib.nullcontext():
+                with hooks.no_full_collections() if self._in_process and self._cpu else contextlib.nullcontext():
                     core.shutdown()
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
