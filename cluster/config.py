@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from actors.config import ReferenceConfig, RolloutConfig, TeacherConfig, sizes_for_model
 from cluster.data_config import DataConfig, EvalConfig, ReasoningGymConfig, ReasoningGymDataset  # noqa: F401
+from cluster.run_sections import CheckpointConfig, LoggingConfig, ModelConfig, RayConfig, TimeoutConfig
 from learner.config import CriticConfig, LearnerConfig
 from rewards.config import SOURCE_TYPES, EnvironmentConfig, RewardConfig
 from sync.config import SyncConfig
@@ -31,71 +32,6 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class ModelConfig(_Section):
-    path: str | None = None
-    """Hugging Face model directory of the initial policy; empty means the demo model of `data.task`, which ships with
-    relay (`cluster/demo/models/`, copied to the cache on first use)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: the engines' and the reference's weights, the learner's forward and backward (autocast when its
-    parameters are float32: `learner.master_dtype`), and the saved policy's."""
-
-
-class CheckpointConfig(_Section):
-    every: int = Field(20, ge=0, le=10_000_000)
-    """Write a checkpoint every this many steps (and always after the last step); 0: only after the last step. With
-    `rollout.max_staleness` >= 1 the pipeline drains at these steps, which fixes the weights version of each batch: a
-    resumed run must keep it."""
-    keep: int = Field(2, ge=1, le=1000)
-    """Checkpoints kept in `run_dir/checkpoints/`; older ones are deleted once a newer one is complete."""
-
-
-class LoggingConfig(_Section):
-    tensorboard: bool = True
-    """Write TensorBoard event files to `run_dir/tensorboard/`."""
-    wandb: bool = False
-    """Also log to Weights & Biases (needs `pip install wandb` and a login or WANDB_API_KEY)."""
-    wandb_project: str = Field("relay", min_length=1)
-    """Weights & Biases project."""
-    wandb_run_name: str | None = None
-    """Weights & Biases run name; empty: the run directory's name."""
-    prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Serve the run's metrics for Prometheus at http://prometheus_host:PORT/metrics from the driver (0: any free port,
-    printed at start); empty: not served. docs/operations.md, "Prometheus and Grafana"."""
-    prometheus_host: str = Field("127.0.0.1", min_length=1)
-    """Address the metrics server binds (with `prometheus_port`): this machine only by default; `0.0.0.0` lets other
-    machines (a Prometheus server) scrape it, and anyone else who can reach the port (no authentication: the run
-    warns)."""
-
-
-class TimeoutConfig(_Section):
-    start: float = Field(600.0, gt=0)
-    """Seconds for every actor to start (engines load their model here)."""
-    generate: float = Field(300.0, gt=0)
-    """Seconds for one worker's generate call."""
-    reference: float = Field(300.0, gt=0)
-    """Seconds for the reference worker's logprobs call."""
-    teacher: float = Field(300.0, gt=0)
-    """Seconds for the teacher worker's logprobs call (on-policy distillation)."""
-    reward: float = Field(300.0, gt=0)
-    """Seconds for a reward-model worker's scoring call (remote verifiers have their own `timeout`)."""
-    train: float = Field(1800.0, gt=0)
-    """Seconds for the learner's train step."""
-    sync: float = Field(300.0, gt=0)
-    """Seconds for exporting and loading weights on every worker, probe included."""
-
-
-class RayConfig(_Section):
-    address: str | None = None
-    """Ray cluster address (`auto`, `ray://host:10001`); empty starts a local Ray instance for this run."""
-    num_cpus: int | None = Field(None, ge=1)
-    """CPUs a local Ray instance advertises (default: every core)."""
-    dashboard: bool = False
-    """Start the Ray dashboard with a local instance, bound to 127.0.0.1; its address is printed at start. Off by
-    default: on a small machine its processes slow the run's start and its steps (docs/benchmarks.md, "Start-up")."""
-    log_to_driver: bool = False
-    """Echo every actor's log (vLLM's included) on the console; otherwise they stay in Ray's session logs."""
 
 
 def _given(section: Any, name: str, default: Any) -> Any:
@@ -251,9 +187,16 @@ def replayed_groups(prompts_per_step: int, fraction: float) -> int:
 
 
 def _inconsistencies(config: RunConfig):
-    """Yield one message per invalid combination of keys, each saying how to fix it. (Long on purpose: one flat list of
-    independent rules, each two to four lines, reads and reviews best in one place.)"""
-    learner, rollout = config.learner, config.rollout
+    """Yield one message per invalid combination of keys, each saying how to fix it; independent rules of two to four
+    lines each, in groups by what they concern, always in this order (`RunConfig._consistent` raises the first)."""
+    for rules in (_policy_rules, _batch_rules, _advantage_rules, _length_and_data_rules,
+                  _lora_and_pipeline_rules, _reward_rules, _eval_and_sampling_rules):
+        yield from rules(config)
+
+
+def _policy_rules(config: RunConfig):
+    """The model's dtypes, the KL's reference and on-policy distillation's teacher."""
+    learner = config.learner
     if learner.master_dtype == "bfloat16" and config.model.dtype != "bfloat16":
         yield ("learner.master_dtype=bfloat16 needs model.dtype=bfloat16 (master weights are never coarser than the "
                "compute dtype); set learner.master_dtype=float32")
@@ -272,6 +215,11 @@ def _inconsistencies(config: RunConfig):
     if config.teacher.path and learner.distill_coef == 0:
         yield ("teacher.path is set but learner.distill_coef is 0, so nothing would read the teacher: set "
                "learner.distill_coef > 0 (e.g. 1) or leave teacher.path empty")
+
+
+def _batch_rules(config: RunConfig):
+    """The minibatches against the batch, with and without replay; groups the advantage needs."""
+    learner, rollout = config.learner, config.rollout
     batch = config.data.prompts_per_step * rollout.group_size
     if batch % learner.num_minibatches:
         yield (f"learner.num_minibatches ({learner.num_minibatches}) must divide the batch of "
@@ -284,6 +232,11 @@ def _inconsistencies(config: RunConfig):
                "minibatches would be ragged: choose one that divides both, or another replay_fraction")
     if learner.advantage == "rloo" and rollout.group_size < 2:
         yield "learner.advantage=rloo needs rollout.group_size >= 2"
+
+
+def _advantage_rules(config: RunConfig):
+    """The value model, the baseline and group scale of each advantage, the dual clip, the rollout correction."""
+    learner = config.learner
     if learner.advantage == "gae" and not config.critic.enabled:
         yield "learner.advantage=gae needs a value model: set critic.enabled=true (or pick grpo, rloo, reinforce_pp)"
     if learner.advantage == "reinforce" and learner.uses_value_model and not config.critic.enabled:
@@ -308,6 +261,11 @@ def _inconsistencies(config: RunConfig):
     if learner.rollout_correction in ("icepop", "seq_mask_tis") and learner.rollout_correction_level != "token":
         yield ("learner.rollout_correction_level=sequence applies to tis and mis; "
                f"rollout_correction={learner.rollout_correction} defines its own level: remove it")
+
+
+def _length_and_data_rules(config: RunConfig):
+    """The completions' lengths, and where the prompts come from."""
+    rollout = config.rollout
     if rollout.max_new_tokens >= rollout.max_model_len:
         yield (f"rollout.max_new_tokens ({rollout.max_new_tokens}) must be below rollout.max_model_len "
                f"({rollout.max_model_len}), which holds the prompt and the completion: lower one or raise the other")
@@ -324,6 +282,11 @@ def _inconsistencies(config: RunConfig):
                "or remove data.reasoning_gym")
     if config.data.task != "dataset" and config.data.label_format != "value":
         yield "data.label_format applies to data.task=dataset (labels read from data.path); remove it"
+
+
+def _lora_and_pipeline_rules(config: RunConfig):
+    """LoRA against the strategy, the transport and the reference; the asynchronous pipeline's needs."""
+    learner, rollout = config.learner, config.rollout
     lora = learner.lora
     if lora.enabled and learner.num_ranks > 1 and learner.strategy == "fsdp2":
         yield ("learner.lora with learner.strategy=fsdp2 is not supported (the base is frozen and the adapters are "
@@ -347,6 +310,11 @@ def _inconsistencies(config: RunConfig):
     if rollout.max_staleness and config.sync.transport != "object_store":
         yield ("rollout.max_staleness >= 1 needs sync.transport=object_store (each engine loads the weights between "
                "its own requests; the collective transport loads every engine at once); set it or max_staleness=0")
+
+
+def _reward_rules(config: RunConfig):
+    """Step rewards, the environment and its turns, the nucleus against the rollout correction."""
+    learner, rollout = config.learner, config.rollout
     if config.reward.scores_steps and learner.advantage in ("rloo", "reinforce_pp"):
         yield (f"step rewards (a reward source with level=steps) need learner.advantage grpo (DeepSeekMath's process "
                f"supervision), gae or reinforce; {learner.advantage} reads one reward per sequence")
@@ -379,6 +347,11 @@ def _inconsistencies(config: RunConfig):
         yield (f"rollout.top_p={rollout.top_p:g} with learner.rollout_correction={learner.rollout_correction} "
                "(" + why + "the learner's logprobs are not renormalised over the nucleus as the engines' are, so the "
                "importance weights would be biased below 1): set rollout.top_p=1, or learner.rollout_correction=none")
+
+
+def _eval_and_sampling_rules(config: RunConfig):
+    """Evaluation while training, and dynamic sampling."""
+    rollout = config.rollout
     ev = config.eval
     if ev.every and ev.data is None and not config.data.held_out:
         yield ("eval.every > 0 evaluates on the training data's held-out problems, and data.held_out is 0: set "

@@ -20,7 +20,7 @@ import ray
 from sync.calls import RunError, call_all, get, values, wait_all
 
 if TYPE_CHECKING:
-    from cluster.config import TimeoutConfig
+    from cluster.run_sections import TimeoutConfig
     from learner.config import CriticConfig, LearnerConfig
     from learner.learner import TrainBatch
 

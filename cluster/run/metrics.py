@@ -26,7 +26,7 @@ from rich.table import Table
 from cluster.run.prometheus import PrometheusExporter, check_prometheus
 
 if TYPE_CHECKING:
-    from cluster.config import LoggingConfig
+    from cluster.run_sections import LoggingConfig
 
 WANDB_ID_FILE = "wandb_run_id"  # in run_dir: the W&B run id, so a resumed run logs to the same W&B run
 

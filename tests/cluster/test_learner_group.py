@@ -20,8 +20,8 @@ import pytest
 import ray
 import torch
 
-from cluster.config import TimeoutConfig
 from cluster.fleet.learner_group import LearnerGroup, rank_args, start_learner_group
+from cluster.run_sections import TimeoutConfig
 from learner.batch import TrainBatch
 from learner.config import CriticConfig, LearnerConfig
 from learner.learner import Learner

@@ -36,7 +36,8 @@ LAYERS = (  # bottom first; docs/architecture.md, "The layers", draws the same
     ("actors", "learner"),
     ("cluster",),
 )
-CONFIGS = ["actors/config.py", "learner/config.py", "rewards/config.py", "sync/config.py", "cluster/data_config.py"]
+CONFIGS = ["actors/config.py", "learner/config.py", "rewards/config.py", "sync/config.py", "cluster/data_config.py",
+           "cluster/run_sections.py"]
 LIGHT = ("__future__", "typing", "re", "pathlib", "collections", "ipaddress", "urllib", "json", "difflib", "pydantic",
          "yaml")
 

@@ -17,7 +17,6 @@ from rich.console import Console
 
 from cluster.cli.commands import main
 from cluster.cli.plot import PANELS, load_run, plot_figure, plot_run
-from cluster.config import LoggingConfig
 from cluster.run.metrics import (
     WANDB_ID_FILE,
     MetricsRecorder,
@@ -26,6 +25,7 @@ from cluster.run.metrics import (
     dashboard_line,
     read_records,
 )
+from cluster.run_sections import LoggingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_TB = LoggingConfig(tensorboard=False)
@@ -91,7 +91,7 @@ def test_non_finite_values_are_null_in_the_file_and_left_out_of_tensorboard(tmp_
 
 
 def test_a_killed_run_keeps_every_finished_step(tmp_path):
-    script = (f"import os; from pathlib import Path; from cluster.config import LoggingConfig; "
+    script = (f"import os; from pathlib import Path; from cluster.run_sections import LoggingConfig; "
               f"from cluster.run.metrics import MetricsRecorder\n"
               f"r = MetricsRecorder(Path({str(tmp_path)!r}), LoggingConfig(), config={{}})\n"
               f"for step in (1, 2, 3): r.write({{'step': step, 'reward/mean': step / 4}})\n"

@@ -17,9 +17,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli.commands import main
-from cluster.config import LoggingConfig
 from cluster.run.metrics import check_logging
 from cluster.run.prometheus import RUN_COUNTS, STEP_COUNTS, PrometheusExporter, counter_name, metric_name
+from cluster.run_sections import LoggingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")  # Prometheus' metric names, without the colons of rules
