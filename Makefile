@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml
 	# Its wheel also installs a top-level `tests` package, which would shadow ours: removed.
 	case ',$(EXTRAS),' in *,dev,*) $(BIN)/pip install --quiet --no-deps openrlhf==0.11.2 \
 	  && rm -rf "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests";; esac
+	# tinker-cookbook's recipes, for tests/e2e/test_tinker_cookbook.py (dev installs only): without its dependencies
+	# (pyproject's dev extra names the ones its rl_loop and sl_loop need).
+	case ',$(EXTRAS),' in *,dev,*) $(BIN)/pip install --quiet --no-deps tinker-cookbook==0.6.1;; esac
 	$(BIN)/python -c "import transformers, vllm, ray; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 

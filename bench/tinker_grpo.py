@@ -108,9 +108,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(args: list[str], key: str, log: Path, timeout: float = 180):
-    """`relay serve ARGS` (a config and overrides) on a free port with API key `key` (its stderr to `log`), once it
-    answers its health check within `timeout` s; yields its base URL, stops it after."""
+def served(args: list[str], key: str, log: Path, timeout: float = 180, cwd: Path = ROOT):
+    """`relay serve ARGS` (a config and overrides) from `cwd` on a free port with API key `key` (or several,
+    comma-separated: a tenant each; its stderr to `log`), once it answers its health check within `timeout` s; yields
+    its base URL, stops it after."""
     import httpx
 
     port = free_port()
@@ -118,7 +119,7 @@ def served(args: list[str], key: str, log: Path, timeout: float = 180):
     env.update({"PYTHONPATH": str(ROOT), "RELAY_SERVE_KEY": key})
     with log.open("w") as err:
         process = subprocess.Popen([*RELAY, "serve", *args, "--port", str(port), "--key-env", "RELAY_SERVE_KEY"],
-                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+                                   cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
@@ -126,7 +127,8 @@ def served(args: list[str], key: str, log: Path, timeout: float = 180):
             if process.poll() is not None:
                 raise RuntimeError(f"relay serve exited with {process.returncode}: {log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": key}, timeout=1).status_code == 200:
+                if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": key.split(",")[0]},
+                             timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -156,7 +158,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     with tempfile.TemporaryDirectory() as tmp:
-        with served([str(CONFIG), *args.overrides], "tml-bench", Path(tmp) / "serve.log") as url:
+        serve = [str(CONFIG), "rollout.num_workers=1", *args.overrides]  # as relay_train's
+        with served(serve, "tml-bench", Path(tmp) / "serve.log") as url:
             loop = grpo_loop(url, "tml-bench", args.steps, args.loss, log=lambda line: print(line, file=sys.stderr))
         train = relay_train(args.steps, args.overrides, Path(tmp) / "train")
     rows = [("reward, first 5 steps", statistics.fmean(r["reward"] for r in loop[:5]),

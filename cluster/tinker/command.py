@@ -14,6 +14,7 @@ Starts a local Ray, or joins ray.address. Binds 127.0.0.1 unless --host says oth
   relay serve --port 8000                                   # the demo model, served as 'relay-demo'
   relay serve model.path=/models/my-model learner.num_cpus=4
   TINKER_API_KEY=tml-... relay serve --host 0.0.0.0 --key-env TINKER_API_KEY
+  RELAY_KEYS=tml-alice,tml-bob relay serve --key-env RELAY_KEYS         # two tenants
 """
 
 
@@ -28,7 +29,8 @@ def add_serve_command(commands: Any) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     serve_parser.add_argument("--key-env", metavar="VAR", help="require the API key held in environment variable VAR "
-                              "(clients send it as TINKER_API_KEY; it starts with tml-)")
+                              "(clients send it as TINKER_API_KEY; it starts with tml-); several, comma-separated, "
+                              "are tenants: each reaches only the models it made")
     serve_parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                               help="a web page (scheme://host[:port]) allowed to call the service; repeatable")
 

@@ -2,8 +2,8 @@
 
 Owns: `TrainingRuns` — one training run per `create_model` (its own LoRA adapters and AdamW state: a `DatumLearner`
 started as a one-rank learner group, cluster/fleet/learner_group.py), the order of a model's requests (each runs after
-the one sent before it), and `Futures` — request ids, their results or one-line errors (the SDK's
-`RequestFailedResponse`: a category and a message), a long poll for `retrieve_future`.
+the one sent before it), which tenant owns a model and its checkpoints, and `Futures` — request ids, their results or
+one-line errors (the SDK's `RequestFailedResponse`: a category and a message), a long poll for `retrieve_future`.
 Does not own: HTTP and the wire formats (cluster/tinker/service.py, cluster/tinker/wire.py), the learner's arithmetic
 (learner/datums.py).
 """
@@ -25,6 +25,7 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # a checkpoint's name: one path com
 # A model's id: this server's (`model-<n>-<hex>`) or the SDK's for a model made from a checkpoint
 # (`<session id>:train:<n>`, `create_training_client_from_state`); its checkpoints' directory
 MODEL_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+OWNER_FILE = ".owner"  # in a model's checkpoints' directory: the tenant it belongs to (never a checkpoint's name)
 
 
 class UserError(ValueError):
@@ -44,18 +45,19 @@ class Futures:
     """Request ids and their results. `start` runs a coroutine and answers at once with its id."""
 
     def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[Outcome]] = {}
+        self._tasks: dict[str, tuple[str, asyncio.Task[Outcome]]] = {}  # request id -> (owner, its task)
 
-    def start(self, work: Awaitable[Any]) -> str:
+    def start(self, work: Awaitable[Any], owner: str = "") -> str:
+        """Run `work` as a request of tenant `owner`; its id."""
         request_id = uuid.uuid4().hex
-        self._tasks[request_id] = asyncio.ensure_future(_outcome(work))
+        self._tasks[request_id] = (owner, asyncio.ensure_future(_outcome(work)))
         return request_id
 
-    async def result(self, request_id: str, wait_s: float) -> Outcome | None:
+    async def result(self, request_id: str, owner: str, wait_s: float) -> Outcome | None:
         """The request's outcome (forgotten once read), None if it is still running after `wait_s` seconds; a
-        `UserError` for an id this server never gave (a server restarted since: the request is lost)."""
-        task = self._tasks.get(request_id)
-        if task is None:
+        `UserError` for an id this server never gave `owner` (a server restarted since: the request is lost)."""
+        owned, task = self._tasks.get(request_id, (None, None))
+        if task is None or owned != owner:
             raise UserError(f"request {request_id} is unknown to this server (restarted since?); send the request "
                             "again")
         done, _ = await asyncio.wait([task], timeout=wait_s)
@@ -85,6 +87,7 @@ class TrainingRun:
     base_model: str
     lora_rank: int
     group: Any  # cluster.fleet.learner_group.LearnerGroup
+    owner: str = ""  # the tenant (API key's fingerprint) that made it; "" on a server without keys
     tail: asyncio.Future | None = None
 
 
@@ -115,9 +118,11 @@ class TrainingRuns:
             raise UserError(f"LoRA rank {rank} is out of bounds; give 1..{self.max_lora_rank}")
         return rank
 
-    async def create(self, base_model: str, rank: int, seed: int | None, model_id: str | None = None) -> str:
-        """Start a model's learner (in a thread: loading takes seconds) and return its id (`model_id`: the one the
-        SDK derived for a model made from a checkpoint; else a new one)."""
+    async def create(self, base_model: str, rank: int, seed: int | None, model_id: str | None = None,
+                     owner: str = "") -> str:
+        """Start a model's learner (in a thread: loading takes seconds) for tenant `owner` and return its id
+        (`model_id`: the one the SDK derived for a model made from a checkpoint; else a new one). Its checkpoints'
+        directory records the owner (`OWNER_FILE`), so that they stay its own across restarts."""
         from cluster.fleet.learner_group import start_learner_group
         from learner.datums import DatumLearner
 
@@ -129,12 +134,15 @@ class TrainingRuns:
             seed=0 if seed is None else seed, critic=None, norm_length=None, timeouts=self.timeouts,
             learner_cls=DatumLearner)
         model_id = model_id or f"model-{next(self._ids)}-{uuid.uuid4().hex[:8]}"  # its checkpoints' directory
-        self.runs[model_id] = TrainingRun(model_id, base_model, rank, group)
+        (self.state_dir / model_id).mkdir(parents=True, exist_ok=True)
+        (self.state_dir / model_id / OWNER_FILE).write_text(owner)
+        self.runs[model_id] = TrainingRun(model_id, base_model, rank, group, owner)
         return model_id
 
-    def get(self, model_id: str) -> TrainingRun:
+    def get(self, model_id: str, owner: str) -> TrainingRun:
+        """Model `model_id` of tenant `owner`; a `UserError` for one unknown to this server or another tenant's."""
         run = self.runs.get(model_id)
-        if run is None:
+        if run is None or run.owner != owner:
             raise UserError(f"model_id {model_id!r} is unknown to this server; create the model first "
                             "(ServiceClient.create_lora_training_client)")
         return run
@@ -145,15 +153,16 @@ class TrainingRuns:
             raise UserError(f"checkpoint name {name!r} is not a plain name; use letters, digits, '.', '_' and '-'")
         return f"tinker://{model_id}/weights/{name}", self.state_dir / model_id / name
 
-    def saved(self, path: Any) -> Path:
-        """The directory a `tinker://<model id>/weights/<name>` path saved on this server names."""
+    def saved(self, path: Any, owner: str) -> Path:
+        """The directory a `tinker://<model id>/weights/<name>` path saved on this server by tenant `owner` names."""
         model_id, sep, name = str(path).removeprefix("tinker://").partition("/weights/")
         if not sep or not str(path).startswith("tinker://"):
             raise UserError(f"path {path!r} is not a checkpoint path; give one save_weights (save_state) returned")
         if not MODEL_ID.fullmatch(model_id) or model_id.startswith("."):
             raise UserError(f"path {path!r} names no model of this server; give a path save_state returned here")
         directory = self.checkpoint(model_id, name)[1]
-        if not directory.is_dir():
+        owners = self.state_dir / model_id / OWNER_FILE
+        if not directory.is_dir() or not owners.is_file() or owners.read_text() != owner:
             raise UserError(f"no checkpoint {path!r} on this server; give a path save_state returned here")
         return directory
 

@@ -2,9 +2,10 @@
 relay's verified sync (every tensor's fingerprint checked against the learner's, sync/verify.py), and `asample` samples
 from that worker, every sequence tagged with the weights version it came from.
 
-Owns: one rollout worker per model (started by cluster/fleet/placement.py's `RolloutLauncher` at the model's first
-save, serving its LoRA rank), sampling sessions (id -> model and weights version), the `SampleResponse` protobuf the SDK
-reads. Does not own: the engine (actors/), the models' learners (cluster/tinker/models.py).
+Owns: each model's `rollout.num_workers` rollout workers (started by cluster/fleet/placement.py's `RolloutLauncher`
+at the model's first save, serving its LoRA rank), sampling sessions (id -> model and weights version), the
+`SampleResponse` protobuf the SDK reads. Does not own: the engine (actors/), the models' learners
+(cluster/tinker/models.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class SamplingSession:
 
     model_id: str
     version: int
+    owner: str = ""  # the tenant that may sample from it
 
 
 class Samplers:
@@ -38,7 +40,7 @@ class Samplers:
 
     def __init__(self, runs: TrainingRuns, config: Any):
         self.runs, self.config = runs, config  # config: the served RunConfig (rollout settings, timeouts)
-        self.workers: dict[str, Any] = {}
+        self.workers: dict[str, list[Any]] = {}  # model id -> its `rollout.num_workers` workers
         self.served: dict[str, int] = {}  # model id -> the weights version its worker holds
         self.sessions: dict[str, SamplingSession] = {}
         # model id -> the samples asked for while its worker was busy: (prompt, settings, seed, where the group goes)
@@ -46,34 +48,40 @@ class Samplers:
         self.draining: set[str] = set()  # model ids whose worker is sampling a batch of them now
 
     async def save(self, run: TrainingRun) -> str:
-        """Sync `run`'s current adapters to its worker (started first if need be) and open a sampling session on
-        them; its id. A `SyncError` if the worker did not receive exactly what the learner exported."""
+        """Sync `run`'s current adapters to its workers (started first if need be) and open a sampling session on
+        them; its id. A `SyncError` if a worker did not receive exactly what the learner exported."""
+        import ray
+
         from sync.verify import check_loaded
 
-        worker = self.workers.get(run.model_id) or await asyncio.to_thread(self._start_worker, run)
-        self.workers[run.model_id] = worker
+        workers = self.workers.get(run.model_id) or await asyncio.to_thread(self._start_workers, run)
+        self.workers[run.model_id] = workers
         version = await self.runs.call(run, "weights_version")
         if self.served.get(run.model_id) != version:
-            buckets = await self.runs.call(run, "export_weights", BUCKET_BYTES)
+            self.served.pop(run.model_id, None)  # until every worker holds the new version
+            buckets = [ray.put(bucket) for bucket in await self.runs.call(run, "export_weights", BUCKET_BYTES)]
             expected = await self.runs.call(run, "weights_fingerprint")
-            loaded = await worker.load_weights.remote(version, *buckets)
-            check_loaded("the sampler", loaded, version, expected)
+            loaded = await asyncio.gather(*(w.load_weights.remote(version, *buckets) for w in workers))
+            for i, fingerprints in enumerate(loaded):
+                check_loaded(f"sampler {i}", fingerprints, version, expected)
             self.served[run.model_id] = version
         session_id = uuid.uuid4().hex
-        self.sessions[session_id] = SamplingSession(run.model_id, version)
+        self.sessions[session_id] = SamplingSession(run.model_id, version, run.owner)
         return session_id
 
-    async def base_session(self) -> str:
-        """A sampling session on the base model alone (its own worker, started at the first such session)."""
+    async def base_session(self, owner: str) -> str:
+        """A sampling session of tenant `owner` on the base model alone (its own workers, started at the first such
+        session)."""
         if BASE not in self.workers:
-            self.workers[BASE] = await asyncio.to_thread(self._start_worker, None)
+            self.workers[BASE] = await asyncio.to_thread(self._start_workers, None)
             self.served[BASE] = 0
         session_id = uuid.uuid4().hex
-        self.sessions[session_id] = SamplingSession(BASE, 0)
+        self.sessions[session_id] = SamplingSession(BASE, 0, owner)
         return session_id
 
-    def _start_worker(self, run: TrainingRun | None) -> Any:
-        """A rollout worker serving `run`'s LoRA rank on the base, or (None) the base alone."""
+    def _start_workers(self, run: TrainingRun | None) -> list[Any]:
+        """`rollout.num_workers` rollout workers serving `run`'s LoRA rank on the base, or (None) the base alone;
+        their engines load at once."""
         import ray
 
         from cluster.fleet.placement import RolloutLauncher
@@ -81,17 +89,18 @@ class Samplers:
         lora = self.config.learner.lora.model_copy(update={"rank": run.lora_rank if run is not None else 0})
         config = self.config.model_copy(update={"learner": self.config.learner.model_copy(update={"lora": lora})})
         launcher = RolloutLauncher(config, self.runs.model_path)
-        worker = launcher.start(launcher.reserve([]))
-        ray.get(worker.__ray_ready__.remote(), timeout=self.config.timeouts.start)
-        return worker
+        workers = [launcher.start(launcher.reserve([])) for _ in range(self.config.rollout.num_workers)]
+        ray.get([w.__ray_ready__.remote() for w in workers], timeout=self.config.timeouts.start)
+        return workers
 
-    def prepare(self, body: dict[str, Any]) -> tuple[Any, ...]:
-        """`asample`'s request checked (a `UserError` saying what to fix) and what `sample` needs, with one sequence
-        id per sample (`<model>:v<version>:<seq_id>:<i>`: the weights version each sequence comes from)."""
+    def prepare(self, body: dict[str, Any], owner: str) -> tuple[Any, ...]:
+        """Tenant `owner`'s `asample` request checked (a `UserError` saying what to fix) and what `sample` needs,
+        with one sequence id per sample (`<model>:v<version>:<seq_id>:<i>`: the weights version each sequence comes
+        from)."""
         from actors.rollout_types import SamplingSettings
 
         session = self.sessions.get(body.get("sampling_session_id") or "")
-        if session is None:
+        if session is None or session.owner != owner:
             raise UserError("asample needs a sampling session from save_weights_for_sampler on this server; "
                             "create the sampling client again")
         prompt = prompt_tokens(body.get("prompt"))
@@ -118,11 +127,12 @@ class Samplers:
     async def sample(self, session: SamplingSession, prompt: list[int], settings: Any, seed: int) -> bytes:
         """The `SampleResponse` bytes of `settings.group_size` samples continuing `prompt`.
 
-        Requests a model's worker gets while it is sampling wait, and then go to it as one engine batch (`_drain`),
-        the ones with the same sampling settings together: a loop that sends a step's prompts at once, as the SDK
-        lets it, samples them in a batch or two, not one by one. On a batch-invariant engine (every CPU engine
-        relay starts, `engine.batch_invariant`), a prompt's samples are the same bits whatever else is in its batch,
-        given its seed (tests/e2e/test_tinker.py)."""
+        Requests a model's workers get while they are sampling wait, and then go to them as one engine batch
+        (`_drain`: the ones with the same sampling settings together, shared out among the workers): a loop that
+        sends a step's prompts at once, as the SDK lets it, samples them in a batch or two, not one by one. On a
+        batch-invariant engine (every CPU engine relay starts, `engine.batch_invariant`), a prompt's samples are the
+        same bits whatever else is in its batch and whichever worker samples it, given its seed
+        (tests/e2e/test_tinker.py, tests/e2e/test_tinker_loop.py)."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         model_id = session.model_id
         self.queued.setdefault(model_id, []).append((prompt, settings, seed, done))
@@ -135,8 +145,9 @@ class Samplers:
         return write_sample_response(group)
 
     async def _drain(self, model_id: str) -> None:
-        """Sample what is queued for `model_id`, a batch per sampling settings, until nothing is."""
-        worker = self.workers[model_id]
+        """Sample what is queued for `model_id`, a batch per sampling settings shared out among its workers (in
+        contiguous shares, as even as can be), until nothing is."""
+        workers = self.workers[model_id]
         try:
             while self.queued.get(model_id):
                 batch = self.queued.pop(model_id)
@@ -144,25 +155,35 @@ class Samplers:
                 for item in batch:
                     by_settings.setdefault(item[1], []).append(item)
                 for settings, items in by_settings.items():
-                    try:
-                        groups = await worker.generate.remote([i[0] for i in items], [i[2] for i in items], settings)
-                    except Exception as err:  # noqa: BLE001 (each request's client gets it)
-                        for *_, done in items:
-                            if not done.done():
-                                done.set_exception(err)
-                        continue
-                    for (*_, done), group in zip(items, groups):
-                        if not done.done():  # (a request given up on meanwhile)
-                            done.set_result(group)
+                    n = min(len(workers), len(items))
+                    cuts = [len(items) * k // n for k in range(n + 1)]
+                    await asyncio.gather(*(_generate(workers[k], items[cuts[k]:cuts[k + 1]], settings)
+                                           for k in range(n)))
         finally:
             self.draining.discard(model_id)
 
     def close(self) -> None:
         import ray
 
-        for worker in self.workers.values():
-            ray.kill(worker)
+        for workers in self.workers.values():
+            for worker in workers:
+                ray.kill(worker)
         self.workers.clear()
+
+
+async def _generate(worker: Any, items: list[tuple[list[int], Any, int, asyncio.Future]], settings: Any) -> None:
+    """`worker`'s samples of `items` (prompt, settings, seed, where the group goes), each to its future; an error
+    to every one of them."""
+    try:
+        groups = await worker.generate.remote([i[0] for i in items], [i[2] for i in items], settings)
+    except Exception as err:  # noqa: BLE001 (each request's client gets it)
+        for *_, done in items:
+            if not done.done():
+                done.set_exception(err)
+        return
+    for (*_, done), group in zip(items, groups):
+        if not done.done():  # (a request given up on meanwhile)
+            done.set_result(group)
 
 
 def stop_sequences(stop: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -13,12 +13,14 @@ the losses `dro`, `gspo`, `stable_reinforce` and `custom`.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import os
 import shutil
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,251 +54,236 @@ class TinkerGuard(BrowserGuard):
         return super().refusal(scope)
 
 
-def check_key(headers: Any, key: str | None) -> bool:
-    """Whether a request carries the API key (`X-API-Key: <key>`, as the SDK sends it, or `Authorization: Bearer`)."""
-    if key is None:
-        return True
+def tenant_of(headers: Any, keys: list[str]) -> str | None:
+    """The tenant a request belongs to: the fingerprint of the API key it carries (`X-API-Key: <key>`, as the SDK
+    sends it, or `Authorization: Bearer`), "" when the server has no keys, None for a missing or wrong key."""
+    if not keys:
+        return ""
     given = headers.get("x-api-key", "")
     scheme, _, bearer = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and not given:
         given = bearer.strip()
-    return hmac.compare_digest(given.encode(), key.encode())
+    matches = [key for key in keys if hmac.compare_digest(given.encode(), key.encode())]
+    return key_fingerprint(matches[0]) if matches else None
 
 
-def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_origins: list[str] = (),
-               max_context: int | None = None, vocab_size: int | None = None) -> Any:
-    """The FastAPI app serving `runs` and `samplers`; `key`: the API key clients must send (None: none).
+def key_fingerprint(key: str) -> str:
+    """A tenant's name: stable across restarts (its checkpoints stay its own), and not the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    Long on purpose, as rewards/service.py's `create_app`: the routes are closures over the app's state."""
-    app = FastAPI(title="relay serve (Tinker API)", docs_url=None, redoc_url=None, openapi_url=None)
-    futures = Futures()
-    sessions: dict[str, dict[str, Any]] = {}
-    api = "/api/v1"
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if not check_key(request.headers, key):
-            return JSONResponse({"detail": "missing or wrong API key: send the key relay serve was started with "
-                                           "(TINKER_API_KEY, or the SDK's api_key)"}, status_code=401)
-        return await call_next(request)
+class Routes:
+    """The API's handlers over the server's state: `runs`' models, `samplers`, the futures and sessions.
 
-    async def body_json(request: Request) -> dict[str, Any]:
-        raw = await read_body(request, MAX_BODY)
-        try:
-            data = json.loads(raw or b"{}")
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise UserError("the body is not a JSON object; send the request with the tinker SDK")
-        return data
+    Each request belongs to its API key's tenant (`request.state.tenant`, set by `create_app`'s key check): models,
+    checkpoints, sampling sessions and futures are reachable only by the tenant that made them; to any other they are
+    unknown."""
 
-    def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
-        return {"request_id": request_id, "model_id": model_id}
+    def __init__(self, runs: TrainingRuns, samplers: Samplers, max_context: int | None, vocab_size: int | None):
+        self.runs, self.samplers = runs, samplers
+        self.max_context, self.vocab_size = max_context, vocab_size
+        self.futures = Futures()
+        self.sessions: dict[str, dict[str, Any]] = {}
 
-    def refused(err: Exception) -> Any:
-        return JSONResponse({"detail": str(err), "category": "user"}, status_code=400)
+    def table(self) -> list[tuple[str, str, Callable[..., Any]]]:
+        """(method, path under /api/v1, handler) of every route."""
+        return [("POST", "/client/config", self.client_config), ("POST", "/client/dynamic_config", self.empty),
+                ("GET", "/healthz", self.healthz), ("POST", "/telemetry", self.telemetry),
+                ("GET", "/get_server_capabilities", self.capabilities),
+                ("POST", "/create_session", self.create_session),
+                ("POST", "/session_heartbeat", self.session_heartbeat), ("POST", "/create_model", self.create_model),
+                ("POST", "/get_info", self.get_info), ("POST", "/forward_backward", self.forward_backward),
+                ("POST", "/optim_step", self.optim_step), ("POST", "/save_weights", self.save_weights),
+                ("POST", "/load_weights", self.load_weights),
+                ("POST", "/save_weights_for_sampler", self.save_weights_for_sampler),
+                ("POST", "/create_sampling_session", self.create_sampling_session),
+                ("POST", "/asample", self.asample), ("POST", "/retrieve_future", self.retrieve_future)]
 
-    @app.post(f"{api}/client/config")
-    async def client_config() -> dict[str, Any]:
+    def future(self, request: Request, work: Awaitable[Any], model_id: str | None = None) -> dict[str, Any]:
+        """Start `work` as the request's tenant's future; the SDK's `UntypedAPIFuture`."""
+        return {"request_id": self.futures.start(work, request.state.tenant), "model_id": model_id}
+
+    def failed(self, request: Request, err: Exception) -> dict[str, Any]:
+        """A future that fails with `err` (the SDK's error shape for these routes: category user)."""
+        return self.future(request, _raise(UserError(str(err))))
+
+    async def client_config(self) -> dict[str, Any]:
         return CLIENT_CONFIG
 
-    @app.post(f"{api}/client/dynamic_config")
-    async def client_dynamic_config() -> dict[str, Any]:
+    async def empty(self) -> dict[str, Any]:
         return {}
 
-    @app.get(f"{api}/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz(self) -> dict[str, Any]:
         return {"status": "ok"}
 
-    @app.post(f"{api}/telemetry")
-    async def telemetry() -> dict[str, Any]:
+    async def telemetry(self) -> dict[str, Any]:
         return {"status": "accepted"}
 
-    @app.get(f"{api}/get_server_capabilities")
-    async def capabilities() -> dict[str, Any]:
-        return {"supported_models": [{"model_name": runs.base_model, "max_context_length": max_context,
+    async def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.runs.base_model, "max_context_length": self.max_context,
                                       "trainable": True, "sampleable": True}]}
 
-    @app.post(f"{api}/create_session")
-    async def create_session(request: Request) -> Any:
+    async def create_session(self, request: Request) -> Any:
         try:
             data = await body_json(request)
         except UserError as err:
             return refused(err)
         session_id = uuid.uuid4().hex
-        sessions[session_id] = {"tags": data.get("tags", []), "models": []}
+        self.sessions[session_id] = {"tags": data.get("tags", []), "models": []}
         return {"type": "create_session", "session_id": session_id}
 
-    @app.post(f"{api}/session_heartbeat")
-    async def session_heartbeat() -> dict[str, Any]:
+    async def session_heartbeat(self) -> dict[str, Any]:
         return {"type": "session_heartbeat"}
 
-    @app.post(f"{api}/create_model")
-    async def create_model(request: Request) -> Any:
+    async def create_model(self, request: Request) -> Any:
+        runs = self.runs
         try:
             data = await body_json(request)
             rank = runs.check_new(data.get("base_model"), (data.get("lora_config") or {}).get("rank"))
-        except UserError as err:  # the SDK's error shape: a failed future, category user
-            return future(futures.start(_raise(err)))
-        seed = (data.get("lora_config") or {}).get("seed")
+        except UserError as err:
+            return self.failed(request, err)
+        seed, owner = (data.get("lora_config") or {}).get("seed"), request.state.tenant
 
         async def create() -> dict[str, Any]:
-            return {"type": "create_model", "model_id": await runs.create(runs.base_model, rank, seed)}
+            return {"type": "create_model", "model_id": await runs.create(runs.base_model, rank, seed, owner=owner)}
 
-        return future(futures.start(create()))
+        return self.future(request, create())
 
-    @app.post(f"{api}/get_info")
-    async def get_info(request: Request) -> Any:
+    async def get_info(self, request: Request) -> Any:
         try:
-            run = runs.get((await body_json(request)).get("model_id"))
+            run = self.runs.get((await body_json(request)).get("model_id"), request.state.tenant)
         except UserError as err:
             return refused(err)
         return {"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.lora_rank,
                 "model_name": run.base_model,
-                "model_data": {"arch": "relay", "model_name": run.base_model, "tokenizer_id": runs.model_path}}
+                "model_data": {"arch": "relay", "model_name": run.base_model, "tokenizer_id": self.runs.model_path}}
 
-    @app.post(f"{api}/forward_backward")
-    async def forward_backward(request: Request) -> Any:
-        from learner.datums import DATUM_LOSSES, LOSS_CONFIG_KEYS
-
+    async def forward_backward(self, request: Request) -> Any:
         try:
-            fb = read_forward_backward(await read_body(request, MAX_BODY) or b"", vocab_size)
-            run = runs.get(fb.model_id)
-            if fb.loss_fn not in DATUM_LOSSES:
-                raise UserError(f"loss_fn {fb.loss_fn!r} is not supported by relay serve yet; use one of "
-                                f"{sorted(DATUM_LOSSES)}")
-            if unknown := sorted(set(fb.config) - LOSS_CONFIG_KEYS[fb.loss_fn]):
-                raise UserError(f"loss_fn_config {unknown} is not read by {fb.loss_fn}; give only "
-                                f"{sorted(LOSS_CONFIG_KEYS[fb.loss_fn]) or 'nothing'}")
-            low, high = fb.config.get("clip_low_threshold", 0.8), fb.config.get("clip_high_threshold", 1.2)
-            if not 0 <= low <= 1 <= high:
-                raise UserError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
-                                "clip_high_threshold")
-            if max_context is not None and (longest := max(len(d.input_ids) for d in fb.datums)) > max_context:
-                raise UserError(f"a datum has {longest} tokens, over the model's context of {max_context}; "
-                                "shorten it")
-        except (UserError, WireError) as err:  # the SDK's error shape: a failed future, category user
-            return future(futures.start(_raise(UserError(str(err)))))
+            fb = read_forward_backward(await read_body(request, MAX_BODY) or b"", self.vocab_size)
+            run = self.runs.get(fb.model_id, request.state.tenant)
+            check_loss(fb, self.max_context)
+        except (UserError, WireError) as err:
+            return self.failed(request, err)
 
         async def step() -> bytes:
-            rows, metrics = await runs.call(run, "forward_backward", fb.datums, fb.loss_fn, fb.forward_only,
-                                           fb.config)
+            rows, metrics = await self.runs.call(run, "forward_backward", fb.datums, fb.loss_fn, fb.forward_only,
+                                                fb.config)
             return write_forward_backward_output(rows, metrics)
 
-        return future(futures.start(runs.in_order(run, step)), run.model_id)
+        return self.future(request, self.runs.in_order(run, step), run.model_id)
 
-    @app.post(f"{api}/optim_step")
-    async def optim_step(request: Request) -> Any:
+    async def optim_step(self, request: Request) -> Any:
         try:
             data = await body_json(request)
-            run = runs.get(data.get("model_id"))
+            run = self.runs.get(data.get("model_id"), request.state.tenant)
             adam = _adam(data)
         except UserError as err:
             return refused(err)
 
         async def step() -> dict[str, Any]:
-            return {"type": "optim_step", "metrics": await runs.call(run, "optim_step", *adam)}
+            return {"type": "optim_step", "metrics": await self.runs.call(run, "optim_step", *adam)}
 
-        return future(futures.start(runs.in_order(run, step)), run.model_id)
+        return self.future(request, self.runs.in_order(run, step), run.model_id)
 
-    @app.post(f"{api}/save_weights")
-    async def save_weights(request: Request) -> Any:
+    async def save_weights(self, request: Request) -> Any:
         try:
             data = await body_json(request)
-            run = runs.get(data.get("model_id"))
-            path, directory = runs.checkpoint(run.model_id, data.get("path"))
+            run = self.runs.get(data.get("model_id"), request.state.tenant)
+            path, directory = self.runs.checkpoint(run.model_id, data.get("path"))
             if directory.exists() and not data.get("overwrite"):
                 raise UserError(f"checkpoint {path} exists; choose another name or pass overwrite")
         except UserError as err:
-            return future(futures.start(_raise(err)))
+            return self.failed(request, err)
 
         async def save() -> dict[str, Any]:
             if directory.exists():
                 shutil.rmtree(directory)
-            await runs.call(run, "save_state", str(directory))
+            await self.runs.call(run, "save_state", str(directory))
             return {"type": "save_weights", "path": path}
 
-        return future(futures.start(runs.in_order(run, save)), run.model_id)
+        return self.future(request, self.runs.in_order(run, save), run.model_id)
 
-    @app.post(f"{api}/load_weights")
-    async def load_weights(request: Request) -> Any:
+    async def load_weights(self, request: Request) -> Any:
+        tenant = request.state.tenant
         try:
             data = await body_json(request)
             if data.get("model_id") is None:  # create_training_client_from_state[_with_optimizer]: a new model
-                return from_state(data)
-            run = runs.get(data.get("model_id"))
-            directory = runs.saved(data.get("path"))
+                return self.from_state(request, data)
+            run = self.runs.get(data.get("model_id"), tenant)
+            directory = self.runs.saved(data.get("path"), tenant)
         except UserError as err:
-            return future(futures.start(_raise(err)))
+            return self.failed(request, err)
 
         async def load() -> dict[str, Any]:
-            await runs.call(run, "load_state", str(directory), bool(data.get("optimizer")))
+            await self.runs.call(run, "load_state", str(directory), bool(data.get("optimizer")))
             return {"type": "load_weights", "path": data["path"], "model_id": run.model_id}
 
-        return future(futures.start(runs.in_order(run, load)), run.model_id)
+        return self.future(request, self.runs.in_order(run, load), run.model_id)
 
-    def from_state(data: dict[str, Any]) -> Any:
+    def from_state(self, request: Request, data: dict[str, Any]) -> Any:
         """A new model (the id the SDK derived) with the rank of the checkpoint at `path`, loaded from it (AdamW's
         state too with `optimizer`)."""
+        runs, tenant = self.runs, request.state.tenant
         model_id = runs.new_id(data.get("session_id"), data.get("model_seq_id"))
-        directory = runs.saved(data.get("path"))
+        directory = runs.saved(data.get("path"), tenant)
         rank = runs.check_new(data.get("base_model") or runs.base_model, runs.saved_rank(directory))
 
         async def create_and_load() -> dict[str, Any]:
-            await runs.create(runs.base_model, rank, None, model_id=model_id)
+            await runs.create(runs.base_model, rank, None, model_id=model_id, owner=tenant)
             try:
-                await runs.call(runs.get(model_id), "load_state", str(directory), bool(data.get("optimizer")))
+                await runs.call(runs.get(model_id, tenant), "load_state", str(directory), bool(data.get("optimizer")))
             except BaseException:
                 runs.drop(model_id)  # no half-made model left behind
                 raise
             return {"type": "load_weights", "path": data["path"], "model_id": model_id}
 
-        return future(futures.start(create_and_load()), model_id)
+        return self.future(request, create_and_load(), model_id)
 
-    @app.post(f"{api}/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> Any:
+    async def save_weights_for_sampler(self, request: Request) -> Any:
         try:
             data = await body_json(request)
-            run = runs.get(data.get("model_id"))
+            run = self.runs.get(data.get("model_id"), request.state.tenant)
         except UserError as err:
-            return future(futures.start(_raise(err)))
+            return self.failed(request, err)
 
         async def save() -> dict[str, Any]:
-            session_id = await samplers.save(run)
+            session_id = await self.samplers.save(run)
             return {"type": "save_weights_for_sampler", "sampling_session_id": session_id,
                     "path": f"tinker://{session_id}"}
 
-        return future(futures.start(runs.in_order(run, save)), run.model_id)
+        return self.future(request, self.runs.in_order(run, save), run.model_id)
 
-    @app.post(f"{api}/create_sampling_session")
-    async def create_sampling_session(request: Request) -> Any:
+    async def create_sampling_session(self, request: Request) -> Any:
+        tenant = request.state.tenant
         try:
             data = await body_json(request)
             if not data.get("model_path"):  # the base model alone
-                runs.check_base(data.get("base_model"))
-                return {"type": "create_sampling_session", "sampling_session_id": await samplers.base_session()}
+                self.runs.check_base(data.get("base_model"))
+                return {"type": "create_sampling_session",
+                        "sampling_session_id": await self.samplers.base_session(tenant)}
             session_id = str(data.get("model_path") or "").removeprefix("tinker://")
-            if session_id not in samplers.sessions:
+            session = self.samplers.sessions.get(session_id)
+            if session is None or session.owner != tenant:
                 raise UserError(f"model_path {data.get('model_path')!r} is not a sampler's weights saved on this "
                                 "server; give the path save_weights_for_sampler returned")
         except UserError as err:
             return refused(err)
         return {"type": "create_sampling_session", "sampling_session_id": session_id}
 
-    @app.post(f"{api}/asample")
-    async def asample(request: Request) -> Any:
+    async def asample(self, request: Request) -> Any:
         try:
-            session, prompt, settings, seed, ids = samplers.prepare(await body_json(request))
+            session, prompt, settings, seed, ids = self.samplers.prepare(await body_json(request),
+                                                                         request.state.tenant)
         except UserError as err:
-            return {**future(futures.start(_raise(err))), "sample_sequence_ids": []}
-        request_id = futures.start(samplers.sample(session, prompt, settings, seed))
-        return {**future(request_id), "sample_sequence_ids": ids}
+            return {**self.failed(request, err), "sample_sequence_ids": []}
+        return {**self.future(request, self.samplers.sample(session, prompt, settings, seed)),
+                "sample_sequence_ids": ids}
 
-    @app.post(f"{api}/retrieve_future")
-    async def retrieve_future(request: Request) -> Any:
+    async def retrieve_future(self, request: Request) -> Any:
         try:
             request_id = (await body_json(request)).get("request_id", "")
-            outcome = await futures.result(request_id, POLL_S)
+            outcome = await self.futures.result(request_id, request.state.tenant, POLL_S)
         except UserError as err:
             return JSONResponse({"error": str(err), "category": "user"})
         if outcome is None:
@@ -307,9 +294,61 @@ def create_app(runs: TrainingRuns, samplers: Samplers, key: str | None, allow_or
             return Response(outcome.value, media_type=PROTOBUF)
         return outcome.value
 
+
+def create_app(runs: TrainingRuns, samplers: Samplers, keys: list[str] = (), allow_origins: list[str] = (),
+               max_context: int | None = None, vocab_size: int | None = None) -> Any:
+    """The app serving `runs` and `samplers` (`Routes`) under /api/v1; `keys`: the API keys clients may send, each
+    its own tenant (none: no key is asked for, one tenant). Web pages are refused (`TinkerGuard`)."""
+    app = FastAPI(title="relay serve (Tinker API)", docs_url=None, redoc_url=None, openapi_url=None)
+    routes = Routes(runs, samplers, max_context, vocab_size)
+    for method, path, handler in routes.table():
+        app.add_api_route(f"/api/v1{path}", handler, methods=[method])
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        request.state.tenant = tenant_of(request.headers, list(keys))
+        if request.state.tenant is None:
+            return JSONResponse({"detail": "missing or wrong API key: send a key relay serve was started with "
+                                           "(TINKER_API_KEY, or the SDK's api_key)"}, status_code=401)
+        return await call_next(request)
+
     app.state.runs = runs
-    guarded = TinkerGuard(app, allowed_origins(allow_origins), serve_command="relay serve")
-    return guarded
+    return TinkerGuard(app, allowed_origins(allow_origins), serve_command="relay serve")
+
+
+async def body_json(request: Request) -> dict[str, Any]:
+    """The request's JSON object; a `UserError` for anything else."""
+    raw = await read_body(request, MAX_BODY)
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise UserError("the body is not a JSON object; send the request with the tinker SDK")
+    return data
+
+
+def refused(err: Exception) -> Any:
+    """A 400 in the SDK's shape (category user), for the routes that answer at once."""
+    return JSONResponse({"detail": str(err), "category": "user"}, status_code=400)
+
+
+def check_loss(fb: Any, max_context: int | None) -> None:
+    """A `UserError` for a `forward_backward` whose loss, loss config or datums' lengths this server cannot take."""
+    from learner.datums import DATUM_LOSSES, LOSS_CONFIG_KEYS, clip_thresholds
+
+    if fb.loss_fn not in DATUM_LOSSES:
+        raise UserError(f"loss_fn {fb.loss_fn!r} is not supported by relay serve yet; use one of "
+                        f"{sorted(DATUM_LOSSES)}")
+    if unknown := sorted(set(fb.config) - LOSS_CONFIG_KEYS[fb.loss_fn]):
+        raise UserError(f"loss_fn_config {unknown} is not read by {fb.loss_fn}; give only "
+                        f"{sorted(LOSS_CONFIG_KEYS[fb.loss_fn]) or 'nothing'}")
+    low, high = clip_thresholds(fb.config)
+    if not 0 <= low <= 1 <= high:
+        raise UserError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
+                        "clip_high_threshold")
+    if max_context is not None and (longest := max(len(d.input_ids) for d in fb.datums)) > max_context:
+        raise UserError(f"a datum has {longest} tokens, over the model's context of {max_context}; shorten it")
 
 
 async def _raise(err: Exception) -> Any:
@@ -359,17 +398,21 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     from cluster.demo.cache import ensure_demo_model
 
     key = token_from_env(key_env, "--key-env")
-    if key is None and not is_loopback(host):
+    keys = [k.strip() for k in key.split(",") if k.strip()] if key else []  # several: one tenant each
+    if not keys and not is_loopback(host):
         raise ValueError(f"--host {host} is beyond loopback: set an API key (export TINKER_API_KEY=tml-...; relay "
                          "serve --key-env TINKER_API_KEY)")
-    model_path = config.model.path or str(ensure_demo_model(log=lambda line: print(f"relay: {line}", flush=True)))
+    # Served under the name it was given (a relative directory may be named as on the hub, as tinker-cookbook's
+    # recipes want: docs/tinker.md); the actors, which run elsewhere, get its absolute path.
     base_model = config.model.path or "relay-demo"
+    model_path = (str(Path(config.model.path).resolve()) if config.model.path
+                  else str(ensure_demo_model(log=lambda line: print(f"relay: {line}", flush=True))))
     model_config = json.loads((Path(model_path) / "config.json").read_text())
     started = start_ray(config.ray)
     state_dir = Path(config.run_dir) if config.run_dir else Path.home() / ".cache" / "relay" / "serve"
     runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts, state_dir)
     samplers = Samplers(runs, config)
-    app = create_app(runs, samplers, key, allow_origins, model_config.get("max_position_embeddings"),
+    app = create_app(runs, samplers, keys, allow_origins, model_config.get("max_position_embeddings"),
                      model_config.get("vocab_size"))
     print(f"relay: serving the Tinker API for {base_model!r} on http://{host}:{port} (TINKER_BASE_URL)", flush=True)
     try:

@@ -160,3 +160,41 @@ def test_datums_of_other_lengths_in_one_pass_are_each_the_datum_alone(tiny_model
     with pytest.raises(ValueError, match=r"a per-token input \(weights\) has 2 values"):
         dl.forward_backward([*data, Datum(ROW[:-1], ROW[1:], [1.0, 1.0])], "cross_entropy")
     assert not grads(dl)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("loss, policy_loss", [("ppo", "ppo"), ("importance_sampling", "ppo"), ("cispo", "cispo")])
+def test_forward_backward_gives_relays_own_train_step_loss_and_gradients(tiny_model_dir, dtype, loss, policy_loss):
+    # One batch two ways: relay's `Learner.train_step` (GRPO advantages r - group mean, packed passes with shared
+    # prompts) and the datums a Tinker loop sends for it (the prompt and response, the same advantages on the
+    # response's tokens, the sampler's logprobs: on policy, as after a weight sync). relay's `seq-mean-token-sum` is
+    # the datums' summed loss over the B rows, so its loss and gradients are theirs / B.
+    from learner.batch import TrainBatch
+    from learner.learner import Learner
+
+    config = LearnerConfig(lr=1e-2, warmup_steps=0, num_threads=2, lora=LoraConfig(rank=4), kl_coef=0.0,
+                           advantage="grpo", group_scale="none", policy_loss=policy_loss,
+                           loss_agg="seq-mean-token-sum", max_grad_norm=1e9)
+    relay = Learner(str(tiny_model_dir), config, dtype=dtype, seed=0)
+    tinker = DatumLearner(str(tiny_model_dir), config, dtype=dtype, seed=0)
+    prompts = [[3, 7, 9], [3, 7, 9], [5, 4], [5, 4]]
+    responses = [[4, 12, 5], [6, 1], [8, 8, 9, 1], [2]]
+    rewards = [1.0, 0.0, 0.25, 1.0]
+    behavior = relay.compute_logprobs(prompts, responses, temperature=1.0)
+    recorded: dict[str, torch.Tensor] = {}
+    relay.optimizer.register_step_pre_hook(  # the gradients relay steps with
+        lambda *_: recorded.update({n: p.grad.clone() for n, p in relay.model.named_parameters()
+                                    if p.grad is not None}))
+    metrics = relay.train_step(TrainBatch(prompts, responses, behavior, rewards, group_size=2))
+    advantages = [r - (rewards[i - i % 2] + rewards[i - i % 2 + 1]) / 2 for i, r in enumerate(rewards)]
+    data = [Datum(p + r[:-1], p[1:] + r, advantages=[0.0] * (len(p) - 1) + [a] * len(r),
+                  behavior_logprobs=[0.0] * (len(p) - 1) + list(b))
+            for p, r, a, b in zip(prompts, responses, advantages, behavior, strict=True)]
+    _, out = tinker.forward_backward(data, loss)
+    if loss == "ppo":
+        assert out["loss:sum"] / len(data) == pytest.approx(metrics["loss/policy"], rel=1e-5, abs=1e-6)
+    theirs = {n: p.grad / len(data) for n, p in tinker.learner.model.named_parameters() if p.grad is not None}
+    assert sorted(theirs) == sorted(recorded) and any(g.abs().sum() > 0 for g in theirs.values())
+    for name, grad in recorded.items():
+        torch.testing.assert_close(theirs[name], grad, rtol=1e-4 if dtype == "float32" else 5e-2,
+                                   atol=1e-6 if dtype == "float32" else 5e-3, msg=name)

@@ -4,7 +4,8 @@ supervised loss falls under `forward_backward(cross_entropy)` + `optim_step`; th
 ppo, cispo) read the advantages, the sampler's logprobs and the clip thresholds; an unknown loss and malformed datums
 get the SDK's error (a failed request, category user) and change nothing; `save_weights_for_sampler` moves the
 adapters to a vLLM engine whose samples' logprobs are the learner's, tagged with the weights version; and no API key,
-no service; two models train at once without mixing."""
+no service; two models train at once without mixing; and a client with the server's other key (another tenant)
+reaches none of the first key's models, checkpoints, samplers or requests."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ tinker = pytest.importorskip("tinker")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "tml-relay-test-key"
+OTHER_KEY = "tml-relay-other-tenant"  # the server's second key: another tenant
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def served(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
     # ray.num_cpus: Ray's logical CPUs, 0.5 each for the module's three models, their sampler and the base's.
-    with serve(["ray.num_cpus=4", "learner.num_threads=1", f"run_dir={log.parent}"], KEY, log, timeout=120) as url:
+    with serve(["ray.num_cpus=4", "learner.num_threads=1", "rollout.num_workers=1", f"run_dir={log.parent}"],
+               f"{KEY},{OTHER_KEY}", log, timeout=120) as url:
         yield url
 
 
@@ -299,6 +302,37 @@ def test_a_model_that_cannot_be_made_is_refused(served, base, rank, says):
 def test_without_the_key_nothing_is_served(served):
     assert httpx.get(f"{served}/api/v1/healthz").status_code == 401
     assert httpx.get(f"{served}/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+
+
+def test_another_keys_tenant_reaches_none_of_this_keys_models(served, training):
+    tokens, answer_at = demo_tokens()
+    path = training.save_state("mine").result().path
+    sampler_path = training.save_weights_for_sampler("mine").result().path
+    model = training.model_id
+
+    def post(route: str, key: str = OTHER_KEY, **body) -> httpx.Response:
+        return httpx.post(f"{served}/api/v1/{route}", headers={"X-API-Key": key}, json=body, timeout=30)
+
+    def failure(answer: httpx.Response) -> str:  # the error of a refusal, or of the future it answered with
+        if "request_id" not in answer.json():
+            return answer.json().get("detail") or answer.json()["error"]
+        return post("retrieve_future", request_id=answer.json()["request_id"]).json()["error"]
+
+    pending = post("save_weights", KEY, model_id=model, path="mine-too").json()["request_id"]  # this tenant's
+    assert "is unknown to this server" in failure(post("get_info", model_id=model))
+    assert "is unknown to this server" in failure(post("optim_step", model_id=model,
+                                                       adam_params={"learning_rate": 1e-2}))
+    assert "is unknown to this server" in failure(post("save_weights_for_sampler", model_id=model))
+    assert "no checkpoint" in failure(post("load_weights", path=path, session_id="s", model_seq_id=0))
+    assert "is not a sampler's weights" in failure(post("create_sampling_session", model_path=sampler_path))
+    assert "is unknown to this server" in post("retrieve_future", request_id=pending).json()["error"]
+    assert post("retrieve_future", KEY, request_id=pending).json()["path"].endswith("/weights/mine-too")
+    # The other tenant's own model works, and the first key cannot reach it either.
+    mine = tinker.ServiceClient(base_url=served, api_key=OTHER_KEY).create_lora_training_client(
+        base_model="relay-demo", rank=2)
+    assert mine.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs
+    assert post("get_info", OTHER_KEY, model_id=mine.model_id).json()["model_id"] == mine.model_id
+    assert "is unknown to this server" in failure(post("get_info", KEY, model_id=mine.model_id))
 
 
 def test_web_pages_are_refused(served):
