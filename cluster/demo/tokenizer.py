@@ -1,9 +1,9 @@
 """The demo models' character tokenizer: one token per character, built in memory with `tokenizers`.
 
 Owns the vocabulary (`<pad>` 0, `<eos>` 1, then `CHARACTERS`, or `CALC_CHARACTERS` for the calculator task),
-`build_char_tokenizer`, and `build_byte_tokenizer` (every byte: the chat model of bench/tinker_cookbook.py). Imports
-neither torch nor the model classes, so checking a dataset against the demo model's tokenizer (`cluster.run.data`)
-does not load them; the models themselves are cluster/demo/model.py's.
+`build_char_tokenizer`, and `build_byte_tokenizer` (every byte: the chat model of bench/cookbook_recipes.py).
+Imports neither torch nor the model classes, so checking a dataset against the demo model's tokenizer
+(`cluster.run.data`) does not load them; the models themselves are cluster/demo/model.py's.
 """
 
 from __future__ import annotations

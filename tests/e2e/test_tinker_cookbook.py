@@ -1,5 +1,5 @@
 """tinker-cookbook's own `rl_loop` and `sl_loop` recipes (the installed package, unmodified, run as its README runs
-them) train through `relay serve` with a local chat model and local data (bench/tinker_cookbook.py prepares them):
+them) train through `relay serve` with a local chat model and local data (bench/cookbook_recipes.py prepares them):
 every step runs, rl_loop's steps with a signal train, sl_loop's loss falls, and each saves its final checkpoint."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.tinker_cookbook import prepare, recipes  # noqa: E402
+from bench.cookbook_recipes import prepare, recipes  # noqa: E402
 
 STEPS = 4
 

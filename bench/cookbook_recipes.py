@@ -1,7 +1,7 @@
 """tinker-cookbook's `rl_loop` and `sl_loop` recipes, unmodified, trained through `relay serve` with a local model and
 local data (docs/tinker.md, "tinker-cookbook").
 
-Usage: python bench/tinker_cookbook.py [--dir DIR] [--steps 4] [--batch 8] [--group 4] [dotted.key=value ...]
+Usage: python bench/cookbook_recipes.py [--dir DIR] [--steps 4] [--batch 8] [--group 4] [dotted.key=value ...]
 Prepares DIR (a temporary directory by default): a tiny chat model at DIR/Qwen/Qwen3-8B-Base and the two datasets at
 DIR/openai/gsm8k and DIR/HuggingFaceH4/no_robots (`prepare`). The recipes name their model and data by their hub
 names; from DIR as the working directory those names are local directories, which transformers and datasets read
