@@ -8,8 +8,8 @@ started); iterative GRPO's schedule (replayed groups mixed into a batch, reward 
 completions after its update, the reference refreshed); and writing and restoring checkpoints through the fleet.
 Does not own: starting and ending a run (cluster/run/launch.py), choosing a step's groups (cluster/run/sampling.py),
 the requests and the weights' checks (cluster/fleet/), prompts (cluster/run/data.py), combining rewards
-(cluster/run/scoring.py), the replay buffer (cluster/run/replay.py), metrics (cluster/run/metrics.py), checkpoint files
-(cluster/run/checkpoint.py), the math (learner/).
+(cluster/run/scoring.py), the reference's and teacher's logprobs (cluster/run/logprob_asks.py), the replay buffer
+(cluster/run/replay.py), metrics (cluster/run/metrics.py), checkpoint files (cluster/run/checkpoint.py), the math.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from cluster.fleet.scaling import Scaling
 from cluster.run import checkpoint, resume
 from cluster.run.data import sampling_seeds
 from cluster.run.evaluation import Evaluation
+from cluster.run.logprob_asks import Asked, LogprobAsks
 from cluster.run.replay import ReplayBuffer
 from cluster.run.sampling import Tally, add_round, choose
 from cluster.run.scoring import Scorer
 from rewards.steps import token_step_rewards
-from sync.calls import Later, RunError, get, time_left
+from sync.calls import RunError, get, time_left
 
 REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
 
@@ -50,8 +51,8 @@ class Prepared:
     groups: list[list[Any]]
     rewards: list[float]
     stats: dict[str, Any]
-    reference: tuple[Any, Any, float] | None  # `Trainer.submit_reference`
-    teacher: tuple[Any, Any, float] | None  # `Trainer.submit_teacher`
+    reference: Asked | None  # `LogprobAsks.submit_reference`
+    teacher: Asked | None  # `LogprobAsks.submit_teacher`
     timings: dict[str, float]  # its time/generate and time/score
     fresh: int  # groups sampled for this step: the first ones of `groups` (replayed groups follow)
 
@@ -92,6 +93,7 @@ class Trainer:
         self.rollouts = RolloutPool(config, fleet)
         self.rollouts.check_invariance()  # one line at the start: whether runs repeat bit for bit on this machine
         self.scaling = Scaling(self.rollouts)
+        self.logprobs = LogprobAsks(fleet, config.timeouts)  # the reference's and the teacher's
         self.reference_refresh = ReferenceRefresh(config, fleet, self.rollouts.weights)  # `reference.refresh_every`
         dc = config.data
         self.replay = ReplayBuffer(dc.replay_fraction, dc.replay_buffer_size, config.seed, dc.prompts_per_step)
@@ -139,39 +141,11 @@ class Trainer:
         self.timings.update(ready.timings)  # its generate and score times: overlapped with the last update if early
         self.timings["time/generate"] += sent  # sending the batches out is generation's too
         rollouts = [r for group in ready.groups for r in group]
-        with self.timed("reference"):
-            # Overlapping, the update goes out now with the reference's logprobs on their way (`later`): the learner
-            # runs its training forward while the reference computes, and waits for them before its first loss.
-            reference = self.later(ready.reference) if self.overlap_reference else self.reference_result(
-                ready.reference)
-            teacher = None
-            if ready.teacher is not None:  # `time/teacher`: the wait, the rest of the teacher's pass overlapped
-                with self.timed("teacher"):
-                    teacher = self.teacher_result(ready.teacher)
-            update = self.submit_train(rollouts, ready.rewards, reference, teacher)
-            if self.overlap_reference:
-                self.reference_result(ready.reference)  # its failure or missed deadline is the reference's, named here
+        update = self.send_update(ready, rollouts)
         version = self.weights_version + 1
-        if step < self.config.max_steps:
-            with self.timed("sync"):
-                self.rollouts.export(version)  # queued behind the update on the learner
-        overlapped = self.staleness and step != self.boundary(step)
         evaluating = self.evaluation is not None and self.evaluation.due(step)
-        if overlapped:
-            if step + 1 + self.staleness <= self.boundary(step):
-                self.dispatch(step + 1 + self.staleness, version)
-            if evaluating:  # behind the next batch; collected while the next update runs
-                self.evaluation.dispatch(step, version)
-            self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
-        elif evaluating and step < self.config.max_steps:
-            self.evaluation.dispatch(step, version)
-        with self.timed("train"):
-            learner_metrics = self.finish_train(update)
-        if self.staleness:  # the phases overlap: the update itself, from its submission to its result
-            self.timings["time/train"] = self.updated - update.submitted
-        if self.weights_version != version:
-            raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
-                           f"{version}: its updates and the driver's steps are out of step")
+        overlapped = self.while_training(step, version, evaluating)
+        learner_metrics = self.finish_update(step, update, version)
         done = []
         if self.held is not None:  # the last step's evaluation ran beside this step's update
             done.append({**self.held, **self.evaluation.collect()})
@@ -185,11 +159,7 @@ class Trainer:
         evaluated = self.evaluation.collect() if evaluating and not overlapped else {}
         self.timings["time/recovery"] = self.rollouts.recovery_seconds - recovering
         self.timings["time/rollout_idle"] = self.rollouts.take_idle()
-        ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
-        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's (fresh groups)
-            tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in ready.groups[:ready.fresh] for r in g])
-            ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
-                                "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
+        self.add_version_stats(ready, version)
         record = self.record(step, rollouts, learner_metrics, self.rollouts.weights.take_gap(),
                              time.perf_counter() - started, ready.stats)
         if evaluating and overlapped:
@@ -197,6 +167,59 @@ class Trainer:
         else:
             done.append({**record, **evaluated})
         return done
+
+    def send_update(self, ready: Prepared, rollouts: list[Any]) -> Update:
+        """Send the update on the step's batch, with the teacher's logprobs and the reference's (or, overlapping, the
+        reference's still on their way: `LogprobAsks.later`; the learner runs its training forward while the reference
+        computes, and waits for them before its first loss)."""
+        with self.timed("reference"):
+            reference = self.logprobs.later(ready.reference) if self.overlap_reference else \
+                self.logprobs.reference_result(ready.reference)
+            teacher = None
+            if ready.teacher is not None:  # `time/teacher`: the wait, the rest of the teacher's pass overlapped
+                with self.timed("teacher"):
+                    teacher = self.logprobs.teacher_result(ready.teacher)
+            update = self.submit_train(rollouts, ready.rewards, reference, teacher)
+            if self.overlap_reference:  # its failure or missed deadline is the reference's, named here
+                self.logprobs.reference_result(ready.reference)
+        return update
+
+    def while_training(self, step: int, version: int, evaluating: bool) -> bool:
+        """While the learner trains: export `version`, the weights it will produce (queued behind the update), and,
+        asynchronously between drains, send out the batch k steps ahead and this step's evaluation and prepare the
+        next step's batch. Returns whether it overlapped (the evaluation is then collected by the next step)."""
+        if step < self.config.max_steps:
+            with self.timed("sync"):
+                self.rollouts.export(version)  # queued behind the update on the learner
+        overlapped = self.staleness and step != self.boundary(step)
+        if overlapped:
+            if step + 1 + self.staleness <= self.boundary(step):
+                self.dispatch(step + 1 + self.staleness, version)
+            if evaluating:  # behind the next batch; collected while the next update runs
+                self.evaluation.dispatch(step, version)
+            self.prepared[step + 1] = self.prepare(step + 1)  # while the learner trains
+        elif evaluating and step < self.config.max_steps:
+            self.evaluation.dispatch(step, version)
+        return overlapped
+
+    def finish_update(self, step: int, update: Update, version: int) -> dict[str, float]:
+        """The learner's metrics of `update`, which must have produced weights version `version`."""
+        with self.timed("train"):
+            learner_metrics = self.finish_train(update)
+        if self.staleness:  # the phases overlap: the update itself, from its submission to its result
+            self.timings["time/train"] = self.updated - update.submitted
+        if self.weights_version != version:
+            raise RunError(f"the learner reports weights version {self.weights_version} after step {step}, expected "
+                           f"{version}: its updates and the driver's steps are out of step")
+        return learner_metrics
+
+    def add_version_stats(self, ready: Prepared, version: int) -> None:
+        """The version that sampled the batch and its staleness; with in-flight updates, that of its tokens."""
+        ready.stats.update({"rollout/version": ready.version, "async/staleness": version - 1 - ready.version})
+        if self.config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's (fresh groups)
+            tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in ready.groups[:ready.fresh] for r in g])
+            ready.stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
+                                "rollout/in_flight_loads": self.rollouts.take_in_flight_loads()})
 
     def release_held(self) -> list[dict[str, Any]]:
         """The held record (a step whose evaluation overlaps the next update), its evaluation collected, for a run that
@@ -248,8 +271,8 @@ class Trainer:
             rollouts = [r for group in groups for r in group]
             with self.timed("reference"):
                 self.refresh_reference(step, stats)
-            return Prepared(batch.version, groups, rewards, stats, self.submit_reference(rollouts),
-                            self.submit_teacher(rollouts), self.timings, fresh)
+            return Prepared(batch.version, groups, rewards, stats, self.logprobs.submit_reference(rollouts),
+                            self.logprobs.submit_teacher(rollouts), self.timings, fresh)
         finally:
             self.timings = outer
 
@@ -325,53 +348,6 @@ class Trainer:
             refresh.refresh(self.rollouts.weights_version)
             stats["sync/reference_probe_diff"] = refresh.last_gap
         stats["reference/version"] = refresh.version
-
-    @staticmethod
-    def ask_logprobs(actor: Any, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
-        """Ask a ReferenceWorker (the reference, or the teacher) for the logprobs of every response token: (the ref of
-        their count, the ref of the flat array, when asked), or None without that actor."""
-        if actor is None:
-            return None
-        from learner.passes.sequences import Rows
-
-        count, logprobs = actor.compute_flat_logprobs.options(num_returns=2).remote(
-            Rows(r.prompt_ids for r in rollouts), Rows(r.response_ids for r in rollouts))
-        return count, logprobs, time.monotonic()
-
-    def submit_reference(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
-        return self.ask_logprobs(self.fleet.reference, rollouts)
-
-    def submit_teacher(self, rollouts: list[Any]) -> tuple[Any, Any, float] | None:
-        """On-policy distillation's teacher, asked as the reference is."""
-        return self.ask_logprobs(self.fleet.teacher, rollouts)
-
-    def logprobs_result(self, asked: tuple[Any, Any, float] | None, name: str, timeout: float) -> Any:
-        """The ref of the logprobs `ask_logprobs` asked `name` for, once it has them (within `timeout` s, the
-        `timeouts.<name>`, from when they were asked for); None when nothing was asked."""
-        if asked is None:
-            return None
-        count, logprobs, since = asked
-        get([count], time_left(timeout, since), [name], name)
-        return logprobs
-
-    def teacher_result(self, asked: tuple[Any, Any, float] | None) -> Any:
-        """Waited for before the update goes out: the learner's advantages need them."""
-        return self.logprobs_result(asked, "teacher", self.config.timeouts.teacher)
-
-    def reference_result(self, asked: tuple[Any, Any, float] | None) -> Any:
-        return self.logprobs_result(asked, "reference", self.config.timeouts.reference)
-
-    def reference_time_left(self, since: float) -> float:
-        """What is left of `timeouts.reference` from `since`, when the reference was asked."""
-        return time_left(self.config.timeouts.reference, since)
-
-    def later(self, asked: tuple[Any, Any, float] | None) -> Later | None:
-        """The reference's logprobs for the learner to wait for itself (`sync.calls.Later`), within what is left of
-        `timeouts.reference` from when they were asked for; None without a reference."""
-        if asked is None:
-            return None
-        _, logprobs, since = asked
-        return Later(logprobs, self.reference_time_left(since), "reference", "reference")
 
     def submit_train(self, rollouts: list[Any], rewards: list[float], ref_logprobs: Any,
                      teacher_logprobs: Any = None) -> Update:
