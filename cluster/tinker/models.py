@@ -25,6 +25,7 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # a checkpoint's name: one path com
 # A model's id: this server's (`model-<n>-<hex>`) or the SDK's for a model made from a checkpoint
 # (`<session id>:train:<n>`, `create_training_client_from_state`); its checkpoints' directory
 MODEL_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+FULL = 0  # a training run's "rank" when it fine-tunes every weight (no LoRA)
 OWNER_FILE = ".owner"  # in a model's checkpoints' directory: the tenant it belongs to (never a checkpoint's name)
 
 
@@ -85,7 +86,7 @@ class TrainingRun:
 
     model_id: str
     base_model: str
-    lora_rank: int
+    lora_rank: int  # FULL (0): full fine-tuning
     group: Any  # cluster.fleet.learner_group.LearnerGroup
     owner: str = ""  # the tenant (API key's fingerprint) that made it; "" on a server without keys
     tail: asyncio.Future | None = None
@@ -110,10 +111,15 @@ class TrainingRuns:
                             "serves its config's model: model.path)")
 
     def check_new(self, base_model: str, rank: int | None) -> int:
-        """The LoRA rank to train `base_model` with; a `UserError` for another model or a rank out of bounds."""
+        """The LoRA rank to train `base_model` with, 0 for full fine-tuning (a `create_model` without `lora_config`,
+        where the served config trains no LoRA: `learner.lora.rank` 0); a `UserError` for another model, a rank out
+        of bounds, or full fine-tuning on a server configured for LoRA."""
         self.check_base(base_model)
-        if rank is None:
-            raise UserError("create_model without lora_config: relay serve trains LoRA adapters; give a LoRA rank")
+        if rank is None or rank == FULL:
+            if self.learner.lora.enabled:
+                raise UserError("create_model without lora_config asks for full fine-tuning, which this server's "
+                                "config does not allow (learner.lora.rank is set); give a LoRA rank")
+            return FULL
         if not 1 <= rank <= self.max_lora_rank:
             raise UserError(f"LoRA rank {rank} is out of bounds; give 1..{self.max_lora_rank}")
         return rank
@@ -126,7 +132,7 @@ class TrainingRuns:
         from cluster.fleet.learner_group import start_learner_group
         from learner.datums import DatumLearner
 
-        lora = LoraConfig(**{**self.learner.lora.model_dump(), "rank": rank})
+        lora = LoraConfig(**{**self.learner.lora.model_dump(), "rank": rank}) if rank != FULL else LoraConfig()
         config = self.learner.model_copy(update={"lora": lora, "num_ranks": 1})
         options = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus, **self.learner_options}
         group = await asyncio.to_thread(
@@ -179,14 +185,17 @@ class TrainingRuns:
 
     @staticmethod
     def saved_rank(directory: Path) -> int:
-        """The LoRA rank of the adapters a checkpoint holds (its peft `adapter_config.json`)."""
+        """The LoRA rank of the adapters a checkpoint holds (its peft `adapter_config.json`), `FULL` for a whole
+        model's weights (a Hugging Face directory)."""
         import json
 
         config = directory / "policy" / "adapter_config.json"
+        if not config.exists() and (directory / "policy" / "config.json").is_file():
+            return FULL
         try:
             return int(json.loads(config.read_text())["r"])
         except (OSError, ValueError, KeyError, TypeError):
-            raise UserError(f"checkpoint {directory.name} holds no LoRA adapters this server can read") from None
+            raise UserError(f"checkpoint {directory.name} holds no weights this server can read") from None
 
     def drop(self, model_id: str) -> None:
         """Stop model `model_id`'s learner and forget the model."""

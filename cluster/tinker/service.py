@@ -154,7 +154,8 @@ class Routes:
             run = self.runs.get((await body_json(request)).get("model_id"), request.state.tenant)
         except UserError as err:
             return refused(err)
-        return {"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.lora_rank,
+        return {"type": "get_info", "model_id": run.model_id, "is_lora": run.lora_rank > 0,
+                "lora_rank": run.lora_rank or None,
                 "model_name": run.base_model,
                 "model_data": {"arch": "relay", "model_name": run.base_model, "tokenizer_id": self.runs.model_path}}
 

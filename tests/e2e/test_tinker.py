@@ -33,8 +33,8 @@ def served(tmp_path_factory):
     from bench.tinker_grpo import served as serve
 
     log = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    # ray.num_cpus: Ray's logical CPUs, 0.5 each for the module's three models, their sampler and the base's.
-    with serve(["ray.num_cpus=4", "learner.num_threads=1", "rollout.num_workers=1", f"run_dir={log.parent}"],
+    # ray.num_cpus: Ray's logical CPUs, 0.5 each for the module's seven models, their three samplers and the base's.
+    with serve(["ray.num_cpus=6", "learner.num_threads=1", "rollout.num_workers=1", f"run_dir={log.parent}"],
                f"{KEY},{OTHER_KEY}", log, timeout=120) as url:
         yield url
 
@@ -302,6 +302,43 @@ def test_a_model_that_cannot_be_made_is_refused(served, base, rank, says):
 def test_without_the_key_nothing_is_served(served):
     assert httpx.get(f"{served}/api/v1/healthz").status_code == 401
     assert httpx.get(f"{served}/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+
+
+def test_a_model_without_lora_config_is_fully_fine_tuned(served):
+    # The served config trains no LoRA (learner.lora.rank 0), so a create_model without lora_config (the REST API's;
+    # the SDK's training clients are LoRA) fine-tunes every weight: its steps, its sampler (the whole weights synced)
+    # and its checkpoints work as a LoRA model's do.
+    from tinker.lib.public_interfaces.training_client import TrainingClient
+
+    headers = {"X-API-Key": KEY}
+    request = httpx.post(f"{served}/api/v1/create_model", headers=headers, json={"base_model": "relay-demo"}).json()
+    answer = httpx.post(f"{served}/api/v1/retrieve_future", headers=headers, json=request, timeout=60).json()
+    info = httpx.post(f"{served}/api/v1/get_info", headers=headers, json={"model_id": answer["model_id"]}).json()
+    assert info["is_lora"] is False and info["lora_rank"] is None
+    service = tinker.ServiceClient(base_url=served, api_key=KEY)
+    full = TrainingClient(service.holder, service.holder.get_training_client_id(), answer["model_id"],
+                          info=tinker.types.GetInfoResponse.model_validate(info))
+    tokens, answer_at = demo_tokens()
+    first = full.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert first == pytest.approx(base_logprobs(tokens), abs=1e-4)  # the base model's, before any step
+    for _ in range(3):
+        full.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        full.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+    after = full.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert sum(after[answer_at - 1:]) > sum(first[answer_at - 1:]) + 0.5
+    sampler = full.save_weights_and_get_sampling_client().result()
+    seq = sampler.sample(tinker.ModelInput.from_ints(tokens[:answer_at]), 1,
+                         tinker.SamplingParams(max_tokens=3, temperature=1.0, seed=3)).result().sequences[0]
+    row = tokens[:answer_at] + list(seq.tokens)
+    learner = full.forward([tinker.Datum(model_input=tinker.ModelInput.from_ints(row[:-1]),
+                                         loss_fn_inputs={"target_tokens": row[1:]})], "cross_entropy").result()
+    assert list(seq.logprobs) == pytest.approx(learner.loss_fn_outputs[0]["logprobs"].tolist()[answer_at - 1:],
+                                               abs=1e-4)  # the engine holds the trained weights
+    path = full.save_state("full").result().path
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    assert restored.get_info().is_lora is False
+    assert restored.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0][
+        "logprobs"].tolist() == after
 
 
 def test_another_keys_tenant_reaches_none_of_this_keys_models(served, training):
