@@ -385,3 +385,26 @@ def test_beyond_loopback_an_api_key_is_required():
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "--host 0.0.0.0 is beyond loopback: set an API key" in line
+
+
+def test_after_a_restart_checkpoints_load_and_pending_futures_fail_clearly(tmp_path):
+    from bench.tinker_grpo import served as serve
+
+    args = ["ray.num_cpus=2", "learner.num_threads=1", f"run_dir={tmp_path}"]
+    tokens, answer_at = demo_tokens()
+    with serve(args, KEY, tmp_path / "first.txt", timeout=120) as url:
+        client = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            base_model="relay-demo", rank=2)
+        client.forward_backward([datum(tokens, answer_at)], "cross_entropy").result()
+        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        path = client.save_state("before-restart").result().path
+        before = client.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        pending = httpx.post(f"{url}/api/v1/save_weights", headers={"X-API-Key": KEY}, timeout=30,
+                             json={"model_id": client.model_id, "path": "never-polled"}).json()["request_id"]
+    with serve(args, KEY, tmp_path / "second.txt", timeout=120) as url:  # the same run_dir: the same checkpoints
+        lost = httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": KEY}, timeout=30,
+                          json={"request_id": pending}).json()
+        assert lost["category"] == "user" and "is unknown to this server (restarted since?)" in lost["error"]
+        restored = tinker.ServiceClient(base_url=url, api_key=KEY).create_training_client_from_state(path).result()
+        after = restored.forward([datum(tokens, answer_at)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        assert after.tolist() == before.tolist()  # the saved adapters, bit for bit
