@@ -1,19 +1,14 @@
 """The demo's base models: a character tokenizer and tiny Qwen2s warmed up on the demo tasks, built locally.
 
-Owns building and saving (atomically) the model directories that the demo's engines and learner load
-(one per task: `arithmetic`, `a+b=`; `chain_sum`, `12+34+56=` -> `46 102`; `calc`, `37*48=` -> `1776` with a
-calculator tool). Does not own the transformers-based accuracy checks that tune and report them
-(`cluster.demo.accuracy`), the RL loop, the tasks and their reward (`cluster.demo.task`, which re-exports
-`rewards.verifiers.exact_match`), the calc task's episodes (`cluster.demo.calc`), where the models are cached and
-shipped (`cluster.demo.cache`, whose `ensure_demo_model` calls `build_demo_model` here only when a model must be
+Owns building and saving (atomically) the model directories that the demo's engines and learner load (one per task:
+`arithmetic`, `a+b=`; `chain_sum`, `12+34+56=` -> `46 102`; `calc`, `37*48=` -> `1776` with a calculator tool), each
+like a pretrained base whose sampling RL then sharpens: right greedily on most held-out problems but, its output layer
+scaled down to that target, on about a quarter when sampling at T=1 (calc's by calling its tool, which RL teaches it
+to call more: `CalcRecipe`); docs/benchmarks.md, "Why the demo model looks the way it does".
+Does not own the transformers-based accuracy checks that tune and report them (`cluster.demo.accuracy`), the RL loop,
+the tasks and their reward (`cluster.demo.task`), the calc task's episodes (`cluster.demo.calc`), where the models are
+cached and shipped (`cluster.demo.cache`, whose `ensure_demo_model` calls `build_demo_model` only when a model must be
 built) or any engine: the directory is a plain Hugging Face model dir, read like any other.
-
-Each one-turn model is right on ~95% (arithmetic) or ~93% (chain_sum) of held-out problems greedily but on only
-~25% when sampling at temperature 1 (its output layer is scaled down to that target), like a pretrained base whose
-sampling RL then sharpens. The chain model's first step is right about twice as often (~50%) as its whole answer.
-The calc model calls its tool on ~25% of first turns at T=1 and is then right ~96% of the time; its direct answers
-are right ~5% of the time (it cannot multiply): ~28% in all, which RL raises by learning to call the tool
-(`CalcRecipe`).
 """
 
 from __future__ import annotations
@@ -429,20 +424,28 @@ def build_demo_model(
             _fold_output_gain(model, recipe.output_gain)
             report |= _calc_report(model, tokenizer, recipe, held_out, seed)
         else:
-            report["output_scale"] = _calibrate_output_scale(model, tokenizer, recipe, val_problems, seed)
-            _fold_output_gain(model, recipe.output_gain)
-            greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
-            sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
-            report["greedy_accuracy"] = exact_match_rate(held_out, greedy)
-            report["sampled_accuracy"] = exact_match_rate(held_out, sampled)
-            report["greedy_step_accuracy"] = step_accuracy(held_out, greedy)
-            report["sampled_step_accuracy"] = step_accuracy(held_out, sampled)
+            report |= _one_turn_report(model, tokenizer, recipe, val_problems, held_out, seed)
         report["recipe"] = asdict(recipe)
         report["seconds"] = round(time.perf_counter() - started, 2)
         save_model_dir(model, tokenizer, out_dir, extra_files={REPORT_FILE: json.dumps(report, indent=2) + "\n"})
         return report
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _one_turn_report(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, recipe: WarmupRecipe,
+                     val_problems: Sequence[Problem], held_out: Sequence[Problem], seed: int) -> dict[str, object]:
+    """A one-turn model's output scale, calibrated on `val_problems` (its gain then folded in), and its greedy and T=1
+    accuracy on `held_out`: whole answers and single steps."""
+    report: dict[str, object] = {"output_scale": _calibrate_output_scale(model, tokenizer, recipe, val_problems, seed)}
+    _fold_output_gain(model, recipe.output_gain)
+    greedy = generate_completions(model, tokenizer, held_out, 0.0, recipe.max_new_tokens)
+    sampled = generate_completions(model, tokenizer, held_out, 1.0, recipe.max_new_tokens, seed=seed + 1)
+    report["greedy_accuracy"] = exact_match_rate(held_out, greedy)
+    report["sampled_accuracy"] = exact_match_rate(held_out, sampled)
+    report["greedy_step_accuracy"] = step_accuracy(held_out, greedy)
+    report["sampled_step_accuracy"] = step_accuracy(held_out, sampled)
+    return report
 
 
 def _calc_report(

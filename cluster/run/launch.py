@@ -79,16 +79,7 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
     from cluster.run.data import make_prompt_source
     from cluster.run.prompt_format import DataError
 
-    if model_path is not None and not (Path(model_path) / "config.json").is_file():
-        raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
-                          "download one, e.g. huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "
-                          "models/Qwen2.5-0.5B-Instruct, and pass model.path=DIR, or leave it empty for the demo model")
-    check_gpu_fit(config, model_path)  # before anything loads: a run its GPUs cannot hold stops here (relay plan)
-    for name, source in config.reward.sources.items():
-        if isinstance(source, ModelSource) and source.path is not None and \
-                not (Path(source.path) / "config.json").is_file():
-            raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
-                              "(no config.json)")
+    check_model_paths(config, model_path)
     ro = config.rollout
     max_prompt_tokens = config.data.max_prompt_tokens or max(1, ro.max_model_len - ro.max_new_tokens)
     try:
@@ -112,6 +103,33 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
             lora_targets(config.learner, model_path)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    check_local_cpus(config)
+    if ro.top_p < 1:
+        print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
+              "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
+              "(docs/operations.md)", file=sys.stderr, flush=True)
+    return data, scorer
+
+
+def check_model_paths(config: RunConfig, model_path: str | None) -> None:
+    """The policy's and the reward models' directories hold a Hugging Face model, and the GPUs can hold the run
+    (`relay plan`'s fit check), before anything loads."""
+    if model_path is not None and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json); "
+                          "download one, e.g. huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "
+                          "models/Qwen2.5-0.5B-Instruct, and pass model.path=DIR, or leave it empty for the demo model")
+    check_gpu_fit(config, model_path)  # a run its GPUs cannot hold stops here
+    for name, source in config.reward.sources.items():
+        if isinstance(source, ModelSource) and source.path is not None and \
+                not (Path(source.path) / "config.json").is_file():
+            raise ConfigError(f"reward.sources.{name}.path '{source.path}' is not a Hugging Face model directory "
+                              "(no config.json)")
+
+
+def check_local_cpus(config: RunConfig) -> None:
+    """A run that starts its own Ray books no more CPUs than the instance has; warned about when, asynchronously, its
+    actors' threads outnumber the cores twice over."""
+    ro = config.rollout
     local = config.ray.address is None and not os.environ.get("RAY_ADDRESS")  # this run starts its own Ray
     cpus, asked = config.ray.num_cpus or os.cpu_count() or 1, cpus_asked(config)
     if local and not ray.is_initialized() and sum(asked.values()) > cpus + 1e-9:
@@ -131,11 +149,6 @@ def check_inputs(config: RunConfig, model_path: str | None) -> tuple[Any, Scorer
                   f"learner at once, and this local run gives them {threads} threads on {os.cpu_count()} cores: they "
                   "will slow each other down more than the overlap gains; lower learner/rollout/reference.num_threads "
                   "(docs/operations.md)", file=sys.stderr, flush=True)
-    if ro.top_p < 1:
-        print(f"relay: warning: rollout.top_p={ro.top_p:g} < 1: the engines' logprobs are renormalised over the "
-              "nucleus and the learner's are not, so logprob/mismatch also measures that renormalisation "
-              "(docs/operations.md)", file=sys.stderr, flush=True)
-    return data, scorer
 
 
 def model_settings(config: RunConfig) -> RunConfig:
@@ -252,10 +265,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
     startup = Startup(started, show=display)
     startup.begin("checks")
     config = model_settings(config)  # before comparing with a checkpoint's config, which holds the derived values
-    point = resume.find(config, run_dir)
-    if point is not None and point.step >= config.max_steps:
-        raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
-                          f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
+    point = _resume_point(config, run_dir)
     model_path = model_path or config.model.path
     data, scorer = check_inputs(config, model_path)
     evaluation = evaluation_inputs(config, model_path, data) if config.eval.every else None
@@ -272,10 +282,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
             cleanup.callback(ray.shutdown)
         startup.begin("registry")
         model_path = model_path or _demo_model(config)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
-        resolved = dump_config(resolved_config)
-        (run_dir / "config.yaml").write_text(resolved)
+        resolved_config, resolved = _write_config(config, run_dir)
         recorder = MetricsRecorder(run_dir, config.logging, resolved_config.model_dump(mode="json"),
                                    resume_step=point.step if point else None)
         cleanup.callback(lambda: recorder.close(failed=not finished))
@@ -303,6 +310,24 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
                     else "; no checkpoint was written yet")
             raise type(err)(f"{err}{hint}") from err
     return records
+
+
+def _resume_point(config: RunConfig, run_dir: Path) -> resume.ResumePoint | None:
+    """The checkpoint the run resumes from (`resume`), if any; RunFinished when it is at `max_steps` already."""
+    point = resume.find(config, run_dir)
+    if point is not None and point.step >= config.max_steps:
+        raise RunFinished(f"the run in {run_dir} already finished: its checkpoint {point.path.name} is at step "
+                          f"{point.step} and max_steps={config.max_steps}; raise max_steps to train further")
+    return point
+
+
+def _write_config(config: RunConfig, run_dir: Path) -> tuple[RunConfig, str]:
+    """The run's resolved config (its `run_dir` set), written to `run_dir/config.yaml`, and as YAML."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved_config = config.model_copy(update={"run_dir": str(run_dir)})
+    resolved = dump_config(resolved_config)
+    (run_dir / "config.yaml").write_text(resolved)
+    return resolved_config, resolved
 
 
 def _start_fleet(startup: Startup, config: RunConfig, model_path: str, rollout_cls: type | None,
