@@ -153,6 +153,8 @@ def clipped_policy_loss(
             approx_kl: k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r_t - 1) - log r_t.
 
     Notation: B: sequences, T: tokens.
+    Long because the docstring gives the paper's equations and every argument's shape beside a computation of some
+    thirty lines that reads as those equations; split, neither would read alone.
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
     if clip_c is not None and clip_c <= 1:
@@ -231,6 +233,8 @@ def gspo_policy_loss(
             seq_ratio_mean: mean of s_i.
 
     Notation: B: sequences, T: tokens.
+    Long because the docstring gives the paper's equations and every argument's shape beside a computation of some
+    thirty lines that reads as those equations; split, neither would read alone.
     """
     if clip_c is not None:
         raise ValueError(f"dual clip is not defined for gspo; unset clip_c (got {clip_c})")
