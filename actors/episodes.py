@@ -3,30 +3,11 @@
 Owns: `EpisodeSettings` (what a worker needs to run episodes), `open_environments` (the run's `env` section ->
 in-process, relay-protocol or OpenEnv `Environments`), `turn_seed`, and `EpisodeRunner`, which runs one request's
 G x prompts episodes on the worker's engine: each episode is `reset`, then up to `max_turns` model turns, each
-answered by the environment's `step`, whose observation is appended as token ids before the next turn.
+answered by the environment's `step`, whose observation is appended as token ids before the next turn (token in,
+token out: the decisions are `EpisodeRunner`'s docstring).
 Does not own: the engine (actors/engine.py: `add_turn` / `step_turns`), the environments and their protocol
 (rewards/environments/), tool-call parsing and chat rendering (rewards/environments/tools.py), or what the run does
 with an episode's rewards and failures (cluster/run/scoring.py).
-
-Decisions:
-- Token in, token out. An episode is one token sequence: the prompt's ids, then each turn's sampled ids exactly as
-  the engine returned them, then each observation's ids as tokenised once when it arrived. The next turn's prompt is
-  that sequence as it stands; nothing is decoded and encoded again (the text of a turn is decoded only to give it to
-  the environment). So the learner's tokens are the engine's, and the behaviour logprobs line up with them.
-- `model_mask` marks the tokens the model sampled (1) and the environment's (0, with behaviour logprob 0); the
-  learner trains, penalises and compares logprobs on model tokens only.
-- The response ends with a model turn. An observation that does not fit before `rollout.max_new_tokens` (the whole
-  episode's response: model and environment tokens) or the engine's `max_model_len` with room for one more token
-  is not appended: the episode ends there as `length`. A turn cut at that limit is not sent to the environment.
-  An initial observation (`reset`'s) goes first in the response, as environment tokens.
-- The episodes of a request run concurrently on one asyncio loop in the worker's thread: a pump steps the engine
-  over every turn in flight while other episodes wait for their environment (in threads, or on the remote client's
-  own loop), so a slow environment holds its episode only. The seconds the engine had nothing to do because every
-  unfinished episode was waiting for its environment are the request's `env_wait_s`.
-- Each turn is sampled with its own seed, `turn_seed(prompt seed, episode index, turn)`: an episode does not depend
-  on what else runs in the engine, or on which worker runs it.
-- An `EpisodeError` (the environment raised, timed out, or its service failed after the retries) ends that episode
-  with `EpisodeInfo.error` set; the driver applies `env.on_failure`. Sessions are always closed.
 """
 
 from __future__ import annotations
@@ -105,7 +86,25 @@ class _Turns:
 
 
 class EpisodeRunner:
-    """Runs episodes on a rollout worker's engine against the run's environments (module docstring)."""
+    """Runs episodes on a rollout worker's engine against the run's environments. Decisions:
+    - Token in, token out. An episode is one token sequence: the prompt's ids, then each turn's sampled ids exactly as
+      the engine returned them, then each observation's ids as tokenised once when it arrived. The next turn's prompt
+      is that sequence as it stands; nothing is decoded and encoded again (the text of a turn is decoded only to give
+      it to the environment). So the learner's tokens are the engine's, and the behaviour logprobs line up with them.
+    - `model_mask` marks the tokens the model sampled (1) and the environment's (0, with behaviour logprob 0); the
+      learner trains, penalises and compares logprobs on model tokens only.
+    - The response ends with a model turn. An observation that does not fit before `rollout.max_new_tokens` (the whole
+      episode's response: model and environment tokens) or the engine's `max_model_len` with room for one more token
+      is not appended: the episode ends there as `length`. A turn cut at that limit is not sent to the environment.
+      An initial observation (`reset`'s) goes first in the response, as environment tokens.
+    - The episodes of a request run concurrently on one asyncio loop in the worker's thread: a pump steps the engine
+      over every turn in flight while other episodes wait for their environment (in threads, or on the remote
+      client's own loop), so a slow environment holds its episode only. The seconds the engine had nothing to do
+      because every unfinished episode was waiting for its environment are the request's `env_wait_s`.
+    - Each turn is sampled with its own seed, `turn_seed(prompt seed, episode index, turn)`: an episode does not
+      depend on what else runs in the engine, or on which worker runs it.
+    - An `EpisodeError` (the environment raised, timed out, or its service failed after the retries) ends that
+      episode with `EpisodeInfo.error` set; the driver applies `env.on_failure`. Sessions are always closed."""
 
     def __init__(self, engine: Any, tokenizer: Any, settings: EpisodeSettings):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings

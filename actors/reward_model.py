@@ -1,13 +1,10 @@
 """RewardModelWorker: a reward model scoring prompt + completion texts, in batches, frozen or fine-tuned during a run.
 
 Owns: a transformers `AutoModelForSequenceClassification` with one output (the score) in eval mode (no dropout, ever),
-on the actor's GPU when it has one (`learner.passes.device.pick_device`), its own tokenizer (a reward model need not
-share the policy's), and batched scoring of right-padded text (texts sorted by token count and cut into passes by a
-token budget, `learner.passes.micro_batches.MicroBatching`, each padded to its own longest).
-Frozen (no `training` settings): gradients off, parameters in `dtype`. Trained (iterative reward modelling): float32
-master parameters computed in `dtype` (autocast when narrower, `learner.passes.device.compute_in`), AdamW, `fit` on
-verifier-labelled completions with the Bradley-Terry pair loss or a regression loss (looked up by the config's name
-in REWARD_MODEL_LOSSES), and `save_state`/`load_state` of the weights (a Hugging Face directory) and the optimizer.
+on the actor's GPU when it has one, its own tokenizer (a reward model need not share the policy's), batched scoring
+in passes cut by a token budget (`MicroBatching`); trained (iterative reward modelling), float32 master parameters
+computed in `dtype`, AdamW, `fit` on verifier-labelled completions with a loss from REWARD_MODEL_LOSSES (Bradley-Terry
+pairs or regression), and `save_state`/`load_state` of the weights and the optimizer. Frozen: gradients off, `dtype`.
 Does not own: combining or normalising scores (the driver, `cluster/run/scoring.py`), choosing what to fit on or when,
 the training config model, or checkpoint directories and their atomicity (cluster/). A plain class: Ray wraps it in
 `cluster/`.

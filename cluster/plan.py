@@ -3,21 +3,10 @@ from the run config and the model's config.json alone (no Ray, no GPU, no weight
 
 Owns: the actors' Ray bundles (`core_bundles`, `rollout_bundles`; cluster/fleet/placement.py reserves exactly
 these), the model's shape read from config.json (`ModelShape`), the memory estimates (`plan_run`: a learner rank, the
-reference, teacher and reward models, each engine), `fit_problems` (what `relay plan` and `relay train` refuse), and
-the GPU memory of this machine (`gpu_memory`).
+reference, teacher and reward models, each engine; what each counts: docs/gpu.md, "Memory: relay plan"),
+`fit_problems` (what `relay plan` and `relay train` refuse), and the GPU memory of this machine (`gpu_memory`).
 Does not own: reserving or starting anything (cluster/fleet/placement.py), printing a plan (cluster/cli/plan.py), or
-the measurement the estimate is checked against (docs/gpu.md, "Memory: relay plan"; docs/benchmarks.md, "GPU
-learner").
-
-The learner's estimate follows what the code holds at its peak, the end of a training pass's forward
-(learner/learner.py, learner/passes/): master weights in `learner.master_dtype`, its gradients and AdamW's two moments
-(of the trained parameters: the adapters with LoRA), all divided by the ranks under fsdp2; the compute-dtype copies
-autocast makes of every weight, kept by the graph until the backward (one set per pass, two with shared prompts: the
-prompts' pass keeps its own); the tensors a pass saves for its backward, per token and layer (`layer_bytes`, counted
-from what torch saves in a Qwen2 layer: tests/unit/test_plan.py measures it), the attention masks of a packed pass,
-and the prompts' pass with shared prompts; and the logits: the pass's [T, V] in the compute dtype, the float32 copies
-the log-softmax saves (learner/algo/logprobs.py) and the entropy's chunk-sized temporaries. A pass holds
-`max_tokens_per_micro_batch` tokens (a longer row runs alone), its rows assumed as long as the config allows.
+the measurement the estimate is checked against (docs/benchmarks.md, "GPU learner"; tests/unit/test_plan.py).
 """
 
 from __future__ import annotations
@@ -193,7 +182,13 @@ def logits_bytes(shape: ModelShape, tokens: int, compute: int, grad: bool, entro
 
 
 def learner_memory(config: RunConfig, shape: ModelShape) -> tuple[dict[str, int], list[str]]:
-    """A learner rank's memory at its peak by what holds it (the module's docstring), and how its passes are cut."""
+    """A learner rank's memory at its peak by what holds it, and how its passes are cut. The peak is the end of a
+    training pass's forward (learner/learner.py, learner/passes/): master weights in `learner.master_dtype`, their
+    gradients and AdamW's two moments (of the trained parameters), divided by the ranks under fsdp2; the compute-dtype
+    copies autocast makes of every weight (two sets with shared prompts); the tensors a pass saves for its backward
+    (`layer_bytes`, measured by tests/unit/test_plan.py), a packed pass's attention masks and the shared prompts'
+    pass; and the logits with the log-softmax's float32 copies and the entropy's temporaries. A pass holds
+    `max_tokens_per_micro_batch` tokens (a longer row runs alone), its rows as long as the config allows."""
     lc, ro, data = config.learner, config.rollout, config.data
     master, compute = BYTES[lc.master_dtype], BYTES[config.model.dtype]
     sharded = lc.num_ranks > 1 and lc.strategy == "fsdp2"

@@ -4,28 +4,10 @@ Owns: joining the ranks' process group (gloo on CPU, NCCL for models on a GPU; e
 group's timeout), which rows of a batch and of each minibatch this rank computes, summing gradients across ranks
 (`ddp`: every rank holds the whole model) or sharding parameters, gradients and optimizer state (`fsdp2`: torch's
 `fully_shard`), the global gradient norm, summing metrics, and gathering or scattering whole weights and optimizer
-states (checkpoints, weight export). With one rank every method is the plain single-process operation, so a
-one-rank learner runs no collective and computes exactly the single-process update.
+states (checkpoints, weight export). With one rank every method is the plain single-process operation. Why N ranks
+give the one-rank update on the same batch, and why not `DistributedDataParallel`: `DataParallel`'s docstring.
 Does not own: the update's math or the order of its steps (`learner.learner`), starting the ranks or choosing the
 rendezvous address (`cluster/fleet/learner_group.py`).
-
-Why N ranks give the update of one rank on the same batch:
-- every rank receives the whole TrainBatch and draws the same minibatch shuffle (same seed, same generator
-  state), so minibatches, advantages and their batch-wide statistics (group baselines, whitening) are the same on
-  every rank; the forward passes that produce `old_logprobs` and values are split by rows and summed back
-  (`compute_rows`), so no rank repeats another's work;
-- each rank takes a contiguous share of every minibatch and weighs each of its micro-batches by
-  `micro_batch_weight` against the GLOBAL minibatch (a rank's share is one more row partition, which that weight
-  makes exact), so the sum of every rank's gradient is the one-rank gradient: ranks SUM gradients, never average;
-- the gradient norm is the global one (clipping sees summed, or for fsdp2 all shards of, the gradients), and
-  metrics are sums of the same weighted terms, all-reduced before the skip decision: every rank sees the same
-  numbers, so all ranks skip a non-finite update together.
-Only float summation order differs (gradients add up per rank, then across ranks): about 1e-7 relative in float32.
-
-`ddp` sums gradients with an explicit bucketed all-reduce after a minibatch's last micro-batch, rather than
-`DistributedDataParallel`: ranks may run different numbers of micro-batches (DDP needs one synced backward per rank
-and divides by N), the policy and the value model share one reduction, and DDP's overlap of communication with
-backward would help only the last micro-batch of each accumulated minibatch.
 """
 
 from __future__ import annotations
@@ -48,7 +30,25 @@ STRATEGIES = ("ddp", "fsdp2")
 
 
 class DataParallel:
-    """One rank's view of the learner's process group; the identity when `world_size` is 1."""
+    """One rank's view of the learner's process group; the identity when `world_size` is 1.
+
+    Why N ranks give the update of one rank on the same batch:
+    - every rank receives the whole TrainBatch and draws the same minibatch shuffle (same seed, same generator
+      state), so minibatches, advantages and their batch-wide statistics (group baselines, whitening) are the same on
+      every rank; the forward passes that produce `old_logprobs` and values are split by rows and summed back
+      (`compute_rows`), so no rank repeats another's work;
+    - each rank takes a contiguous share of every minibatch and weighs each of its micro-batches by
+      `micro_batch_weight` against the GLOBAL minibatch (a rank's share is one more row partition, which that weight
+      makes exact), so the sum of every rank's gradient is the one-rank gradient: ranks SUM gradients, never average;
+    - the gradient norm is the global one (clipping sees summed, or for fsdp2 all shards of, the gradients), and
+      metrics are sums of the same weighted terms, all-reduced before the skip decision: every rank sees the same
+      numbers, so all ranks skip a non-finite update together.
+    Only float summation order differs (gradients add up per rank, then across ranks): about 1e-7 relative in float32.
+
+    `ddp` sums gradients with an explicit bucketed all-reduce after a minibatch's last micro-batch, rather than
+    `DistributedDataParallel`: ranks may run different numbers of micro-batches (DDP needs one synced backward per
+    rank and divides by N), the policy and the value model share one reduction, and DDP's overlap of communication
+    with backward would help only the last micro-batch of each accumulated minibatch."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, strategy: str = "ddp"):
         if strategy not in STRATEGIES:

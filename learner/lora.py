@@ -1,14 +1,11 @@
 """LoRA on the learner's policy (`learner.lora`): which layers get adapters, adding them, their weights as a sync
 moves them, their checkpoint, and the merged model an export writes.
 
-Owns: `lora_targets` (the module names `learner.lora.target_modules` resolves to, checked against the policy's
-decoder layers: one line when a name matches none), `whole_modules` (`learner.lora.modules_to_save`, the layers
-trained whole beside the adapters, checked), `check_lora` (those checks on the model's config alone, before anything
-starts), `add_adapters` (peft's `get_peft_model`: the base frozen, rank-r adapters on the targets, trained copies of
-the whole modules), `adapter_weights` (the adapters and the whole modules by the names of peft's saved format, which
-the engines load: vLLM reads the adapters' format, the whole modules go into its base), `save_adapters` /
-`load_adapters` (a checkpoint's `policy/`, in peft's format) and `merge_adapters` (base + adapters and whole modules
-as one Hugging Face model, `relay export --merge`).
+Owns: `lora_targets` and `whole_modules` (the module names `learner.lora.target_modules` and `modules_to_save` resolve
+to, checked against the policy's layers), `check_lora` (those checks on the model's config alone), `add_adapters`
+(peft's `get_peft_model`: the base frozen), `adapter_weights` (the adapters and whole modules by peft's saved names,
+which the engines load), `save_adapters` / `load_adapters` (a checkpoint's `policy/`, in peft's format) and
+`merge_adapters` (one Hugging Face model, `relay export --merge`).
 Does not own: training (learner/learner.py), how adapters reach the engines (sync/, actors/engine.py, which writes
 what it receives as a peft directory for vLLM) or the config (learner/config.py). Imports torch, transformers,
 peft and sync/.

@@ -1,29 +1,15 @@
 """The HTTP plumbing that the verifier and environment clients and services share, written once for all of them.
 
-Owns, for the clients (rewards/remote.py, rewards/environments/remote.py, rewards/environments/openenv_client.py):
-the retry loop (`retrying`, with full-jitter exponential backoff, and its faults `Retryable`, `Permanent`,
-`RetriesFailed`), token scrubbing and the reading of a reply's status (`Redacting`), the wording of a transport error
+Owns, for the clients: the retry loop (`retrying`: full-jitter exponential backoff; `Retryable`, `Permanent`,
+`RetriesFailed`), token scrubbing and a reply's status (`Redacting`), a transport error's wording
 (`describe_transport_error`), a client's private event loop (`EventLoopThread`), its bearer token (`bearer_token`:
-refused where it would cross the network in clear text) and `is_finite_number`. For the services
-(rewards/service.py, rewards/environments/service.py, openenv_service.py): the token from the environment
-(`token_from_env`), the bearer-token check of a request and its 401 reply (`authorized`, `UNAUTHORIZED`,
-`unauthorized`), FastAPI's own pages behind the token (`guard_docs`), reading a body within its limit
-(`read_body`), and what keeps web pages in a browser out of every service (`BrowserGuard`: foreign `Origin`s unless
-allowed by `allowed_origins`, bodies not declared JSON, other hosts' names on loopback).
-Does not own: what any protocol sends or answers (the modules above), where a token may travel and loopback detection
-(rewards/config.py: config validation needs them, and config modules import nothing of the project), nor serving an
-app (rewards/service.py's `run_app`, `run_in_thread`).
-
-Decisions:
-- Nothing of a web framework is imported at the top: the clients import this module, and a rollout worker needs
-  httpx, not FastAPI. `guard_docs` imports Starlette when a service calls it.
-- A token is compared in constant time (`hmac.compare_digest`).
-- `BrowserGuard` is a middleware, not a check in each route: every route of every service (relay's protocols,
-  OpenEnv's WebSocket, OpenRLHF's `/get_reward`, FastAPI's pages) is behind it, routes added later included. Whether
-  a request came on loopback is read from the connection's own address (ASGI `server`), not from the address the
-  service was asked to bind, so an app served any way gets it.
-- `guard_docs` wraps the routes FastAPI adds itself rather than matching paths in a middleware: the guard goes with
-  the route, whatever prefix (`root_path`) it is reached under.
+refused where it would cross the network in clear text) and `is_finite_number`. For the services: the token from the
+environment (`token_from_env`), a request's token check in constant time and its 401 (`authorized`, `UNAUTHORIZED`,
+`unauthorized`), FastAPI's own pages behind the token (`guard_docs`), a body read within its limit (`read_body`), and
+what keeps web pages in a browser out of every service (`BrowserGuard`, `allowed_origins`). No web framework is
+imported at the top: a rollout worker's clients need httpx, not FastAPI.
+Does not own: what any protocol sends or answers, where a token may travel and loopback detection
+(rewards/config.py), nor serving an app (rewards/service.py's `run_app`, `run_in_thread`).
 """
 
 from __future__ import annotations
@@ -245,7 +231,8 @@ def token_from_env(token_env: str | None, setting: str = "--token-env") -> str |
 
 
 def authorized(connection: HTTPConnection, token: str) -> bool:
-    """Whether a request (or WebSocket handshake) carries `Authorization: Bearer <token>`."""
+    """Whether a request (or WebSocket handshake) carries `Authorization: Bearer <token>` (compared in constant
+    time)."""
     scheme, _, given = connection.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
@@ -301,6 +288,11 @@ class BrowserGuard:
       anywhere without asking (no CORS preflight), and the body would otherwise be read as JSON all the same.
 
     A refused handshake is closed before it is accepted (HTTP 403). Plain ASGI: nothing of a web framework imported.
+
+    A middleware, not a check in each route: every route of every service (relay's protocols, OpenEnv's WebSocket,
+    OpenRLHF's `/get_reward`, FastAPI's pages) is behind it, routes added later included. Whether a request came on
+    loopback is read from the connection's own address (ASGI `server`), not from the address the service was asked
+    to bind, so an app served any way gets it.
     """
 
     def __init__(self, app: Callable[..., Awaitable[None]], allowed: frozenset[str] = frozenset(),
@@ -363,7 +355,9 @@ async def _refuse(scope: dict[str, Any], receive: Callable, send: Callable, stat
 def guard_docs(app: FastAPI, token: str | None) -> None:
     """Put the pages FastAPI adds itself (the OpenAPI schema `/openapi.json`, Swagger UI `/docs`, ReDoc `/redoc`)
     behind `token` when there is one: they describe every route, which a caller without the token has no business
-    reading. Without a token they stay open, as the service is (`openenv validate` reads `/openapi.json`)."""
+    reading. Without a token they stay open, as the service is (`openenv validate` reads `/openapi.json`). The routes
+    FastAPI added are wrapped, rather than their paths matched in a middleware: the guard goes with the route,
+    whatever prefix (`root_path`) it is reached under; Starlette is imported only here."""
     if token is None:
         return
     from starlette.routing import Route

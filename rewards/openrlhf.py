@@ -1,28 +1,15 @@
 """OpenRLHF's remote reward protocol (docs/verifiers.md, "OpenRLHF's reward protocol"): what its two ends share.
 
 `POST /get_reward {"query": [prompt+response, ...], "prompts": [...], "labels": [...]}` answers
-`{"rewards": [...], "scores": [...], "extra_logs": {...}}`, one reward per query: what OpenRLHF's client
-(`openrlhf/utils/agent.py`, `SingleTurnAgentExecutor._fetch_rewards_via_http`) sends and its reference server
-(`openrlhf/cli/serve_rm.py`) answers.
+`{"rewards": [...], "scores": [...], "extra_logs": {...}}`, one reward per query, as OpenRLHF's client
+(`openrlhf/utils/agent.py`) sends and its reference server (`openrlhf/cli/serve_rm.py`) answers.
 Owns: the request's shape (`request_body`, what relay's client sends; `RewardRequest`, what the service reads),
-turning a query back into the completion a relay verifier scores (`completion_of`, with the special tokens to
-strip: `special_tokens_from` a tokenizer, or `DEFAULT_SPECIAL_TOKENS`), and the reply's body (`reward_reply`).
-Imports only pydantic (transformers only when a tokenizer is named).
+turning a query back into the completion a relay verifier scores (`completion_of`, and why: its docstring; the special
+tokens to strip: `special_tokens_from` a tokenizer, or `DEFAULT_SPECIAL_TOKENS`), and the reply's body
+(`reward_reply`). Imports only pydantic (transformers only when a tokenizer is named).
 Does not own: the route and its HTTP plumbing (token, body limit, worker pool, deadlines), shared with `/verify` in
 rewards/service.py; nor the client's sending and reading, `RemoteVerifier` with `protocol: openrlhf`
 (rewards/remote.py).
-
-Decisions:
-- OpenRLHF sends the prompt and the response decoded together with their special tokens
-  (`decode(..., skip_special_tokens=False)`): the completion is the query after its prompt, with every special
-  token removed, which is the text relay's own rollouts give a verifier (vLLM's `skip_special_tokens=True`).
-- A query that does not start with its prompt is not scored whole: OpenRLHF causes that itself (a BOS before the
-  prompt; a tokenizer whose decode does not give the text back, e.g. `clean_up_tokenization_spaces`; prompts cut on
-  the left), and the whole query would score the prompt's text as the answer (`numeric_match` reads its numbers).
-  With special tokens removed on both sides, the query starts with the prompt or, spaces aside, with an end of it:
-  the completion follows that, flagged in `extra_logs.prompt_mismatch` unless the prompt was found whole. A query
-  that starts with no end of its prompt raises ValueError in `completion_of`: a failure of that query (the route's
-  to report, rewards/service.py), never a reward. Only a query sent without a prompt is scored whole.
 """
 
 from __future__ import annotations
@@ -95,6 +82,14 @@ def completion_of(query: str, prompt: str | None, special_tokens: Sequence[str])
     longest end of the prompt that starts the query is its prompt (`_prompt_end`), and the completion follows it.
     Without a prompt the whole query is the completion (and did not start with its prompt). A query that starts with
     no end of its prompt is a ValueError: the prompt's text is never scored as an answer.
+
+    Why: OpenRLHF sends the prompt and the response decoded together with their special tokens (`decode(...,
+    skip_special_tokens=False)`); without them the completion is the text relay's own rollouts give a verifier
+    (vLLM's `skip_special_tokens=True`). A query that does not start with its prompt is OpenRLHF's doing (a BOS
+    before the prompt; a decode that does not give the text back, e.g. `clean_up_tokenization_spaces`; prompts cut on
+    the left), and the whole query would score the prompt's text as the answer (`numeric_match` reads its numbers):
+    the service flags it in `extra_logs.prompt_mismatch`, and reports a ValueError as that query's failure (the
+    route's to report, rewards/service.py), never as a reward.
     """
     for token in special_tokens:
         query = query.replace(token, "")

@@ -2,38 +2,13 @@
 
 Owns: `RemoteVerifier`, which splits samples into batches, sends them to the service's replicas (round-robin, at
 most `max_concurrency` requests in flight), enforces a deadline per request, retries transient faults with
-full-jitter exponential backoff, validates every reply, and applies the source's failure policy (`fail`, `drop`,
-`default`) to what is still unscored; `RemoteScores` (rewards plus metrics); `RemoteVerifierError`. With the
-source's `level: steps`, each sample carries its step texts and gets one reward per step (`step_rewards`). With
-`protocol: openrlhf` it speaks OpenRLHF's remote reward protocol instead (`POST <url> {"query", "prompts",
-"labels"}` -> `{"rewards": [...]}`), through the same batching, deadlines, retries and failure policy.
+full-jitter exponential backoff (what is retried: its docstring), validates every reply, and applies the source's
+failure policy (`fail`, `drop`, `default`) to what is still unscored; `RemoteScores` (rewards plus metrics);
+`RemoteVerifierError`. With `level: steps`, one reward per step (`step_rewards`); with `protocol: openrlhf`,
+OpenRLHF's protocol through the same batching, deadlines, retries and failure policy.
 Does not own: combining sources into one reward or dropping groups (cluster/run/scoring.py and the driver, from the
 `None`s here), nor the service side (rewards/service.py), nor OpenRLHF's request shape (rewards/openrlhf.py), nor
-the plumbing shared with the environment clients (rewards/http.py: the retry loop, token scrubbing and the reading of
-a reply's status, the private event loop, the token and where it may travel).
-
-Decisions:
-- Requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`) with one `httpx.AsyncClient`,
-  so connections are reused across `score` calls and each request gets a hard deadline (`asyncio.wait_for`):
-  httpx's own timeouts are per read, so a server that trickles bytes would otherwise hold a request for ever. The
-  caller stays synchronous.
-- Retried (the same batch, on the next URL): connection refused or reset, timeouts, 5xx, and a malformed reply
-  (not JSON, wrong shape, wrong number of results, unknown / duplicate / missing ids), which we treat as a
-  server fault. Not retried: 4xx (the request itself is wrong), and per-sample faults (an `"error"` result, or a
-  reward that is not a finite number; with `level: steps`, `step_rewards` missing, of the wrong length or not all
-  finite numbers), which a deterministic verifier would repeat. A service too old to know `steps` ignores them
-  and answers `reward` only: every sample of it fails with an error saying so, and nothing is retried.
-- OpenRLHF's protocol: a `null` reward is that query's failure (relay's service answers it for a query it could not
-  score, with the reason in `errors`): counted and not retried, as an `"error"` result. A reply that is not a
-  `rewards` list of one finite number or null per query is malformed (retried, then the failure policy). Its
-  `scores` and `extra_logs` are ignored: `extra_logs` have no fixed meaning, and relay's metrics are its own per-step
-  counters.
-- With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
-  so a dead service fails fast; the exception carries the metrics gathered so far.
-- The bearer token is read once, kept only in the client's default headers, and scrubbed from every message; a URL
-  that would carry it in clear text (plain http to another machine) is refused unless `allow_plain_http_token`.
-  Text from the service is scrubbed whole before it is cut to length (`_excerpt`): cut first, a prefix of an
-  echoed token would no longer match and would survive.
+the plumbing shared with the environment clients (rewards/http.py).
 """
 
 from __future__ import annotations
@@ -124,6 +99,29 @@ class RemoteVerifier(Redacting):
 
     Usage: `with RemoteVerifier("judge", source) as verifier: scores = verifier.score(samples)`.
     `score` always returns or raises within `deadline_s(len(samples))` seconds.
+
+    Decisions:
+    - Requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`) with one
+      `httpx.AsyncClient`, so connections are reused across `score` calls and each request gets a hard deadline
+      (`asyncio.wait_for`): httpx's own timeouts are per read, so a server that trickles bytes would otherwise hold a
+      request for ever. The caller stays synchronous.
+    - Retried (the same batch, on the next URL): connection refused or reset, timeouts, 5xx, and a malformed reply
+      (not JSON, wrong shape, wrong number of results, unknown / duplicate / missing ids), which we treat as a
+      server fault. Not retried: 4xx (the request itself is wrong), and per-sample faults (an `"error"` result, or a
+      reward that is not a finite number; with `level: steps`, `step_rewards` missing, of the wrong length or not
+      all finite numbers), which a deterministic verifier would repeat. A service too old to know `steps` ignores
+      them and answers `reward` only: every sample of it fails with an error saying so, and nothing is retried.
+    - OpenRLHF's protocol: a `null` reward is that query's failure (relay's service answers it for a query it could
+      not score, with the reason in `errors`): counted and not retried, as an `"error"` result. A reply that is not a
+      `rewards` list of one finite number or null per query is malformed (retried, then the failure policy). Its
+      `scores` and `extra_logs` are ignored: `extra_logs` have no fixed meaning, and relay's metrics are its own
+      per-step counters.
+    - With `on_failure=fail` the first batch that stays unscored stops the call (the other requests are cancelled),
+      so a dead service fails fast; the exception carries the metrics gathered so far.
+    - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message; a
+      URL that would carry it in clear text (plain http to another machine) is refused unless
+      `allow_plain_http_token`. Text from the service is scrubbed whole before it is cut to length (`_excerpt`): cut
+      first, a prefix of an echoed token would no longer match and would survive.
     """
 
     def __init__(self, name: str, config: RemoteSource):

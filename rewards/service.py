@@ -1,38 +1,14 @@
-"""The reference verifier service (docs/verifiers.md): any `(completion, label) -> reward` function over HTTP, and
-any `(steps, label) -> step rewards` function for process supervision.
+"""The reference verifier service (docs/verifiers.md, "`relay verifier serve`": how it behaves, and why): any
+`(completion, label) -> reward` function over HTTP, and any `(steps, label) -> step rewards` function.
 
 Owns: `create_app` (a FastAPI app speaking the remote verifier protocol: `GET /health`, `POST /verify`, optional
-bearer token, request limits, per-sample errors and deadlines; and OpenRLHF's `POST /get_reward`, whose shapes are
-rewards/openrlhf.py's, behind the same token, limits, worker pool and deadlines), `app_from_spec` (load the
-verifiers by name or `package.module:function`), `run_app` (serve an app with uvicorn: the one serving path, what
-`relay verifier serve` calls) and `run_in_thread` (the service on a background thread, for tests and benchmarks);
-both warn when an app without a token is served beyond loopback.
-Does not own: the verifier functions (rewards/verifiers.py), nor the client (rewards/remote.py), nor the plumbing
-shared with the environment service (rewards/http.py: the token from the environment, the bearer-token check,
-FastAPI's pages behind it, reading a body within its limit, the guard against web pages).
-
-This file is also the template for your own service: copy it and replace the verifier, or implement the protocol
-in any language. Decisions:
-- Samples are scored in a thread pool of `workers`, one task per sample, so a slow sample does not hold up the
-  others. A sample whose call raises, returns a non-finite number, or runs longer than `sample_timeout` (counted
-  from the moment it starts) gets `{"id", "error"}`; the request still succeeds. A step verifier must also return
-  exactly one reward per step. When the verifier raises, the client gets only a generic error: the exception's
-  text may hold data the client should not see (file paths, other samples, secrets), so it goes to the service's
-  log, with the sample's id.
-- Python cannot stop a thread: a call past its deadline keeps its worker until it returns. `GET /health` answers
-  503 once every worker is held by such a call, so clients and load balancers see the replica is stalled.
-- `/health` needs no token (load balancers probe it); `/verify`, `/get_reward` and FastAPI's own pages
-  (`/openapi.json`, `/docs`, `/redoc`) do when a token is set. Unknown sample fields are ignored, so newer clients
-  can add fields without breaking older services.
-- `/get_reward` (OpenRLHF): a query that cannot be scored (the verifier's faults above, or a query that does not hold
-  its prompt: rewards/openrlhf.py's `completion_of`) gets `null` in `rewards` and `scores` and its error in
-  `errors` (one entry per query, null for the scored ones; absent when all were scored), and the others are scored:
-  relay's client batches queries and counts that one as its failure. When no query could be scored the reply is a
-  500 naming the first, with `"retryable": false`: OpenRLHF's own client sends one query per request and cannot
-  read a null reward, but leaves a sample without one after a failed request.
-- Steps are optional both ways: a sample with `steps` goes to the step verifier if there is one (reply
-  `step_rewards`), else to the outcome verifier on its `completion` (reply `reward`, as an old service would); a
-  sample without `steps` needs the outcome verifier.
+bearer token, request limits, per-sample errors and deadlines in a pool of `workers` threads; and OpenRLHF's
+`POST /get_reward`, behind the same token, limits, pool and deadlines), `app_from_spec` (the verifiers by name or
+`package.module:function`), `run_app` (serve an app with uvicorn: what `relay verifier serve` calls) and
+`run_in_thread` (the service on a background thread, for tests and benchmarks); both warn when an app without a token
+is served beyond loopback. Also the template for your own service (docs/verifiers.md, "Writing your own service").
+Does not own: the verifier functions (rewards/verifiers.py), the client (rewards/remote.py), OpenRLHF's shapes
+(rewards/openrlhf.py), nor the plumbing shared with the environment service (rewards/http.py).
 """
 
 from __future__ import annotations
@@ -246,8 +222,8 @@ def create_app(verifier: Verifier | None = None, *, step_verifier: StepVerifier 
     `Origin` is refused, as are POSTs not declared `application/json` and, on loopback, other hosts' names
     (rewards/http.py's `BrowserGuard`).
 
-    Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
-    each a few lines, written where FastAPI registers them."""
+    Long because the app's route table reads in one place: the routes are closures over its state (the verifiers,
+    the pool, the token), each a few lines, written where FastAPI registers them."""
     if max_batch < 1 or max_body_bytes < 1 or workers < 1 or not sample_timeout > 0:
         raise ValueError("max_batch, max_body_bytes, workers and sample_timeout must be positive")
     origins = allowed_origins(allow_origins)

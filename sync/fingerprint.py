@@ -1,19 +1,12 @@
 """Exact fingerprints of weights, for checking that every engine received exactly the learner's weights of a version.
 
-Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve). The learner
-fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it received and
-handed to its engine, whichever transport brought them; `sync.verify.check_loaded` compares the two (the comparison
-and a version's `digest` are sync/verify.py's: plain strings, so the driver, which compares, needs no torch).
-Unlike the logprob probe this does not depend on numerics, so it is as exact in bfloat16 as in float32.
-
-A tensor's fingerprint hashes its dtype, shape and three exact integer sums over its bits read as 16-bit integers
-(bytes for 1-byte dtypes), laid out in rows of `ROW`: the plain sum, the sum weighted by column and the sum weighted
-by row. Any change of one element changes the plain sum; moved elements change a weighted one. Integer sums do not
-depend on the order of the reduction, so numpy on the host and torch on a GPU (where NCCL delivers tensors) agree
-bit for bit (seen for 291 tensors on one H200: docs/benchmarks.md, "GPU learner"), and both run at memory speed (a
-cryptographic hash of the bytes runs well below it on the host and does not run on a GPU). Does not own: moving
-weights (sync/transport.py) or the probe.
-Imports only torch and numpy: it runs inside vLLM's worker processes too.
+Owns: `fingerprint` (a short digest per tensor, over its bits in the dtype the engines serve: `tensor_fingerprint`).
+The learner fingerprints its weights cast to the engines' dtype; each rollout worker fingerprints the tensors it
+received and handed to its engine, whichever transport brought them. Unlike the logprob probe this does not depend on
+numerics, so it is as exact in bfloat16 as in float32.
+Does not own: the comparison and a version's `digest` (sync/verify.py: plain strings, so the driver, which compares,
+needs no torch), moving weights (sync/transport.py) or the probe. Imports only torch and numpy: it runs inside vLLM's
+worker processes too.
 """
 
 from __future__ import annotations
@@ -35,7 +28,12 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor | np.ndarray]]) -> dict[
 
 
 def tensor_fingerprint(tensor: torch.Tensor | np.ndarray) -> str:
-    """16 hex digits over the tensor's dtype, shape and bits (see the module's docstring)."""
+    """16 hex digits over the tensor's dtype, shape and three exact integer sums over its bits read as 16-bit integers
+    (bytes for 1-byte dtypes), laid out in rows of `ROW`: the plain sum, the sum weighted by column and the sum
+    weighted by row. Any change of one element changes the plain sum; moved elements change a weighted one. Integer
+    sums do not depend on the order of the reduction, so numpy on the host and torch on a GPU (where NCCL delivers
+    tensors) agree bit for bit (docs/benchmarks.md, "GPU learner"), and both run at memory speed (a cryptographic
+    hash of the bytes runs well below it on the host and does not run on a GPU)."""
     if isinstance(tensor, np.ndarray):
         with warnings.catch_warnings():  # read-only (zero-copy from Ray's object store): only read here
             warnings.simplefilter("ignore", UserWarning)

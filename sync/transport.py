@@ -2,17 +2,13 @@
 
 Owns: moving the learner's current weights into a given set of rollout workers and reporting, per worker, the weights
 version it now serves with the fingerprints of what it received (`Loaded`), or why it failed (death or missed
-deadline). `object_store` (the default) has the learner write its weights into its shared-memory buffer for workers
-on its node (`sync.shared_memory`, sync/shared_memory.py), and export them once, in buckets of `sync.bucket_mb`,
-as zero-copy numpy objects in Ray's object store for workers on other nodes; every worker loads them through the
-engine's reload path. `collective` forms a torch.distributed group of the learner (rank 0) and every engine worker,
-broadcasts the weights in flat buckets, and re-forms the group when the fleet changes or a member fails (the group
-itself lives in sync/group.py).
-A transport gets what it needs and no more: the learner's rank-0 actor (the publisher, sync/publisher.py), the
-workers to load (anything with an `actor` and the `node_id` it runs on), the version, the sync config and deadline.
+deadline). `object_store` (the default): shared memory for workers on the learner's node, buckets of `sync.bucket_mb`
+in Ray's object store for the others (`ObjectStoreTransport`). `collective`: a torch.distributed group of the learner
+and every engine worker, broadcasting flat buckets (`CollectiveTransport`; the group is sync/group.py's). A transport
+gets the publisher (sync/publisher.py), the workers to load (an `actor` and its `node_id`), the version, the sync
+config and the deadline.
 Does not own: which workers exist or replacing failed ones (cluster/fleet/rollout_pool.py), the probe
-(cluster/fleet/weight_sync.py); the version and fingerprint checks of what a worker reports (sync/verify.py, for every
-transport alike).
+(cluster/fleet/weight_sync.py); the version and fingerprint checks of what a worker reports (sync/verify.py).
 """
 
 from __future__ import annotations

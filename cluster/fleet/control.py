@@ -9,11 +9,6 @@ Requests are checked here, against the fleet the driver last published, so a bad
 terminal, not in the run.
 Does not own: applying a request (`Scaling.resize` and `admit`, cluster/fleet/scaling.py, called by the
 driver between steps).
-
-One registry, not an actor per run: a Ray actor is a worker process of its own, whose start costs a run its share of
-the cores (docs/benchmarks.md); the registry starts once per cluster and stays (detached, no CPU). A run whose driver
-died without leaving it (killed) is noticed by its token, an object the driver owns: Ray fails it once its owner is
-gone.
 """
 
 from __future__ import annotations
@@ -80,7 +75,12 @@ class NameTaken(ControlError):
 
 
 class RunRegistry:
-    """The going runs' mailboxes by run name. A plain class: `registry()` makes it the cluster's detached actor."""
+    """The going runs' mailboxes by run name. A plain class: `registry()` makes it the cluster's detached actor.
+
+    One registry, not an actor per run: a Ray actor is a worker process of its own, whose start costs a run its share
+    of the cores (docs/benchmarks.md); the registry starts once per cluster and stays (detached, no CPU). A run whose
+    driver died without leaving it (killed) is noticed by its token, an object the driver owns: Ray fails it once its
+    owner is gone."""
 
     LIVENESS_TIMEOUT = 2.0  # s: a token not fetched by then counts as alive (its owner answers when it is)
 

@@ -1,14 +1,11 @@
 """The rollout fleet as the driver sees it: requests queued on the workers, balanced, deadlined, and run again on a
 replacement when a worker dies or hangs.
 
-Owns: one request path for every regime (on-policy is `max_staleness` = 0: one batch in flight, its weights loaded by
-its requests; asynchronously several batches queue on each worker, each sampled with its own version): splitting a
-batch's prompts over the workers in proportion to their measured speed (`rollout.balance`), queueing each share
-behind what its worker holds, loading the batch's weights first when the worker's previous request sampled another
-version, the deadline on each request (`timeouts.generate`, counted from when it reaches the front of its worker's
-queue and the weights it loads exist), and recovery: a worker that dies or misses its deadline is killed, started
-again in its placement group, and handed every request it held, in order, with the same seeds, so no prompt is lost
-and the batch is the same. Past `rollout.max_restarts` replacements the run stops naming the worker and the cause.
+Owns: one request path for every regime (on-policy is `max_staleness` = 0: one batch in flight; asynchronously
+several batches queue on each worker, each sampled with its own version): a batch's prompts split over the workers
+by their measured speed (`rollout.balance`), each share queued behind what its worker holds and loading the batch's
+weights first when needed, the deadline on each request (`timeouts.generate`), and recovery: a worker that dies or
+misses its deadline is replaced and handed every request it held, in order, with the same seeds (`RolloutPool`).
 Does not own: what a step does with the rollouts (cluster/run/trainer.py), exporting and checking the weights
 (cluster/fleet/weight_sync.py), growing or shrinking the fleet (cluster/fleet/scaling.py), placement
 (cluster/fleet/placement.py).
@@ -62,7 +59,12 @@ class Batch:
 
 
 class RolloutPool:
-    """Calls the fleet's rollout workers; `restarts` and `recovery_seconds` count the replacements."""
+    """Calls the fleet's rollout workers; `restarts` and `recovery_seconds` count the replacements.
+
+    A request's deadline counts from when it reaches the front of its worker's queue and the weights it loads exist.
+    A worker that dies or misses it is killed, started again in its placement group, and handed every request it
+    held, in order, with the same seeds, so no prompt is lost and the batch is the same. Past
+    `rollout.max_restarts` replacements the run stops, naming the worker and the cause."""
 
     def __init__(self, config: RunConfig, fleet: Fleet):
         self.config = config

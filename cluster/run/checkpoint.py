@@ -1,26 +1,14 @@
 """Checkpoint directories of a run: the layout, the atomic commit, keeping the last M, and finding the latest.
 
-Owns: `run_dir/checkpoints/step_<N>/` and its commit protocol (fill a temporary directory beside it, fsync, write
-the `COMPLETE` marker last, rename into place, fsync the parent), so that a run killed at any moment leaves every
-earlier checkpoint intact and never a half-written one under a `step_<N>` name; deleting checkpoints beyond the last
-`keep` and stale temporary directories; the driver's part (`driver_state.json`, JSON only, and `config.yaml`).
-Does not own: what the learner writes (`Learner.save_checkpoint`: `policy/`, `critic/`, `learner_state.pt`), the
-reference (`reference/`, cluster/fleet/reference_refresh.py), the replay buffer (`replay.npz`, cluster/run/replay.py)
-or the fine-tuned reward models (`reward_models/`, `RewardModelWorker.save_state`), when
-to checkpoint (cluster/run/trainer.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
+Owns: `run_dir/checkpoints/step_<N>/` (its layout: the comment above the file names below) and its commit protocol
+(fill a temporary directory beside it, fsync, write the `COMPLETE` marker last, rename into place, fsync the parent),
+so that a run killed at any moment leaves every earlier checkpoint intact and never a half-written one under a
+`step_<N>` name; deleting checkpoints beyond the last `keep` and stale temporary directories; the driver's part
+(`driver_state.json`, JSON only, and `config.yaml`).
+Does not own: what the learner writes (`Learner.save_checkpoint`), the reference (cluster/fleet/reference_refresh.py),
+the replay buffer (cluster/run/replay.py) or the fine-tuned reward models (`RewardModelWorker.save_state`), when to
+checkpoint (cluster/run/trainer.py) or which checkpoint to resume from (cluster/run/resume.py). Pure filesystem:
 imports neither Ray nor torch.
-
-Layout of a complete checkpoint:
-    step_<N>/policy/            Hugging Face causal LM (safetensors + tokenizer): transformers and vLLM load it;
-                                with `learner.lora`, the adapters in peft's format (`relay export --merge` merges them)
-    step_<N>/critic/            the value model, with a critic only
-    step_<N>/reference/         the reference's weights, once `reference.refresh_every` refreshed it
-    step_<N>/learner_state.pt   optimizers, schedulers, RNG states, counters (`torch.load(weights_only=True)`)
-    step_<N>/replay.npz         the replay buffer's groups, with `data.replay_fraction` > 0 (flat arrays, no pickle)
-    step_<N>/reward_models/<name>/  a reward model fine-tuned during the run (`train`): weights and optimizer state
-    step_<N>/driver_state.json  step, weights version, data cursor, ...
-    step_<N>/config.yaml        the run's resolved config
-    step_<N>/COMPLETE           written last: a directory without it is never a checkpoint
 """
 
 from __future__ import annotations
@@ -37,6 +25,17 @@ CHECKPOINTS_DIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
 DRIVER_STATE_FILE = "driver_state.json"
 CONFIG_FILE = "config.yaml"
+# Layout of a complete checkpoint, step_<N>/:
+#   policy/            Hugging Face causal LM (safetensors + tokenizer): transformers and vLLM load it; with
+#                      `learner.lora`, the adapters in peft's format (`relay export --merge` merges them)
+#   critic/            the value model, with a critic only
+#   reference/         the reference's weights, once `reference.refresh_every` refreshed it
+#   learner_state.pt   optimizers, schedulers, RNG states, counters (`torch.load(weights_only=True)`)
+#   replay.npz         the replay buffer's groups, with `data.replay_fraction` > 0 (flat arrays, no pickle)
+#   reward_models/<name>/  a reward model fine-tuned during the run (`train`): weights and optimizer state
+#   driver_state.json  step, weights version, data cursor, ...
+#   config.yaml        the run's resolved config
+#   COMPLETE           written last: a directory without it is never a checkpoint
 # Written by the learner; the same names as learner.learner's POLICY_DIR, CRITIC_DIR, LEARNER_STATE_FILE (tested).
 POLICY_DIR = "policy"
 CRITIC_DIR = "critic"

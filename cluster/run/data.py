@@ -1,16 +1,13 @@
 """Prompt sources for the driver: seeded, resumable iterators of (prompt, label) problems.
 
-Owns: which problems step k trains on, and reading a user's prompt dataset (JSONL, Parquet or a `datasets`
-directory) into problems: field checks, labels (JSON text decoded with `data.label_format=json`), the prompt-length
-filter, the tokenizer round trip (a prompt whose token ids do not say its text is refused or filtered:
-`data.untokenizable`), and the prompts' token ids (tokenised once, when the dataset loads; the engines get these
-ids). A batch depends only on (seed, cursor), so a
-resumed run draws exactly the batches an uninterrupted one would.
-Does not own: the demo tasks, arithmetic, chain_sum and calc (cluster/demo/task.py; their prompts go to the engines
-as text, which they tokenise), the chat template and the prompt file format (cluster/run/prompt_format.py),
-generating reasoning-gym's tasks (cluster/run/reasoning_gym.py; kept, tokenised and batched here like a file's rows)
-or rewards (rewards/). `datasets`, `pyarrow` and `transformers` are imported on use
-only.
+Owns: which problems step k trains on (a batch depends only on (seed, cursor), so a resumed run draws exactly the
+batches an uninterrupted one would), and reading a user's prompt dataset (JSONL, Parquet or a `datasets` directory)
+into problems: field checks, labels (JSON text decoded with `data.label_format=json`), the prompt-length filter, the
+tokenizer round trip (`data.untokenizable`), and the prompts' token ids (tokenised once; the engines get these ids).
+Does not own: the demo tasks (cluster/demo/task.py; their prompts go to the engines as text), the chat template and
+the prompt file format (cluster/run/prompt_format.py), generating reasoning-gym's tasks (cluster/run/reasoning_gym.py;
+kept, tokenised and batched here like a file's rows) or rewards (rewards/). `datasets`, `pyarrow` and `transformers`
+are imported on use only.
 """
 
 from __future__ import annotations

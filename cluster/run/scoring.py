@@ -1,16 +1,12 @@
 """Scoring one generation round with every reward source of the run, and combining them into one reward.
 
-Owns: loading each source (`rule` verifiers by name or import path, `remote` verifier clients, `model` reward-model
-actors started by `cluster/fleet/placement.py`), scoring every completion with every source (reward models and remote
-services run concurrently with the in-process rules), per-source means and failure counts for the metrics, batch
-normalisation of reward-model scores, and the weighted sum. With process supervision (sources of `level: steps`)
-also splitting each response into steps on its token ids (`rewards.steps.StepSplitter`, with the policy's
-tokenizer), scoring every step with every step source, and their weighted sum per step. With multi-turn episodes
-(`env`), the environment's turn rewards by `env.weight`: summed into the outcome, or as step rewards at each turn's
-last model token (`env.turn_rewards`), and its failures by `env.on_failure`. Samples a remote source could
-not score under `on_failure=drop`, and episodes whose environment failed under `env.on_failure=drop`, mark their
-whole group as dropped. Remote sources of `protocol: openrlhf` get each sample's query as OpenRLHF sends it: the
-prompt's and response's token ids decoded together with their special tokens, by the policy's tokenizer.
+Owns: loading each source (`rule` verifiers, `remote` verifier clients, `model` reward-model actors), scoring every
+completion with every source (reward models and remote services concurrently with the in-process rules), per-source
+means and failure counts, batch normalisation of reward-model scores, and the weighted sum; process supervision's
+steps (split on token ids by `rewards.steps.StepSplitter`, each scored by every step source); an environment's turn
+rewards (`env.weight`, `env.turn_rewards`) and failures (`env.on_failure`); marking a group dropped when a sample of it
+could not be scored under `on_failure=drop`; and OpenRLHF sources' queries (prompt and response token ids decoded
+together with their special tokens).
 Does not own: the verifiers (`rewards/`), the HTTP protocols (`rewards/remote.py`), the models
 (`actors/reward_model.py`, `actors/process_reward_model.py`), or what the driver does with dropped groups.
 """

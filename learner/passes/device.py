@@ -4,13 +4,11 @@ how many threads the learner and the reference take.
 Owns `pick_device` (the GPU this process sees, else the CPU), `default_threads` (by the model's size, when
 `num_threads` is unset), `compute_in` (mixed precision: float32 parameters computed in bfloat16), `matmuls_in`
 (bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions) and `to_cpu` (a nested state moved to
-host memory for a checkpoint). Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray
-sets CUDA_VISIBLE_DEVICES in the actor's process, so the one GPU it was given is `cuda:0` there. One device per
-process: nothing here spreads a model over several GPUs.
-Why in `learner/passes/`: every model pass, the learner's and the other model actors' alike, runs on the device
-picked here and in the precision contexts here (`compute_in`, `matmuls_in`), and `actors/` may import the pass package
-but not the learner's training code; the engine reads the thread rule's size limit too (`SMALL_MODEL_PARAMETERS`).
-Imports only torch (and safetensors, to read a model's size).
+host memory for a checkpoint). Here, in `learner/passes/`, because every model pass runs on this device in these
+contexts, and `actors/` may import the pass package but not the learner's training code.
+Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in
+the actor's process, so its one GPU is `cuda:0` there. One device per process: nothing here spreads a model over
+several GPUs. Imports only torch (and safetensors, to read a model's size).
 """
 
 from __future__ import annotations

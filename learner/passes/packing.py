@@ -2,20 +2,12 @@
 to its own tokens (and to its prompt's cached key/value states when prompts are shared).
 
 Owns: `packed_logits` and the attention function it needs (`IMPLEMENTATION`, registered with transformers'
-attention interface on first use). Everything but attention works on tokens one at a time (embeddings, the
-projections, the MLP, norms, rotary embeddings at each token's own position), so in a packed pass those run on the
-real tokens only, with no padding at all. Attention is the one place rows meet: there the packed queries, keys and
-values are gathered into one padded row per sequence ([rows, heads, longest, head_dim]), run through torch's
-scaled-dot-product attention with each row's causal mask, and scattered back. This is the CPU equivalent of a GPU's
-variable-length attention: the padding costs only in attention (a few per cent of a pass here), where transformers'
-own packed format (position ids that restart, with sdpa) builds a dense block-diagonal mask over the whole pack,
-whose cost grows with the square of the pack (docs/benchmarks.md, "How passes are cut").
-
-The attention function is sdpa itself for every other call (a model switched to it behaves as with sdpa until a
-pass hands it a layout), so a model is switched once (`packable`) and keeps generating, caching and scoring whole
-rows as before. Models whose attention is not sdpa (eager, flash attention, flex), or that keep a sliding window,
-are not packed. A pass checks that every layer's attention saw its layout, so a model whose layers do not call
-transformers' attention interface fails loudly instead of letting packed rows see each other.
+attention interface on first use; how and why: `_attention`). Everything but attention works on tokens one at a
+time, so in a packed pass it runs on the real tokens only; attention gathers each row into a padded row of its own.
+The attention function is sdpa itself for every other call, so a model is switched once (`packable`) and keeps
+generating, caching and scoring whole rows as before. Models whose attention is not sdpa, or that keep a sliding
+window, are not packed. A pass checks that every layer's attention saw its layout, so a model whose layers do not
+call transformers' attention interface fails loudly instead of letting packed rows see each other.
 Does not own: cutting passes (`MicroBatching`), shared prompts' states (`SharedPrompts`), logprobs.
 """
 
@@ -94,7 +86,13 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                packed_layout: _Layout | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention; given a `packed_layout`, over each row's tokens alone. query [1, heads, T, d],
-    key and value [1, kv_heads, T, d] (the pack) -> [1, T, heads, d]."""
+    key and value [1, kv_heads, T, d] (the pack) -> [1, T, heads, d].
+
+    The packed queries, keys and values are gathered into one padded row per sequence ([rows, heads, longest, d]),
+    run through sdpa with each row's causal mask, and scattered back: the CPU equivalent of a GPU's variable-length
+    attention, whose padding costs only here, where transformers' own packed format (position ids that restart)
+    builds a dense block-diagonal mask over the whole pack, whose cost grows with its square (docs/benchmarks.md,
+    "How passes are cut")."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_layout is None:

@@ -1,25 +1,14 @@
 """Turning ragged prompt/response token lists into padded tensors, and scoring them with a causal LM.
 
-Owns: the token layout every torch-side consumer shares (learner, reference worker): a sequence is prompt + response,
-right-padded; position j of every per-token tensor [B, L-1] is about token j+1, predicted from tokens 0..j;
-`response_mask` marks the response tokens (where per-token values live), `loss_mask` those of them the model sampled
-(what is trained: a multi-turn episode's environment tokens are response tokens, not model ones). Tensors are built in
-host memory and moved to the consumer's device in one copy; everything computed from a batch stays on the batch's
-device, and results for Python lists come back through the CPU. Also the passes over a batch, cut by its `MicroBatching`
-(`learner.passes.micro_batches`): a pass's rows packed into one sequence of their real tokens (`learner.passes.packing`:
-no padding but in attention), or padded to its own longest; and prompts shared by several rows (a group's G completions)
-computed once (`SharedPrompts`), each row's pass running only its own tokens on the prompt's cached key/value states.
-`Rows` is here, beside `pad_sequences`, which takes it: the wire form of a batch's token rows, sent by the driver
-(cluster/) to the Learner and the ReferenceWorker, each of which pads what arrives here; `actors/` and `learner/`
-both import this package, and `cluster/` may import anything.
+Owns: the token layout every torch-side consumer shares: a sequence is prompt + response, right-padded; position j of
+every per-token tensor [B, L-1] is about token j+1; `response_mask` marks the response tokens, `loss_mask` those the
+model sampled (what is trained). Built in host memory, moved to the consumer's device in one copy. The passes over a
+batch, cut by its `MicroBatching`: packed (`learner.passes.packing`) or padded to their own longest, and prompts
+shared by a group's rows computed once (`SharedPrompts`). `Rows`, the wire form of token rows the driver sends the
+Learner and the ReferenceWorker, beside `pad_sequences`, which each receiver applies to it.
 Does not own: models, optimizers, choosing the device (`learner.passes.device`), or the math on what a pass returns
 (`learner.algo`). Imports only torch, numpy, `learner.algo.logprobs` and its neighbours here (and transformers' cache
 class, when prompts are shared; its attention interface, when passes are packed).
-
-Why packed passes gather each row's attention into a padded row of its own rather than use transformers' packed
-format (position ids that restart): on CPU, transformers keeps packed sequences apart with a dense block-diagonal
-mask, whose cost grows with the square of the pack: slower than padded passes, while packing with per-row
-attention is faster than both (docs/benchmarks.md, "How passes are cut", "Packed passes").
 """
 
 from __future__ import annotations

@@ -4,22 +4,10 @@ Owns: `StepResult` and the `Environment` protocol (one object per episode: `rese
 observation, `step(action)` answers one turn), `load_environment` (a `package.module:Class` spec and params -> a
 factory of environments), the async interface the episode loop drives (`Environments.open()` -> `EpisodeSession`
 with `reset` / `step` / `close`), `EpisodeError` (an episode's environment call failed), `CallStats` (the metrics
-both kinds of `Environments` report), and `InProcessEnvironments` (sessions on environment objects of this process).
+both kinds of `Environments` report), and `InProcessEnvironments` (sessions on environment objects of this process,
+each call in a thread pool under a deadline: its docstring gives the decisions).
 Does not own: the episode loop (actors/episodes.py: generation, tokenising observations, masking,
 `rollout.max_turns`), nor the remote protocol (rewards/environments/remote.py, rewards/environments/service.py).
-
-Decisions:
-- The loop runs many episodes at once (`asyncio.gather` over G x prompts sessions). Environments are plain
-  synchronous classes, so `InProcessEnvironments` runs every call (constructor + `reset`, `step`, `close`) in a
-  pool of `max_concurrency` threads: a slow environment holds one thread, never the event loop or the other
-  episodes. Each call has a deadline (`timeout`) counted from the moment its thread starts it.
-- Python cannot stop a thread: a call past its deadline raises `EpisodeError` for its caller but keeps its thread
-  and its slot until it returns. Once every slot is held like that, calls fail at once instead of waiting for ever.
-- A session refuses to be used wrongly (step before reset, after `done`, after a failed call, two calls at once)
-  with `RuntimeError`: those are the caller's bugs. What the environment does wrong (raises, returns something that
-  is not a `StepResult` of the right types, runs past the deadline) is an `EpisodeError`, to which the loop applies
-  the run's failure policy.
-- `close` never raises `EpisodeError`: a failed close is logged and counted, and ends nothing else.
 """
 
 from __future__ import annotations
@@ -301,6 +289,19 @@ class InProcessEnvironments:
         await session.close()
     factory: makes one environment per episode (in a worker thread, with its `reset`). timeout: seconds one call may
     run (None: no limit). name: for messages (default: the factory's class name).
+
+    Decisions:
+    - The loop runs many episodes at once (`asyncio.gather` over G x prompts sessions). Environments are plain
+      synchronous classes, so every call (constructor + `reset`, `step`, `close`) runs in a pool of
+      `max_concurrency` threads: a slow environment holds one thread, never the event loop or the other episodes.
+      Each call has a deadline (`timeout`) counted from the moment its thread starts it.
+    - Python cannot stop a thread: a call past its deadline raises `EpisodeError` for its caller but keeps its thread
+      and its slot until it returns. Once every slot is held like that, calls fail at once instead of waiting.
+    - A session refuses to be used wrongly (step before reset, after `done`, after a failed call, two calls at once)
+      with `RuntimeError`: those are the caller's bugs. What the environment does wrong (raises, returns something
+      that is not a `StepResult` of the right types, runs past the deadline) is an `EpisodeError`, to which the loop
+      applies the run's failure policy.
+    - `close` never raises `EpisodeError`: a failed close is logged and counted, and ends nothing else.
     """
 
     def __init__(self, factory: Callable[[], Environment], *, max_concurrency: int = 8, timeout: float | None = 30.0,

@@ -2,38 +2,12 @@
 
 Owns: `OpenEnvEnvironments`, episode sessions on servers built with openenv-core's `create_app`: one WebSocket
 session (`/ws`) per episode, new sessions round-robin over the URLs, at most `max_concurrency` sessions open at
-once, a deadline per call, text mapped to and from OpenEnv's dicts (`action_field`, `observation_field`), metrics.
+once, a deadline per call, text mapped to and from OpenEnv's dicts (`action_field`, `observation_field`), metrics;
+what is retried and how a connection closes: its docstring.
 Does not own: the retry loop, token scrubbing, transport-error wording, the private event loop, reading the token and
 refusing to send it in clear text (rewards/http.py, shared with every client), argument checks, `LoopClient`,
 `LoopSession` and `RemoteEnvironmentError` (rewards/environments/remote.py, shared with relay's own protocol's
 client), the failure policy (actors/episodes.py, cluster/run/scoring.py), nor serving OpenEnv.
-
-Decisions:
-- OpenEnv's HTTP `/reset` and `/step` keep no state (each makes a fresh environment). Its sessions live on `/ws`, one
-  environment per connection, made when the connection opens and closed when it closes. So a session here is one
-  connection: opened by `reset`, closed by `close`; `reset` sends the episode's `prompt` and `label` as reset data,
-  which OpenEnv passes to an environment whose `reset` takes them as keyword arguments.
-- Only opening a session (connect + reset) is retried: after a refused or reset connection, a timeout, a 5xx
-  handshake or a connection closed without a reply, on the next URL. A failed attempt's connection is closed, which
-  ends its environment on the server, so a retried reset leaves nothing behind. A step is sent once: OpenEnv steps
-  carry no turn index, so a step whose reply was lost or late may have been applied, and the episode fails instead.
-- An error reply (`{"type": "error"}`: the environment raised, the action failed validation), a malformed reply and a
-  4xx handshake fail the call at once: the same request would get them again. `CAPACITY_REACHED` is retried like a
-  refused connection (backoff, next URL): the server frees an environment whenever a session ends. Every failure
-  raises `RemoteEnvironmentError` (one line, token scrubbed) and is counted.
-- `max_concurrency` bounds sessions, not requests: a slot is taken before connecting and held until `close`, because
-  an OpenEnv server holds an environment per open connection (`max_concurrent_envs`) and refuses the next one.
-- A connection is closed politely: a `close` message, then the server closes it (OpenEnv's server logs an error when
-  the client closes first, and closes the environment before the connection). That holds for one whose reply is
-  late too: OpenEnv's server runs the late call to its end and frees the environment only then, so the session's slot
-  stays taken until the server has closed the connection (`timeout` seconds at most, then it is dropped), and the
-  slot's next session, at `max_concurrency` x workers = `max_concurrent_envs`, finds room instead of
-  `CAPACITY_REACHED`. A reset past its deadline waits the same way before its retry. Only a cancelled call drops its
-  connection at once.
-- Connections live on the private loop of `EventLoopThread`, as `RemoteEnvironments`' requests do: sessions can be
-  awaited from any event loop, and keepalive pings are answered while the worker's loop steps the engine.
-- A null reward (OpenEnv's default) counts as 0, `true`/`false` as 1/0; an `info` object in the observation is passed
-  on (anything else under that name is ignored).
 """
 
 from __future__ import annotations
@@ -80,6 +54,35 @@ class OpenEnvEnvironments(LoopClient, Redacting):
     its `reset` until its `close`: close every session). token_env: environment variable holding the bearer token,
     sent on the WebSocket handshake. allow_plain_http_token: send it over plain ws (an `http://` URL) to a host that
     is not loopback anyway (else refused).
+
+    Decisions:
+    - OpenEnv's HTTP `/reset` and `/step` keep no state (each makes a fresh environment). Its sessions live on `/ws`,
+      one environment per connection, made when the connection opens and closed when it closes. So a session here is
+      one connection: opened by `reset`, closed by `close`; `reset` sends the episode's `prompt` and `label` as reset
+      data, which OpenEnv passes to an environment whose `reset` takes them as keyword arguments.
+    - Only opening a session (connect + reset) is retried: after a refused or reset connection, a timeout, a 5xx
+      handshake or a connection closed without a reply, on the next URL. A failed attempt's connection is closed,
+      which ends its environment on the server, so a retried reset leaves nothing behind. A step is sent once:
+      OpenEnv steps carry no turn index, so a step whose reply was lost or late may have been applied, and the
+      episode fails instead.
+    - An error reply (`{"type": "error"}`: the environment raised, the action failed validation), a malformed reply
+      and a 4xx handshake fail the call at once: the same request would get them again. `CAPACITY_REACHED` is
+      retried like a refused connection (backoff, next URL): the server frees an environment whenever a session
+      ends. Every failure raises `RemoteEnvironmentError` (one line, token scrubbed) and is counted.
+    - `max_concurrency` bounds sessions, not requests: a slot is taken before connecting and held until `close`,
+      because an OpenEnv server holds an environment per open connection (`max_concurrent_envs`) and refuses the
+      next one.
+    - A connection is closed politely: a `close` message, then the server closes it (OpenEnv's server logs an error
+      when the client closes first, and closes the environment before the connection). That holds for one whose
+      reply is late too: OpenEnv's server runs the late call to its end and frees the environment only then, so the
+      session's slot stays taken until the server has closed the connection (`timeout` seconds at most, then it is
+      dropped), and the slot's next session, at `max_concurrency` x workers = `max_concurrent_envs`, finds room
+      instead of `CAPACITY_REACHED`. A reset past its deadline waits the same way before its retry. Only a cancelled
+      call drops its connection at once.
+    - Connections live on the private loop of `EventLoopThread`, as `RemoteEnvironments`' requests do: sessions can
+      be awaited from any event loop, and keepalive pings are answered while the worker's loop steps the engine.
+    - A null reward (OpenEnv's default) counts as 0, `true`/`false` as 1/0; an `info` object in the observation is
+      passed on (anything else under that name is ignored).
     """
 
     def __init__(self, urls: Sequence[str], *, action_field: str = "message", observation_field: str = "text",

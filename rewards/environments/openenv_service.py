@@ -4,30 +4,11 @@ own clients and `openenv validate --url` work against `relay env serve`.
 Owns: `OpenEnvRoutes`: the WebSocket `/ws` (one environment session per connection; messages `reset`, `step`,
 `state`, `close`, `mcp`), `GET /state`, `GET /schema`, `GET /metadata`, `POST /mcp` (JSON-RPC 2.0, `tools/list`), and
 the stateless `POST /reset` / `POST /step` that service.py's routes hand over for bodies of OpenEnv's shape
-(`is_openenv_reset`, `is_openenv_step`). Text actions are `{"message": text}`, observations `{"text": ..., "info":
-{...}}` with `reward` and `done` beside them, as OpenEnv's `serialize_observation` places them.
+(`is_openenv_reset`, `is_openenv_step`; how the two protocols share them: `OpenEnvRoutes`' docstring). Text actions
+are `{"message": text}`, observations `{"text": ..., "info": {...}}` with `reward` and `done` beside them.
 Does not own: sessions, deadlines and limits (sessions.py, whose `Sessions` runs every call here and in relay's
 protocol), the health check and relay's own protocol (service.py), nor the clients (rewards/environments/remote.py,
 openenv_client.py).
-
-Decisions:
-- Both protocols share `/reset` and `/step`, told apart by the body: relay's reset carries `prompt` or `label` and
-  never OpenEnv's `seed` / `episode_id`; relay's step has a string `action`, OpenEnv's an object. Every other reset
-  body (none, `{}`, `{"seed": 1}`, `{"prompt": ..., "episode_id": ...}`) is OpenEnv's; every other step body stays
-  relay's. What relay's client sends is answered as before; only a reset body without `prompt` and `label` (a 422
-  before) changed owner.
-- One pool of sessions: a WebSocket holds one of the service's sessions (sessions.py) from its connection on, and
-  each stateless reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted,
-  answered `CAPACITY_REACHED` and closed, as OpenEnv's server does; a stateless call gets relay's 503. A reset on an
-  open WebSocket starts a new episode on a new environment object (relay's environments are one per episode).
-- Calls keep relay's rules: `step_timeout` (past it: `EXECUTION_ERROR`), an environment that raises gives a generic
-  message (the text goes to the log), an idle connection expires after `session_ttl` (`SESSION_ERROR`, closed).
-- The token guards every route here; a WebSocket without it is refused at the handshake (HTTP 403: uvicorn logs a
-  spurious error for a 401 denial response). Before any of this, service.py's app refuses a handshake from a web
-  page (a foreign `Origin`; browsers apply no CORS to WebSockets) and a stateless POST not declared JSON
-  (rewards/http.py's `BrowserGuard`).
-- `/mcp` lists the tools of an environment with a `tools` mapping (relay's `ToolEnvironment`), none otherwise; it
-  does not call them (`tools/call` is not served: tools run inside an episode's step).
 """
 
 from __future__ import annotations
@@ -178,7 +159,28 @@ class _Connection:
 
 
 class OpenEnvRoutes:
-    """OpenEnv's routes on a service whose sessions are `sessions` (sessions.py); `factory` makes its environments."""
+    """OpenEnv's routes on a service whose sessions are `sessions` (sessions.py); `factory` makes its environments.
+
+    Decisions:
+    - Both protocols share `/reset` and `/step`, told apart by the body: relay's reset carries `prompt` or `label`
+      and never OpenEnv's `seed` / `episode_id`; relay's step has a string `action`, OpenEnv's an object. Every other
+      reset body (none, `{}`, `{"seed": 1}`, `{"prompt": ..., "episode_id": ...}`) is OpenEnv's; every other step
+      body stays relay's. What relay's client sends is answered as before; only a reset body without `prompt` and
+      `label` (a 422 before) changed owner.
+    - One pool of sessions: a WebSocket holds one of the service's sessions (sessions.py) from its connection on, and
+      each stateless reset or step one for the call, all within `max_sessions`. At capacity a WebSocket is accepted,
+      answered `CAPACITY_REACHED` and closed, as OpenEnv's server does; a stateless call gets relay's 503. A reset on
+      an open WebSocket starts a new episode on a new environment object (relay's environments are one per episode).
+    - Calls keep relay's rules: `step_timeout` (past it: `EXECUTION_ERROR`), an environment that raises gives a
+      generic message (the text goes to the log), an idle connection expires after `session_ttl` (`SESSION_ERROR`,
+      closed).
+    - The token guards every route here; a WebSocket without it is refused at the handshake (HTTP 403: uvicorn logs a
+      spurious error for a 401 denial response). Before any of this, service.py's app refuses a handshake from a web
+      page (a foreign `Origin`; browsers apply no CORS to WebSockets) and a stateless POST not declared JSON
+      (rewards/http.py's `BrowserGuard`).
+    - `/mcp` lists the tools of an environment with a `tools` mapping (relay's `ToolEnvironment`), none otherwise; it
+      does not call them (`tools/call` is not served: tools run inside an episode's step).
+    """
 
     def __init__(self, sessions: Sessions, factory: Callable[[], Environment], *, token: str | None,
                  max_body_bytes: int):

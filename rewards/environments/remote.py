@@ -2,33 +2,12 @@
 
 Owns: `RemoteEnvironments` (opens episode sessions on the service's replicas: new sessions round-robin, each
 session sticks to the URL that created it; at most `max_concurrency` requests in flight; a deadline per request;
-retries with full-jitter exponential backoff; validation of every reply; metrics), `RemoteEnvironmentError`, and
-what the OpenEnv client (rewards/environments/openenv_client.py) shares with it: `LoopClient` (a client's life
-around its private loop), `LoopSession` (sequential calls on a session) and `check_arguments`.
+retries with full-jitter exponential backoff, and what is retried: its docstring; validation of every reply;
+metrics), `RemoteEnvironmentError`, and what the OpenEnv client (rewards/environments/openenv_client.py) shares
+with it: `LoopClient` (a client's life around its private loop), `LoopSession` and `check_arguments`.
 Does not own: the failure policy (the episode loop, actors/episodes.py, marks the episode failed on
 `RemoteEnvironmentError`; cluster/run/scoring.py stops the run or drops the group), nor the service side
-(rewards/environments/service.py), nor the plumbing every client shares (rewards/http.py: the retry loop, token
-scrubbing and the reading of a reply's status, the private event loop, the token and where it may travel, the
-finite-number check).
-
-Decisions:
-- As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`)
-  with one `httpx.AsyncClient`, so connections are reused, each request gets a hard deadline (`asyncio.wait_for`:
-  httpx's timeouts are per read), and sessions can be driven from any event loop (each call hops to the private
-  one).
-- Retried: connection refused or reset, timeouts, 5xx (503: the service is full; 504: the call ran past its
-  `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
-  raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is safe
-  because the request carries its `turn`: the service answers a repeated (session, turn) with its first reply, or
-  waits for the first attempt's call, and never applies the action twice. Not retried: 4xx (401 token, 404 unknown or
-  expired session, 409 turn out of order, 413, 422), which the same request would get again.
-- A retried `reset` goes to the next URL (a dead replica costs one retry). It is not idempotent: a reset whose
-  reply was lost leaves a session on the service that expires after its `session_ttl`.
-- `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the
-  session anyway.
-- The bearer token is read once, kept only in the client's default headers, and scrubbed from every message, whole
-  before any cut; a URL that would carry it in clear text (plain http to another machine) is refused unless
-  `allow_plain_http_token`.
+(rewards/environments/service.py), nor the plumbing every client shares (rewards/http.py).
 """
 
 from __future__ import annotations
@@ -117,6 +96,25 @@ class RemoteEnvironments(LoopClient, Redacting):
     backoff, backoff_max: retries of one call, the first delay doubling up to backoff_max, full jitter.
     max_concurrency: requests in flight over all URLs. token_env: environment variable holding the bearer token.
     allow_plain_http_token: send it over plain http to a host that is not loopback anyway (else refused).
+
+    Decisions:
+    - As in rewards/remote.py, requests run on a private asyncio event loop in a daemon thread (`EventLoopThread`)
+      with one `httpx.AsyncClient`, so connections are reused, each request gets a hard deadline (`asyncio.wait_for`:
+      httpx's timeouts are per read), and sessions can be driven from any event loop (each call hops to the private
+      one).
+    - Retried: connection refused or reset, timeouts, 5xx (503: the service is full; 504: the call ran past its
+      `step_timeout`) and malformed replies; not a 5xx whose JSON body says `"retryable": false` (the environment
+      raised: the service keeps that reply for the turn, so a retry would only get it again). Retrying a step is
+      safe because the request carries its `turn`: the service answers a repeated (session, turn) with its first
+      reply, or waits for the first attempt's call, and never applies the action twice. Not retried: 4xx (401 token,
+      404 unknown or expired session, 409 turn out of order, 413, 422), which the same request would get again.
+    - A retried `reset` goes to the next URL (a dead replica costs one retry). It is not idempotent: a reset whose
+      reply was lost leaves a session on the service that expires after its `session_ttl`.
+    - `close` never raises `RemoteEnvironmentError`: a failed close is logged and counted; the service expires the
+      session anyway.
+    - The bearer token is read once, kept only in the client's default headers, and scrubbed from every message,
+      whole before any cut; a URL that would carry it in clear text (plain http to another machine) is refused
+      unless `allow_plain_http_token`.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.25,

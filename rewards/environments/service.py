@@ -1,39 +1,14 @@
-"""The reference environment service (docs/environments.md): any in-process environment class over HTTP.
+"""The reference environment service (docs/environments.md, "The protocol": its sessions, idempotent steps, deadlines,
+status codes and expiry): any in-process environment class over HTTP.
 
 Owns: `create_app` (a FastAPI app speaking the remote environment protocol: `GET /health`, `POST /reset`,
-`POST /step`, `POST /close`; sessions, idempotent steps, deadlines, limits, optional bearer token) and
-`app_from_spec` (the app for a `package.module:Class` spec, what `relay env serve` runs). Serving is
-rewards/service.py's `run_app` / `run_in_thread`, shared with the verifier service; the bearer-token check, FastAPI's
-pages behind it, body reading and the guard against web pages (`BrowserGuard`) are rewards/http.py's, shared with it
-too; the pool of sessions, their deadlines and
-expiry and the error reply are rewards/environments/sessions.py's, shared with OpenEnv's protocol.
-Does not own: OpenEnv's protocol on the same app (rewards/environments/openenv_service.py: `/ws`, `/state`,
-`/schema`, `/metadata`, `/mcp`, and the `/reset` / `/step` bodies of OpenEnv's shape, which the routes here hand
-over), environments (rewards/environments/interface.py runs them, `InProcessEnvironments`), nor the client
-(rewards/environments/remote.py).
-
-Decisions:
-- Each session is one `InProcessEnvironments` session: its own environment object, every call in a pool of
-  `workers` threads, so a slow episode holds one thread and not the others.
-- Idempotent steps: a step carries its `turn` (0, 1, ...). A new turn is applied once and its call kept; the same
-  (session, turn) again gets that call's reply (waiting for it if it still runs), never a second application.
-  Any other turn is 409.
-- Deadlines: a reply waits at most `step_timeout` for its call (counted from the request's arrival), else 504. The
-  call goes on (Python cannot stop a thread): a retry of the same turn waits for it again and gets its reply once
-  it finishes. A reset past the deadline discards its session (its environment is closed when the call returns),
-  and the client's retry opens a new one. `GET /health` answers 503 once `workers` calls are past their deadline
-  and unfinished, so clients and load balancers see the replica is stalled.
-- An environment that raises, or returns something that is not a valid `StepResult`, gives a generic 500 whose body
-  says `"retryable": false` (the client does not retry it: the turn's kept reply would be the same 500): the
-  exception's text may hold data the client should not see, so it goes to the service's log, with the session id.
-  The session takes no further turn.
-- Sessions end on `/close` (idempotent: unknown ids are fine), and expire after `session_ttl` seconds idle (no
-  call running). Ending one closes its environment (its `close()`, if any) in the background, after its last call
-  has finished. At most `max_sessions` exist at once: a reset beyond that gets 503, which the client retries.
-- One app speaks both relay's protocol and OpenEnv's: `/reset` and `/step` tell them apart by the body's shape
-  (openenv_service.py's decisions), and both protocols' sessions count against `max_sessions`. `GET /health`
-  answers `{"status": "healthy"}` (503 `unhealthy` when stalled), the words of OpenEnv's `HealthStatus`, which
-  `openenv validate` checks; relay's client reads only the status code.
+`POST /step`, `POST /close`; optional bearer token; `/reset` and `/step` bodies of OpenEnv's shape handed to
+OpenEnv's routes on the same app) and `app_from_spec` (the app for a `package.module:Class` spec, what `relay env
+serve` runs). An environment that raises gives a generic 500 with `"retryable": false` (its text goes to the log).
+Does not own: serving (rewards/service.py's `run_app` / `run_in_thread`), the token check, body reading and the
+guard against web pages (rewards/http.py), the pool of sessions, their deadlines and expiry and the error reply
+(rewards/environments/sessions.py), OpenEnv's protocol (rewards/environments/openenv_service.py), environments
+(rewards/environments/interface.py), nor the client (rewards/environments/remote.py).
 """
 
 from __future__ import annotations
@@ -118,8 +93,8 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     `Origin` is refused, WebSockets included, as are POSTs not declared `application/json` and, on loopback, other
     hosts' names (rewards/http.py's `BrowserGuard`).
 
-    Long on purpose: the routes are closures over the app's state (the environments or the verifier, the token),
-    each a few lines, written where FastAPI registers them."""
+    Long because the app's route table reads in one place: the routes are closures over its state (the sessions,
+    the token), each a few lines, written where FastAPI registers them."""
     if min(max_sessions, workers, max_body_bytes) < 1 or not (session_ttl > 0 and step_timeout > 0):
         raise ValueError("max_sessions, session_ttl, step_timeout, workers and max_body_bytes must be positive")
     origins = allowed_origins(allow_origins)
@@ -152,16 +127,8 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
     openenv = OpenEnvRoutes(sessions, factory, token=token, max_body_bytes=max_body_bytes)
     openenv.add_routes(app, read)
 
-    @app.exception_handler(ErrorReply)
-    async def error_reply(_: Request, reply: ErrorReply):
-        headers = {"WWW-Authenticate": "Bearer"} if reply.status == 401 else None
-        body = {"detail": reply.detail} if reply.retryable else {"detail": reply.detail, "retryable": False}
-        return JSONResponse(body, status_code=reply.status, headers=headers)
-
-    @app.exception_handler(ValidationError)
-    async def invalid_body(_: Request, err: ValidationError):
-        detail = err.errors(include_url=False, include_input=False, include_context=False)
-        return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
+    app.add_exception_handler(ErrorReply, _error_reply)
+    app.add_exception_handler(ValidationError, _invalid_body)
 
     @app.get("/health")
     async def health():
@@ -211,6 +178,17 @@ def create_app(factory: Callable[[], Environment], *, token: str | None = None, 
 
     guard_docs(app, token)
     return app
+
+
+async def _error_reply(_: Request, reply: ErrorReply) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if reply.status == 401 else None
+    body = {"detail": reply.detail} if reply.retryable else {"detail": reply.detail, "retryable": False}
+    return JSONResponse(body, status_code=reply.status, headers=headers)
+
+
+async def _invalid_body(_: Request, err: ValidationError) -> JSONResponse:
+    detail = err.errors(include_url=False, include_input=False, include_context=False)
+    return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

@@ -2,22 +2,13 @@
 ids of a tool's answer in the chat template's own format (docs/environments.md, "Tool calling through the chat
 template").
 
-Owns: `ToolCall`, `parse_tool_calls` (the Hermes / Qwen2.5 format, `<tool_call>\\n{"name": ..., "arguments": {...}}
-\\n</tool_call>`) and `ToolCallError`; `load_tools` (`package.module:function` specs -> functions by name) and
-`tool_schemas` (their JSON schemas, for `apply_chat_template(..., tools=...)`); `ToolEnvironment` (runs the calls,
-scores the final answer with a verifier); `ChatObservations` and `end_of_turn_id` (an observation as the token ids
-that follow a model's turn, from the tokenizer's chat template); `calculate`, an example tool.
+Owns: `ToolCall`, `parse_tool_calls` (the Hermes / Qwen2.5 format) and `ToolCallError`; `load_tools` (`package.module:
+function` specs -> functions by name) and `tool_schemas` (their JSON schemas, for `apply_chat_template(..., tools=
+...)`); `ToolEnvironment` (runs the calls, scores the final answer; a model's mistake is an observation, a broken
+setup raises); `ChatObservations` and `end_of_turn_id` (an observation as the token ids that follow a model's turn,
+rendered by the tokenizer's chat template, earlier turns never re-encoded); `calculate`, an example tool.
 Does not own: the episode loop (generation, stop tokens, masking, `rollout.max_turns`, counting `env/invalid_calls`
 from `info`), the environment interface (rewards/environments/interface.py), verifiers (rewards/verifiers.py).
-
-Decisions:
-- A model's mistake (a malformed call, an unknown tool, arguments the function does not take, a tool that raises)
-  is an observation `error: ...` with `info["invalid_call"] = True`: the episode goes on and the model may retry.
-  A broken setup (a tool spec that does not load, a verifier that raises on the label) raises, as an environment
-  must (docs/environments.md).
-- Observations are rendered by the tokenizer's own chat template, one small conversation per observation, and only
-  the text after the model's end-of-turn token is tokenised: earlier turns are never re-encoded (token in, token
-  out). The text ends with the template's generation prompt, so the engine goes on with the next assistant turn.
 """
 
 from __future__ import annotations
