@@ -55,11 +55,13 @@ class LoraServing:
     rank: int
     alpha: float
     targets: tuple[str, ...]  # module names (`learner.lora.lora_targets`)
+    max_loras: int = 1  # adapters served at once under their own names (`load_adapters`); 1: the run's alone
 
 
 # vLLM's allowed `max_lora_rank` values (vllm.config.lora.MaxLoRARanks): an engine takes the smallest that fits.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-LORA_ID = 1  # one adapter, reloaded in place at each load: requests name it by this id
+LORA_ID = 1  # the run's adapter, reloaded in place at each load: requests name it by this id
+RUN_ADAPTER = "relay"  # its name; other names are further adapters served beside it (`load_adapters`)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _device_args(settings: EngineSettings, cpu: bool) -> dict[str, Any]:
     else:
         args["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if settings.lora is not None:
-        args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+        args.update(enable_lora=True, max_loras=settings.lora.max_loras, max_cpu_loras=settings.lora.max_loras,
                     max_lora_rank=next(r for r in MAX_LORA_RANKS if r >= settings.lora.rank))
     if settings.tensor_parallel_size > 1:
         # The shards run as Ray workers in the bundles of the placement group this actor was started in (its child
@@ -148,8 +150,9 @@ class VllmEngine:
             # op that takes microseconds eagerly. Process-wide, as the engine is its process's reason to be.
             torch._dynamo.config.disable = True
         self._lora = settings.lora
-        self._lora_dir: str | None = None  # where loads write the adapters (tmpfs), made by the first load
-        self.lora_request = None  # what every request names once adapters are loaded; before, the base serves
+        # Adapters by name: where loads write them (tmpfs, made by each one's first load) and what requests name.
+        self._adapters: dict[str, tuple[str, Any]] = {}
+        self.lora_request = None  # what every request names once the run's adapters are loaded; before, the base
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
         # vLLM's start collects the whole heap five times (each a walk over what importing torch, transformers and
@@ -203,11 +206,12 @@ class VllmEngine:
         """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n]."""
         return self.sample(prompt_ids, [Request(n, temperature, top_p, max_tokens, seed) for seed in seeds])
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request]
+    def sample(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request], adapter: str | None = None
                ) -> list[list[SampledCompletion]]:
         """`generate` with each prompt's own sampling settings, in one engine batch: returns [prompts][its n].
         Requests are scheduled in order, so the first one's `cached_prompt_tokens` counts only what the prefix cache
-        held before the call.
+        held before the call. `adapter`: the name of the adapters to sample with (`load_adapters`); None: the run's
+        (or the base, before any load).
 
         vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
         would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
@@ -221,7 +225,8 @@ class VllmEngine:
                                  stop_token_ids=list(r.stop_token_ids) or None)
                   for r in requests]
         prompts = [_tokens_prompt(ids, r.cache_salt) for ids, r in zip(prompt_ids, requests)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        lora_request = self.lora_request if adapter is None else self._adapters[adapter][1]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         texts = iter(self.tokenizer.batch_decode([c.token_ids for out in outputs for c in out.outputs],
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
@@ -346,27 +351,46 @@ class VllmEngine:
             self.llm.collective_rpc("relay_reload_weights", kwargs={"path": tmp})
 
     def _load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write the adapters as a peft directory (tmpfs) and have every worker load it in place of the one it
-        serves, once (`load_inplace`); requests then name it without reloading it. The whole modules trained beside
-        them (`learner.lora.modules_to_save`: vLLM's LoRA serves none for causal LMs) are loaded into the base in
-        place, as whole weights are; the rest of the base stays as loaded."""
-        from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
-
+        """The run's adapters (`load_adapters` under `RUN_ADAPTER`), which every request then names. The whole
+        modules trained beside them (`learner.lora.modules_to_save`: vLLM's LoRA serves none for causal LMs) are
+        loaded into the base in place, as whole weights are; the rest of the base stays as loaded."""
         adapters, whole = split_whole_modules(named_tensors)
         if whole:
             self._load_whole(whole)
-        if self._lora_dir is None:  # the adapters' config is the run's: written once, beside every load's weights
-            self._lora_dir = tempfile.mkdtemp(prefix="relay-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                              else None)
-            lora = self._lora
-            config = adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path)
-            with open(os.path.join(self._lora_dir, ADAPTER_CONFIG_FILE), "w") as f:
-                json.dump(config, f)
-        save_file({k: v.contiguous() for k, v in adapters.items()}, os.path.join(self._lora_dir, ADAPTER_WEIGHTS_FILE))
-        if not self.llm.llm_engine.add_lora(LoRARequest("relay", LORA_ID, self._lora_dir, load_inplace=True)):
-            raise RuntimeError(f"vLLM did not load the adapters written to {self._lora_dir}")
-        self.lora_request = LoRARequest("relay", LORA_ID, self._lora_dir)
+        self.lora_request = self.load_adapters(adapters.items())
+
+    def load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], name: str = RUN_ADAPTER,
+                      serving: LoraServing | None = None) -> Any:
+        """Write adapters (peft's names) as a peft directory of their own (tmpfs) and have every worker load it in
+        place of what `name` served, once (`load_inplace`); requests that name it (`sample(adapter=name)`) then use
+        them without reloading. `serving`: their rank and alpha when they are not the engine's (`settings.lora`);
+        at most `settings.lora.max_loras` names at once. Returns vLLM's request for them."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if name not in self._adapters:  # the adapters' config: written once, beside every load's weights
+            if len(self._adapters) >= self._lora.max_loras:
+                raise ValueError(f"the engine serves {self._lora.max_loras} adapters at most; forget one first")
+            lora = serving or self._lora
+            if lora.rank > self._lora.rank:
+                raise ValueError(f"adapters of rank {lora.rank} exceed the engine's {self._lora.rank}")
+            directory = tempfile.mkdtemp(prefix="relay-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+                json.dump(adapter_config(list(lora.targets), lora.rank, lora.alpha, self.settings.model_path), f)
+            lora_id = LORA_ID if name == RUN_ADAPTER else max([LORA_ID, *(r.lora_int_id for _, r in
+                                                                          self._adapters.values())]) + 1
+            self._adapters[name] = directory, LoRARequest(name, lora_id, directory)
+        directory, request = self._adapters[name]
+        save_file({k: v.contiguous() for k, v in named_tensors}, os.path.join(directory, ADAPTER_WEIGHTS_FILE))
+        if not self.llm.llm_engine.add_lora(LoRARequest(name, request.lora_int_id, directory, load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the adapters written to {directory}")
+        return request  # the caller resets the prefix cache (`reset_prefix_cache`): its keys name no version
+
+    def forget_adapters(self, name: str) -> None:
+        """Stop serving the adapters `name` (`load_adapters`); their slot is free again."""
+        directory, request = self._adapters.pop(name)
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(directory, ignore_errors=True)
 
     @property
     def num_ranks(self) -> int:
@@ -410,8 +434,8 @@ class VllmEngine:
             destroy_model_parallel()
             destroy_distributed_environment()
             del self.llm
-            if self._lora_dir is not None:
-                shutil.rmtree(self._lora_dir, ignore_errors=True)
+            for directory, _ in self._adapters.values():
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def _tokens_prompt(ids: Sequence[int], cache_salt: str | None) -> Any:

@@ -2,9 +2,11 @@
 relay's verified sync (every tensor's fingerprint checked against the learner's, sync/verify.py), and `asample` samples
 from that worker, every sequence tagged with the weights version it came from.
 
-Owns: each model's `rollout.num_workers` rollout workers (started by cluster/fleet/placement.py's `RolloutLauncher`
-at the model's first save, serving its LoRA rank), sampling sessions (id -> model and weights version), the
-`SampleResponse` protobuf the SDK reads. Does not own: the engine (actors/), the models' learners
+Owns: which engines serve which model — LoRA models whose adapters are all they train share one pool of
+`rollout.num_workers` `AdapterServer`s (vLLM's multi-LoRA, `ADAPTER_SLOTS` models), the others (whole modules trained
+beside the adapters, full fine-tuning, models beyond the slots) get `rollout.num_workers` `RolloutWorker`s each; all
+started by cluster/fleet/placement.py's `RolloutLauncher` at first need. Sampling sessions (id -> model and weights
+version), the `SampleResponse` protobuf the SDK reads. Does not own: the engines (actors/), the learners
 (cluster/tinker/models.py).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,7 @@ BUCKET_BYTES = 64 * 2**20
 
 
 BASE = "base"  # the worker of the base model alone (`create_sampling_client(base_model=...)`), among the model ids
+ADAPTER_SLOTS = 8  # LoRA models whose adapters a pool serves at once; a model beyond them gets engines of its own
 
 
 @dataclass
@@ -40,7 +43,10 @@ class Samplers:
 
     def __init__(self, runs: TrainingRuns, config: Any):
         self.runs, self.config = runs, config  # config: the served RunConfig (rollout settings, timeouts)
-        self.workers: dict[str, list[Any]] = {}  # model id -> its `rollout.num_workers` workers
+        self.workers: dict[str, list[Any]] = {}  # model id (BASE, a pool's key) -> its `rollout.num_workers` workers
+        self.pooled: dict[str, str] = {}  # model id -> the key of the pool that serves its adapters
+        # Whole modules trained beside the adapters are loaded into the base, which the pool's models share.
+        self.poolable = not config.learner.lora.modules_to_save
         self.served: dict[str, int] = {}  # model id -> the weights version its worker holds
         self.sessions: dict[str, SamplingSession] = {}
         # model id -> the samples asked for while its worker was busy: (prompt, settings, seed, where the group goes)
@@ -54,14 +60,22 @@ class Samplers:
 
         from sync.verify import check_loaded
 
-        workers = self.workers.get(run.model_id) or await asyncio.to_thread(self._start_workers, run)
-        self.workers[run.model_id] = workers
+        key = self.pooled.get(run.model_id) or self._pool_with_room(run) or run.model_id
+        pooled = key != run.model_id
+        if key not in self.workers:
+            self.workers[key] = await asyncio.to_thread(self._start_pool if pooled else self._start_workers, run)
+        workers = self.workers[key]
+        if pooled:
+            self.pooled[run.model_id] = key
         version = await self.runs.call(run, "weights_version")
         if self.served.get(run.model_id) != version:
             self.served.pop(run.model_id, None)  # until every worker holds the new version
             buckets = [ray.put(bucket) for bucket in await self.runs.call(run, "export_weights", BUCKET_BYTES)]
             expected = await self.runs.call(run, "weights_fingerprint")
-            loaded = await asyncio.gather(*(w.load_weights.remote(version, *buckets) for w in workers))
+            alpha = self.config.learner.lora.model_copy(update={"rank": run.lora_rank}).scale_alpha
+            loaded = await asyncio.gather(*(
+                w.load.remote(run.model_id, version, run.lora_rank, alpha, *buckets) if pooled else
+                w.load_weights.remote(version, *buckets) for w in workers))
             for i, fingerprints in enumerate(loaded):
                 check_loaded(f"sampler {i}", fingerprints, version, expected)
             self.served[run.model_id] = version
@@ -80,15 +94,39 @@ class Samplers:
         return session_id
 
     def _start_workers(self, run: TrainingRun | None) -> list[Any]:
-        """`rollout.num_workers` rollout workers serving `run`'s LoRA rank on the base, or (None) the base alone;
-        their engines load at once."""
+        """`rollout.num_workers` rollout workers serving `run`'s LoRA rank on the base (or its whole weights), or
+        (None) the base alone; their engines load at once."""
+        return self._start(run.lora_rank if run is not None else 0, None)
+
+    def _pool_with_room(self, run: TrainingRun) -> str | None:
+        """The key of the pool for `run`'s adapters (`pool:<rank>`: one per rank vLLM's LoRA kernels are sized by,
+        the smallest that holds `run`'s), None where they cannot share one: whole modules trained beside them, full
+        fine-tuning, or a pool whose slots are taken."""
+        from actors.engine import MAX_LORA_RANKS
+
+        if not self.poolable or run.lora_rank == 0:
+            return None
+        key = f"pool:{next(r for r in MAX_LORA_RANKS if r >= run.lora_rank)}"
+        return key if list(self.pooled.values()).count(key) < ADAPTER_SLOTS else None
+
+    def _start_pool(self, run: TrainingRun) -> list[Any]:
+        """A pool: `rollout.num_workers` `AdapterServer`s, each serving `ADAPTER_SLOTS` models' adapters of ranks up
+        to the pool's."""
+        from actors.adapter_server import AdapterServer
+
+        return self._start(int(self._pool_with_room(run).removeprefix("pool:")), AdapterServer)
+
+    def _start(self, rank: int, cls: type | None) -> list[Any]:
         import ray
 
         from cluster.fleet.placement import RolloutLauncher
 
-        lora = self.config.learner.lora.model_copy(update={"rank": run.lora_rank if run is not None else 0})
+        lora = self.config.learner.lora.model_copy(update={"rank": rank})
         config = self.config.model_copy(update={"learner": self.config.learner.model_copy(update={"lora": lora})})
-        launcher = RolloutLauncher(config, self.runs.model_path)
+        launcher = RolloutLauncher(config, self.runs.model_path, rollout_cls=cls)
+        if cls is not None:
+            launcher.settings = replace(launcher.settings, lora=replace(launcher.settings.lora,
+                                                                        max_loras=ADAPTER_SLOTS))
         workers = [launcher.start(launcher.reserve([])) for _ in range(self.config.rollout.num_workers)]
         ray.get([w.__ray_ready__.remote() for w in workers], timeout=self.config.timeouts.start)
         return workers
@@ -147,7 +185,8 @@ class Samplers:
     async def _drain(self, model_id: str) -> None:
         """Sample what is queued for `model_id`, a batch per sampling settings shared out among its workers (in
         contiguous shares, as even as can be), until nothing is."""
-        workers = self.workers[model_id]
+        pooled = model_id in self.pooled
+        workers = self.workers[self.pooled.get(model_id, model_id)]
         try:
             while self.queued.get(model_id):
                 batch = self.queued.pop(model_id)
@@ -157,8 +196,8 @@ class Samplers:
                 for settings, items in by_settings.items():
                     n = min(len(workers), len(items))
                     cuts = [len(items) * k // n for k in range(n + 1)]
-                    await asyncio.gather(*(_generate(workers[k], items[cuts[k]:cuts[k + 1]], settings)
-                                           for k in range(n)))
+                    await asyncio.gather(*(_generate(workers[k], items[cuts[k]:cuts[k + 1]], settings,
+                                                     model_id if pooled else None) for k in range(n)))
         finally:
             self.draining.discard(model_id)
 
@@ -171,11 +210,15 @@ class Samplers:
         self.workers.clear()
 
 
-async def _generate(worker: Any, items: list[tuple[list[int], Any, int, asyncio.Future]], settings: Any) -> None:
+async def _generate(worker: Any, items: list[tuple[list[int], Any, int, asyncio.Future]], settings: Any,
+                    adapters: str | None) -> None:
     """`worker`'s samples of `items` (prompt, settings, seed, where the group goes), each to its future; an error
-    to every one of them."""
+    to every one of them. `adapters`: the model whose adapters a pool worker samples with (None: a model's own
+    worker)."""
+    prompts, seeds = [i[0] for i in items], [i[2] for i in items]
     try:
-        groups = await worker.generate.remote([i[0] for i in items], [i[2] for i in items], settings)
+        groups = await (worker.generate.remote(prompts, seeds, settings) if adapters is None else
+                        worker.generate.remote(adapters, prompts, seeds, settings))
     except Exception as err:  # noqa: BLE001 (each request's client gets it)
         for *_, done in items:
             if not done.done():

@@ -269,6 +269,17 @@ def test_two_models_train_at_once_without_mixing(served, training):
     assert logprobs(other) != other_before
     training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     assert logprobs(training) != before
+    # Both models' adapters on the same engine (their ranks 4 and 2 share a pool: vLLM's multi-LoRA): each samples
+    # with its own, the engine's logprobs of its samples are its learner's.
+    for client in (training, other):
+        sampler = client.save_weights_and_get_sampling_client().result()
+        prompt = tinker.ModelInput.from_ints(tokens[:answer_at])
+        for seq in sampler.sample(prompt, 3, tinker.SamplingParams(max_tokens=3, seed=5)).result().sequences:
+            row = tokens[:answer_at] + list(seq.tokens)
+            forward = client.forward([tinker.Datum(model_input=tinker.ModelInput.from_ints(row[:-1]),
+                                                   loss_fn_inputs={"target_tokens": row[1:]})], "cross_entropy")
+            learner = forward.result().loss_fn_outputs[0]["logprobs"].tolist()[answer_at - 1:]
+            assert list(seq.logprobs) == pytest.approx(learner, abs=1e-4)
 
 
 @pytest.mark.parametrize("loss", ["dro", "gspo"])
