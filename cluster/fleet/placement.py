@@ -34,6 +34,10 @@ from sync.calls import RunError, get
 # logprobs) returns inline to the driver up to 1 MiB, instead of through the object store above Ray's default 100 KB
 # (docs/benchmarks.md, scale simulation).
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
+# Restarts of a frozen model's process (the reference without `refresh_every`, the teacher, a reward model not trained
+# during the run) before a death stops the run; stateful ones (the learner, a refreshed reference, a trained reward
+# model) stop it at the first, with the checkpoint to resume from.
+RESTARTS = 3
 
 
 @dataclass
@@ -386,9 +390,14 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
     pg = _reserve(bundles, "PACK", config.timeouts.start, "the learner, reference, teacher and reward models",
                   "lower the num_cpus/num_gpus of learner, reference or teacher, or check learner.resources")
 
-    def options(index: int, threads: int, cpus: float, gpus: float, name: str) -> dict[str, Any]:
+    def options(index: int, threads: int, cpus: float, gpus: float, name: str, frozen: bool = False
+                ) -> dict[str, Any]:
+        # A frozen model holds nothing a restart would lose: Ray restarts its process in its bundle and runs the
+        # calls it was running again (`RESTARTS`); the run goes on, its results the same.
+        restarts = RESTARTS if frozen else 0
         return {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": actor_runtime_env(threads, name),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                "max_restarts": restarts, "max_task_retries": restarts}
 
     # No max_restarts on learner ranks: a restarted rank could not rejoin its process group.
     ranks = ["learner"] if lc.num_ranks == 1 else [f"learner rank {rank}" for rank in range(lc.num_ranks)]
@@ -398,19 +407,22 @@ def start_core(config: RunConfig, model_path: str, launcher: RolloutLauncher) ->
     first = lc.num_ranks
     reference = None
     if spec.reference is not None:
-        reference = ray.remote(ReferenceWorker).options(**options(first, rc.num_threads, rc.num_cpus,
-                                                                  rc.num_gpus, "reference")).remote(*spec.reference)
+        reference = ray.remote(ReferenceWorker).options(**options(
+            first, rc.num_threads, rc.num_cpus, rc.num_gpus, "reference", frozen=not rc.refresh_every)
+        ).remote(*spec.reference)
         first += 1
     teacher = None
     if spec.teacher is not None:
         teacher = ray.remote(ReferenceWorker).options(**options(first, tc.num_threads, tc.num_cpus,
-                                                                tc.num_gpus, "teacher")).remote(*spec.teacher)
+                                                                tc.num_gpus, "teacher", frozen=True)
+                                                        ).remote(*spec.teacher)
         first += 1
     reward_models = {}
     for i, (name, (cls, args, kwargs)) in enumerate(spec.reward_models.items()):
         s = config.reward.sources[name]
+        frozen = "training" not in kwargs  # not fine-tuned during the run
         reward_models[name] = ray.remote(cls).options(**options(first + i, s.num_threads, s.num_cpus, s.num_gpus,
-                                                                f"reward model '{name}'")) \
+                                                                f"reward model '{name}'", frozen=frozen)) \
             .remote(*args, **kwargs)
     return Fleet(group.rank0, reference, [], pg, launcher, reward_models, group, teacher=teacher)
 

@@ -1,7 +1,8 @@
 """Faults through the real loop. A rollout worker process killed mid-generation and a worker that hangs past its
 deadline are replaced, given the current weights, and their prompts re-dispatched: the run's rewards are exactly
 those of a run without the fault (same seeds), so nothing is lost. A non-finite update is skipped and counted, K in a
-row stop the run. A killed learner or reference stops the run with one line and the checkpoint to resume from."""
+row stop the run. A killed frozen reference is restarted and the run is the one without the fault; a killed learner
+stops the run with one line and the checkpoint to resume from."""
 
 from __future__ import annotations
 
@@ -117,9 +118,9 @@ def test_non_finite_updates_in_a_row_stop_the_run_with_one_line(ray_local, tmp_p
             "learner.max_nonfinite_steps=2", f"reward.sources.c.verifier={__name__}:overflowing_reward")
 
 
-def kill_actor_process(class_name: str, when, timeout: float = 300) -> threading.Thread:
+def kill_actor_process(class_name: str, when, timeout: float = 300, killed: list | None = None) -> threading.Thread:
     """From a thread: once `when()` holds, SIGKILL the Ray worker process hosting `class_name` (its process title is
-    `ray::<class_name>...`), as an OOM kill or a lost node would."""
+    `ray::<class_name>...`), as an OOM kill or a lost node would; the pids it killed go to `killed`."""
     import psutil
 
     def killer():
@@ -129,17 +130,39 @@ def kill_actor_process(class_name: str, when, timeout: float = 300) -> threading
         for proc in psutil.process_iter(["cmdline"]):
             if any(part.startswith(f"ray::{class_name}") for part in proc.info["cmdline"] or []):
                 proc.kill()
+                (killed if killed is not None else []).append(proc.pid)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     return thread
 
 
-@pytest.mark.parametrize("class_name, phase", [("Learner", "train|sync"), ("ReferenceWorker", "reference")])
-def test_a_dead_learner_or_reference_stops_the_run_with_a_checkpoint_to_resume(ray_local, tmp_path, demo_model_dir,
-                                                                              class_name, phase):
+def steps_recorded(metrics) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_a_killed_reference_is_restarted_and_the_run_is_the_one_without_the_fault(ray_local, tmp_path,
+                                                                                 demo_model_dir, clean_run):
+    # The frozen reference's process dies (SIGKILL, as an OOM kill would) after step 2: Ray restarts it in its bundle
+    # and runs its call again (cluster/fleet/placement.py, RESTARTS). A fleet of its own (no pool): a restarted
+    # process runs the constructor it was first started with, which a pooled fleet may have re-initialised since.
+    killed: list[int] = []
+    thread = kill_actor_process("ReferenceWorker", lambda: steps_recorded(tmp_path / "ref" / "metrics.jsonl") >= 2,
+                                killed=killed)
+    config = load_config(None, [f"run_dir={tmp_path / 'ref'}", f"model.path={demo_model_dir}", "max_steps=4",
+                                "data.prompts_per_step=8", "rollout.num_workers=2"])
+    records = run_training(config, tmp_path / "ref", str(demo_model_dir), display=False)
+    thread.join(timeout=60)
+    assert killed  # the fault happened
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("reward/mean", "kl/mean", "response_length/mean", "loss/policy"):  # the same run, bit for bit
+        assert [r[key] for r in records] == [r[key] for r in clean_run], key
+
+
+def test_a_dead_learner_stops_the_run_with_a_checkpoint_to_resume(ray_local, tmp_path, demo_model_dir):
+    class_name, phase = "Learner", "train|sync"
     metrics = tmp_path / "dead" / "metrics.jsonl"
-    thread = kill_actor_process(class_name, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    thread = kill_actor_process(class_name, lambda: steps_recorded(metrics) >= 3)
     started = time.monotonic()
     with pytest.raises(RunError) as err:
         run(tmp_path, demo_model_dir, "dead", None, "max_steps=40", "rollout.num_workers=1", "checkpoint.every=2")
