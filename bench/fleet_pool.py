@@ -1,6 +1,6 @@
 """What the tests' pool saves (`ParkingPool`, tests/fleets.py): the same short demo run made several times from one
-process, on a fresh fleet each time and on the fleet the previous run parked (docs/operations.md, "Several runs from
-one process").
+process, on a fresh fleet each time and on the fleet the previous run parked (docs/contributing.md, "The fleet
+pool").
 
     python bench/fleet_pool.py [--runs 3] [--steps 3] [key=value ...]
 
