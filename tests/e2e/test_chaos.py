@@ -1,0 +1,38 @@
+"""bench/chaos.py at a small size: the learner's or the driver's process SIGKILLed after step 2 of a 4-step demo run
+(`relay train`, a checkpoint every 2 steps) stops the run; `relay train ... resume=auto` then finishes it, every step
+recorded once, and every step's reward, KL, loss and length are those of the run without the fault (exact resume).
+A killed rollout worker or reference needs no resume: tests/cluster/test_faults.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.chaos import COMPARED, killer, records, settings_args, train  # noqa: E402
+
+ARGS = settings_args(workers=1, asynchronous=False, steps=4, overrides=[])
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("chaos") / "clean"
+    assert train(run_dir, ARGS) == 0
+    return records(run_dir)
+
+
+@pytest.mark.parametrize("kind", ["learner", "driver"])
+def test_a_killed_learner_or_driver_resumes_to_the_run_without_the_fault(tmp_path, clean, kind):
+    run_dir, killed = tmp_path / kind, []
+    assert train(run_dir, ARGS, kill=killer(kind, run_dir, after_step=2, delay=0.1, killed=killed)) != 0
+    assert killed and len(records(run_dir)) < 4  # the fault happened, and stopped the run
+    assert train(run_dir, ARGS, resume=True) == 0
+    got = records(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for key in COMPARED:
+        assert [r[key] for r in got] == [r[key] for r in clean], key
