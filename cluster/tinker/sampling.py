@@ -52,6 +52,7 @@ class Samplers:
         # model id -> the samples asked for while its worker was busy: (prompt, settings, seed, where the group goes)
         self.queued: dict[str, list[tuple[list[int], Any, int, asyncio.Future]]] = {}
         self.draining: set[str] = set()  # model ids whose worker is sampling a batch of them now
+        self.placing = asyncio.Lock()  # held while a save picks its engines (and starts them)
 
     async def save(self, run: TrainingRun) -> str:
         """Sync `run`'s current adapters to its workers (started first if need be) and open a sampling session on
@@ -60,13 +61,14 @@ class Samplers:
 
         from sync.verify import check_loaded
 
-        key = self.pooled.get(run.model_id) or self._pool_with_room(run) or run.model_id
-        pooled = key != run.model_id
-        if key not in self.workers:
-            self.workers[key] = await asyncio.to_thread(self._start_pool if pooled else self._start_workers, run)
+        async with self.placing:  # two models' first saves: one pool started, its slots counted once each
+            key = self.pooled.get(run.model_id) or self._pool_with_room(run) or run.model_id
+            pooled = key != run.model_id
+            if pooled:
+                self.pooled[run.model_id] = key
+            if key not in self.workers:
+                self.workers[key] = await asyncio.to_thread(self._start_pool if pooled else self._start_workers, run)
         workers = self.workers[key]
-        if pooled:
-            self.pooled[run.model_id] = key
         version = await self.runs.call(run, "weights_version")
         if self.served.get(run.model_id) != version:
             self.served.pop(run.model_id, None)  # until every worker holds the new version
@@ -86,9 +88,10 @@ class Samplers:
     async def base_session(self, owner: str) -> str:
         """A sampling session of tenant `owner` on the base model alone (its own workers, started at the first such
         session)."""
-        if BASE not in self.workers:
-            self.workers[BASE] = await asyncio.to_thread(self._start_workers, None)
-            self.served[BASE] = 0
+        async with self.placing:
+            if BASE not in self.workers:
+                self.workers[BASE] = await asyncio.to_thread(self._start_workers, None)
+                self.served[BASE] = 0
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = SamplingSession(BASE, 0, owner)
         return session_id
@@ -114,7 +117,7 @@ class Samplers:
         to the pool's."""
         from actors.adapter_server import AdapterServer
 
-        return self._start(int(self._pool_with_room(run).removeprefix("pool:")), AdapterServer)
+        return self._start(int(self.pooled[run.model_id].removeprefix("pool:")), AdapterServer)
 
     def _start(self, rank: int, cls: type | None) -> list[Any]:
         import ray
