@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--dir", type=Path, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--only", type=int, nargs="+", help="run only these faults (the draws stay the seed's)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -114,6 +115,8 @@ def main() -> None:
     clean: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     rows = []
     for n, (kind, workers, asynchronous, after_step, delay) in enumerate(draws):
+        if args.only and n not in args.only:
+            continue
         run_args = settings_args(workers, asynchronous, args.steps, args.overrides)
         if (workers, asynchronous) not in clean:
             clean_dir = root / f"clean-{workers}-{int(asynchronous)}"

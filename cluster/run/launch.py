@@ -284,7 +284,7 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
         model_path = model_path or _demo_model(config)
         resolved_config, resolved = _write_config(config, run_dir)
         recorder = MetricsRecorder(run_dir, config.logging, resolved_config.model_dump(mode="json"),
-                                   resume_step=point.step if point else None)
+                                   resume_step=point.step if point else 0 if config.resume else None)
         cleanup.callback(lambda: recorder.close(failed=not finished))
         try:
             control = start_control(str(run_dir))
