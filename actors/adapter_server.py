@@ -15,8 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from actors.engine import EngineSettings, Request, VllmEngine
-from actors.rollout_types import Rollout, RolloutGroups, SamplingSettings
+from actors.engine import EngineSettings, VllmEngine
+from actors.rollout import engine_requests, to_rollout
+from actors.rollout_types import RolloutGroups, SamplingSettings
 from sync.receive import Loaded, Weights, fingerprints, received
 from sync.startup import mark
 
@@ -32,7 +33,6 @@ class AdapterServer:
         torch.set_num_threads(num_threads)
         self.fingerprint = fingerprint
         self.engine = VllmEngine(settings)
-        self.tokenizer = self.engine.tokenizer
         self.versions: dict[str, int] = {}  # adapter name -> the weights version it serves
         mark("ready")
 
@@ -57,12 +57,9 @@ class AdapterServer:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         started, version = time.time(), self.versions[name]
-        requests = [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                            seed, sampling.cache_salt, sampling.stop, sampling.stop_token_ids) for seed in seeds]
         ids = [[int(t) for t in p] for p in prompts]
-        groups = self.engine.sample(ids, requests, adapter=name)
-        result = RolloutGroups([Rollout(p, c.response_ids, c.logprobs, c.text, c.finish_reason, version) for c in g]
-                               for p, g in zip(ids, groups))
+        groups = self.engine.sample(ids, engine_requests(sampling, seeds), adapter=name)
+        result = RolloutGroups([to_rollout(p, c, version) for c in g] for p, g in zip(ids, groups))
         result.clock = (started, time.time())
         return result
 

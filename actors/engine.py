@@ -152,7 +152,6 @@ class VllmEngine:
         self._lora = settings.lora
         # Adapters by name: where loads write them (tmpfs, made by each one's first load) and what requests name.
         self._adapters: dict[str, tuple[str, Any]] = {}
-        self.lora_request = None  # what every request names once the run's adapters are loaded; before, the base
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         torch_linear = self._cpu and wants_torch_linear(settings, self._in_process)
         # vLLM's start collects the whole heap five times (each a walk over what importing torch, transformers and
@@ -357,7 +356,12 @@ class VllmEngine:
         adapters, whole = split_whole_modules(named_tensors)
         if whole:
             self._load_whole(whole)
-        self.lora_request = self.load_adapters(adapters.items())
+        self.load_adapters(adapters.items())
+
+    @property
+    def lora_request(self) -> Any:
+        """What every request names once the run's adapters are loaded (`RUN_ADAPTER`); None before: the base."""
+        return self._adapters[RUN_ADAPTER][1] if RUN_ADAPTER in self._adapters else None
 
     def load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], name: str = RUN_ADAPTER,
                       serving: LoraServing | None = None) -> Any:

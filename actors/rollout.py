@@ -88,15 +88,15 @@ class RolloutWorker:
             result = RolloutGroups(episodes)
             result.env_wait_s = env_wait_s
         else:
-            requests = [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                                seed, sampling.cache_salt, sampling.stop, sampling.stop_token_ids) for seed in seeds]
+            requests = engine_requests(sampling, seeds)
             if in_batch:
                 probe_ids, probe_request = self._probe_request(*probe)
                 [[c], *groups] = self.engine.sample([probe_ids, *prompt_ids], [probe_request, *requests])
                 probed = self._probe_sample(probe_ids, c)
             else:
                 groups = self.engine.sample(prompt_ids, requests)
-            result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+            result = RolloutGroups([to_rollout(ids, c, self.weights_version) for c in group]
+                                   for ids, group in zip(prompt_ids, groups))
         result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
         return result
 
@@ -145,7 +145,8 @@ class RolloutWorker:
                                                cache_salt=sampling.cache_salt)
         if last and last[0].probe is not None:  # the engine still serves it: nothing loads between requests
             loads[-1] = (loads[-1][0], self.score_probe(*last[0].probe, cache_check=False), True)
-        result = RolloutGroups([self._rollout(ids, c) for c in group] for ids, group in zip(prompt_ids, groups))
+        result = RolloutGroups([to_rollout(ids, c, self.weights_version) for c in group]
+                               for ids, group in zip(prompt_ids, groups))
         result.loads, result.clock = loads, (started, time.time())
         return result
 
@@ -230,11 +231,18 @@ class RolloutWorker:
         return [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [int(t) for t in p]
                 for p in prompts]
 
-    def _rollout(self, prompt_ids: list[int], c: SampledCompletion) -> Rollout:
-        if c.versions is None:
-            return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, self.weights_version)
-        first = c.versions[0] if c.versions else self.weights_version
-        return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, first, c.versions)
+def engine_requests(sampling: SamplingSettings, seeds: Sequence[int]) -> list[Request]:
+    """One engine request per prompt, prompt i with seed i, each with `sampling`'s settings."""
+    return [Request(sampling.group_size, sampling.temperature, sampling.top_p, sampling.max_new_tokens, seed,
+                    sampling.cache_salt, sampling.stop, sampling.stop_token_ids) for seed in seeds]
+
+
+def to_rollout(prompt_ids: list[int], c: SampledCompletion, version: int) -> Rollout:
+    """A completion as a `Rollout` of weights `version` (the first token's, with in-flight updates' `versions`)."""
+    if c.versions is None:
+        return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, version)
+    first = c.versions[0] if c.versions else version
+    return Rollout(prompt_ids, c.response_ids, c.logprobs, c.text, c.finish_reason, first, c.versions)
 
 
 class Offer(NamedTuple):

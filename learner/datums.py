@@ -73,10 +73,24 @@ def clip_thresholds(config: Mapping[str, float]) -> tuple[float, float]:
     return config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
 
 
-def check_datum(datum: Datum, loss_fn: str, config: Mapping[str, float]) -> None:
+def check_loss(loss_fn: str, config: Mapping[str, float]) -> None:
+    """A one-line `ValueError` for a loss this learner does not have, a `loss_fn_config` key `loss_fn` does not read,
+    or clip thresholds out of order. The service asks it before queueing a request, the learner before its passes."""
+    if loss_fn not in DATUM_LOSSES:
+        raise ValueError(f"loss_fn {loss_fn!r} is not supported; use one of {sorted(DATUM_LOSSES)}")
+    if unknown := sorted(set(config) - LOSS_CONFIG_KEYS[loss_fn]):
+        raise ValueError(f"loss_fn_config {unknown} is not read by {loss_fn}; give only "
+                         f"{sorted(LOSS_CONFIG_KEYS[loss_fn]) or 'nothing'}")
+    low, high = clip_thresholds(config)
+    if not 0 <= low <= 1 <= high:
+        raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
+                         "clip_high_threshold")
+
+
+def check_datum(datum: Datum, loss_fn: str) -> None:
     """A one-line `ValueError` for a datum `loss_fn` cannot take: targets or per-token inputs of another length than
-    the input, a policy loss without advantages and the sampler's logprobs, clip thresholds out of order. The losses
-    (`DATUM_LOSSES`) take only datums checked here."""
+    the input, a policy loss without advantages and the sampler's logprobs. The losses (`DATUM_LOSSES`) take only
+    datums checked here, with a loss and config `check_loss` passed."""
     n = len(datum.input_ids)
     if len(datum.target_ids) != n:
         raise ValueError(f"target_tokens has {len(datum.target_ids)} tokens for a model_input of {n}; give one "
@@ -88,11 +102,6 @@ def check_datum(datum: Datum, loss_fn: str, config: Mapping[str, float]) -> None
                              "token")
     if loss_fn != "cross_entropy" and (datum.advantages is None or datum.behavior_logprobs is None):
         raise ValueError(f"{loss_fn} needs loss_fn_inputs 'advantages' and 'logprobs' (the sampler's)")
-    if "clip_low_threshold" in LOSS_CONFIG_KEYS[loss_fn]:
-        low, high = clip_thresholds(config)
-        if not 0 <= low <= 1 <= high:
-            raise ValueError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
-                             "clip_high_threshold")
 
 
 def _row(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
@@ -131,10 +140,9 @@ class DatumLearner:
         """Every datum's target logprobs ([B][N]) and the summed loss (`loss:sum`); with `forward_only` False the
         loss's gradient is added to the parameters' (nothing steps). A one-line `ValueError` for an unknown loss or
         a malformed datum, before any gradient changes."""
-        if loss_fn not in DATUM_LOSSES:
-            raise ValueError(f"loss_fn {loss_fn!r} is not supported; use one of {sorted(DATUM_LOSSES)}")
+        check_loss(loss_fn, config or {})
         for datum in datums:
-            check_datum(datum, loss_fn, config or {})
+            check_datum(datum, loss_fn)
         rows, total = [], 0.0
         # Passes of several datums (right-padded: a row's real tokens see nothing after them), within the learner's
         # micro-batch limits, each pass's gradient added before the next: every datum was checked above, so a

@@ -163,7 +163,7 @@ class Routes:
         try:
             fb = read_forward_backward(await read_body(request, MAX_BODY) or b"", self.vocab_size)
             run = self.runs.get(fb.model_id, request.state.tenant)
-            check_loss(fb, self.max_context)
+            check_forward_backward(fb, self.max_context)
         except (UserError, WireError) as err:
             return self.failed(request, err)
 
@@ -334,20 +334,15 @@ def refused(err: Exception) -> Any:
     return JSONResponse({"detail": str(err), "category": "user"}, status_code=400)
 
 
-def check_loss(fb: Any, max_context: int | None) -> None:
-    """A `UserError` for a `forward_backward` whose loss, loss config or datums' lengths this server cannot take."""
-    from learner.datums import DATUM_LOSSES, LOSS_CONFIG_KEYS, clip_thresholds
+def check_forward_backward(fb: Any, max_context: int | None) -> None:
+    """A `UserError` for a `forward_backward` whose loss, loss config (`learner.datums.check_loss`) or datums'
+    lengths this server cannot take."""
+    from learner.datums import check_loss
 
-    if fb.loss_fn not in DATUM_LOSSES:
-        raise UserError(f"loss_fn {fb.loss_fn!r} is not supported by relay serve yet; use one of "
-                        f"{sorted(DATUM_LOSSES)}")
-    if unknown := sorted(set(fb.config) - LOSS_CONFIG_KEYS[fb.loss_fn]):
-        raise UserError(f"loss_fn_config {unknown} is not read by {fb.loss_fn}; give only "
-                        f"{sorted(LOSS_CONFIG_KEYS[fb.loss_fn]) or 'nothing'}")
-    low, high = clip_thresholds(fb.config)
-    if not 0 <= low <= 1 <= high:
-        raise UserError(f"clip thresholds ({low}, {high}) must satisfy 0 <= clip_low_threshold <= 1 <= "
-                        "clip_high_threshold")
+    try:
+        check_loss(fb.loss_fn, fb.config)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     if max_context is not None and (longest := max(len(d.input_ids) for d in fb.datums)) > max_context:
         raise UserError(f"a datum has {longest} tokens, over the model's context of {max_context}; shorten it")
 
