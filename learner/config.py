@@ -49,6 +49,23 @@ class LoraConfig(_Section):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
 
+class FastPathsConfig(_Section):
+    head_chunk_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """Run the output head and the log-softmax over this many of a pass's tokens at a time, each chunk's logits
+    recomputed in the backward (`learner.passes.head`): a pass never holds its whole [tokens x vocabulary] logits.
+    The same logprobs, entropies and gradients up to the head's summation order (bit for bit when one chunk holds
+    the pass; bounds: tests/unit/test_fast_paths.py). Qwen2, Qwen3, Llama and Mistral heads; others run the whole
+    logits. Empty: the whole pass's logits at once (the CPU's vocabularies are small: docs/benchmarks.md)."""
+    fused_adamw: bool = False
+    """torch's fused AdamW kernel (`fused=True`: one kernel per step for all parameters, on CPUs and GPUs), where
+    torch has it for the device and dtype. The same update up to rounding (within 2 ulps of each weight plus 2^-20
+    x lr: tests/unit/test_fast_paths.py)."""
+    metrics_on_device: bool = False
+    """Keep each pass's metrics where they are computed and read them once per minibatch, and weigh passes by token
+    counts taken from host memory: no `.item()` per pass. The same metrics and update bit for bit (the same float64
+    sums in the same order)."""
+
+
 class LearnerConfig(_Section):
     num_cpus: float = Field(0.5, gt=0, le=1024)
     """CPUs Ray reserves for the learner."""
@@ -191,6 +208,8 @@ class LearnerConfig(_Section):
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of full fine-tuning (`lora.rank` > 0)."""
+    fast_paths: FastPathsConfig = FastPathsConfig()
+    """Faster ways to run the same passes and update (docs/benchmarks.md, "GPU learner", measures each)."""
 
     @model_validator(mode="before")
     @classmethod

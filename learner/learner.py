@@ -23,13 +23,23 @@ import numpy as np
 import torch
 
 from learner.algo.advantages import AdvantageInputs, distill_log_ratios
-from learner.algo.losses import aggregate, micro_batch_weight
+from learner.algo.losses import aggregate
 from learner.batch import StepTensors, TrainBatch, per_token_rewards
 from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
 from learner.distributed import DataParallel, clip_grad_norm
 from learner.lora import adapter_dropout, adapter_weights, add_adapters, load_adapters, read_adapters, save_adapters
 from learner.objective import correct_rollouts, micro_batch_loss, step_advantages
-from learner.passes.device import compute_in, count_parameters, default_threads, matmuls_in, pick_device, to_cpu
+from learner.passes.device import (
+    compute_in,
+    count_parameters,
+    default_threads,
+    fused_adamw,
+    matmuls_in,
+    pick_device,
+    to_cpu,
+)
+from learner.passes.head import PassScorer
+from learner.passes.metric_sums import MetricSums, denominators, pass_weights
 from learner.passes.micro_batches import MicroBatching
 from learner.passes.sequences import (
     SequenceBatch,
@@ -37,8 +47,6 @@ from learner.passes.sequences import (
     pad_per_token,
     pad_sequences,
     prompt_rounds,
-    sequence_logprobs,
-    sequence_logprobs_and_entropy,
     shared_prompts,
     sharing,
     tail_lengths,
@@ -128,6 +136,7 @@ class Learner(WeightPublisher):
         # With LoRA the reference (the initial policy) is the base: the learner computes its logprobs itself with the
         # adapters disabled, and no reference actor holds a second copy of the base (the driver starts none).
         self.base_reference = self.lora and (config.kl_coef > 0 or config.kl_reward_coef > 0)
+        self.scorer = PassScorer(config.fast_paths.head_chunk_tokens)  # the plain path, or the head in chunks
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0
@@ -142,7 +151,8 @@ class Learner(WeightPublisher):
         groups = [{"params": [p for name, p in named if ".modules_to_save." not in name]}]
         if whole:
             groups.append({"params": whole, "lr": cfg.lora.modules_lr or cfg.lr})
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                           fused=fused_adamw(cfg.fast_paths.fused_adamw, named))
         self.scheduler = warmup_schedule(self.optimizer, cfg.warmup_steps)
 
     def open_process_group(self, host: str, timeout_s: float) -> int:
@@ -196,7 +206,7 @@ class Learner(WeightPublisher):
         @torch.no_grad()
         def compute(part: SequenceBatch) -> torch.Tensor:
             with self._compute():
-                return sequence_logprobs(self.model, part, temperature, prompts, self.batching.pack)
+                return self.scorer.logprobs(self.model, part, temperature, prompts, self.batching.pack)
 
         return self.dp.compute_rows(batch, compute, self.batching,
                                     tail_lengths(batch) if prompts is not None else None)
@@ -327,48 +337,46 @@ class Learner(WeightPublisher):
         With several ranks, this rank runs its share of the minibatch `b_idx`, weighted against the whole minibatch;
         gradients and metrics are summed over ranks before the norm and the skip decision, so all ranks agree."""
         b_mask = step.batch.loss_mask[b_idx]  # the trained tokens: every share and denominator counts these
-        totals: dict[str, float] = {}
-
-        def add(name: str, value: torch.Tensor | float, weight: float) -> None:
-            totals[name] = totals.get(name, 0.0) + float(value) * weight
-
+        on_device = self.config.fast_paths.metrics_on_device
+        whole = denominators(b_mask) if on_device else b_mask
+        sums = MetricSums(on_device)
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
         with adapter_dropout(self.model, self.lora and self.config.lora.dropout > 0):
             for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
                 for mb_idx, live in passes:
-                    self._micro_batch_backward(step, mb_idx, live, b_mask, prompts, add)
+                    self._micro_batch_backward(step, mb_idx, live, whole, prompts, sums)
                 if prompts is not None:  # the prompts' own backward, once
                     with matmuls_in(self.device, self.compute_dtype):
                         prompts.backward()
         self.dp.reduce_gradients([self.model, self.critic.model] if self.critic else [self.model])
-        return self._optimizer_step(self.dp.sum_metrics(totals))
+        return self._optimizer_step(self.dp.sum_metrics(sums.totals()))
 
-    def _micro_batch_backward(self, step: StepTensors, mb_idx: torch.Tensor, live: bool, b_mask: torch.Tensor,
-                              prompts: Any, add: Callable[[str, torch.Tensor | float, float], None]) -> None:
-        """One pass: the micro-batch's loss, weighted into the minibatch's, backward; its metrics go to `add`."""
+    def _micro_batch_backward(self, step: StepTensors, mb_idx: torch.Tensor, live: bool, whole: Any, prompts: Any,
+                              sums: MetricSums) -> None:
+        """One pass: the micro-batch's loss, weighted into the minibatch's (`whole`: its mask, or its denominators
+        on the device), backward; its metrics go to `sums`."""
         cfg = self.config
         mb = step.batch.select(mb_idx)
         width = mb.response_mask.shape[1]
-        mb_mask = mb.loss_mask
         # The minibatch's loss is the sum over micro-batches (of every rank) of weight x micro-batch loss, for every
-        # mode. A dead pass (ranks run equally many) weighs 0.
-        weight = micro_batch_weight(mb_mask, b_mask, cfg.loss_agg) if live else 0.0
-        token_share = micro_batch_weight(mb_mask, b_mask, "token-mean") if live else 0.0  # token-mean metrics
-        seq_share = micro_batch_weight(mb_mask, b_mask, "seq-mean-token-mean") if live else 0.0  # per sequence
+        # mode; token-mean metrics weigh by the tokens' share, per-sequence ones by the sequences'. A dead pass
+        # (ranks run equally many) weighs 0.
+        weight, token_share, seq_share = pass_weights(mb.loss_mask, whole, cfg.loss_agg, live, sums.on_device)
         with self._compute():
-            logprobs, entropy = sequence_logprobs_and_entropy(self.model, mb, self.temperature, cfg.entropy_coef > 0,
-                                                              prompts, self.batching.pack)
+            logprobs, entropy = self.scorer.logprobs_and_entropy(self.model, mb, self.temperature,
+                                                                 cfg.entropy_coef > 0, prompts, self.batching.pack)
         loss, metrics = micro_batch_loss(cfg, step, mb_idx, mb, logprobs, entropy, self.norm_length)
         with matmuls_in(self.device, self.compute_dtype):
-            (loss * weight).backward()
+            (loss * (weight.float() if isinstance(weight, torch.Tensor) else weight)).backward()
         for name, value in metrics.items():
-            add(name, value, weight if name == "loss/policy" else seq_share if name.startswith("seq_") else token_share)
+            sums.add(name, value,
+                     weight if name == "loss/policy" else seq_share if name.startswith("seq_") else token_share)
         if self.critic:
             for name, value in self.critic.accumulate(mb, step.old_values[mb_idx, :width],
-                                                      step.returns[mb_idx, :width], token_share).items():
-                add(name, value, 1.0)
+                                                      step.returns[mb_idx, :width], float(token_share)).items():
+                sums.add(name, value, 1.0)
 
     def _optimizer_step(self, totals: dict[str, float]) -> dict[str, float]:
         """Clip the gradients and step the optimizers, or skip the update when a metric or a norm is not finite

@@ -3,9 +3,10 @@ how many threads the learner and the reference take.
 
 Owns `pick_device` (the GPU this process sees, else the CPU), `default_threads` (by the model's size, when
 `num_threads` is unset), `compute_in` (mixed precision: float32 parameters computed in bfloat16), `matmuls_in`
-(bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions) and `to_cpu` (a nested state moved to
-host memory for a checkpoint). Here, in `learner/passes/`, because every model pass runs on this device in these
-contexts, and `actors/` may import the pass package but not the learner's training code.
+(bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions), `fused_adamw` (whether torch fuses
+AdamW here) and `to_cpu` (a nested state moved to host memory for a checkpoint). Here, in `learner/passes/`,
+because every model pass runs on this device in these contexts, and `actors/` may import the pass package but not
+the learner's training code.
 Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in
 the actor's process, so its one GPU is `cuda:0` there. One device per process: nothing here spreads a model over
 several GPUs. Imports only torch (and safetensors, to read a model's size).
@@ -105,6 +106,17 @@ class _Float32Matmuls(TorchDispatchMode):
             wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
             return func(*wide, **kwargs).to(torch.bfloat16)
         return func(*args, **kwargs)
+
+
+def fused_adamw(asked: bool, named: list[tuple[str, torch.nn.Parameter]]) -> bool | None:
+    """AdamW's `fused` argument: True when asked (`learner.fast_paths.fused_adamw`) and torch has the fused kernel
+    for the device of every parameter in `named`; None (torch's own choice) otherwise."""
+    if not asked:
+        return None
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    return True if all(p.device.type in devices and p.is_floating_point() for _, p in named) else None
 
 
 def to_cpu(state: Any) -> Any:
