@@ -1,20 +1,23 @@
-"""The learner's training step on a GPU: tokens/s, MFU and peak memory of relay's `Learner.train_step`, and two
-checks that need the device.
+"""The learner's training step on a GPU: s/step, tokens/s, MFU, peak memory, kernels and the device's idle share of
+relay's `Learner.train_step`, one variant per faster path (`learner.fast_paths`, the token budget) and all of them,
+each against a plain transformers loop; and two checks that need the device.
 
-Usage: python bench/gpu_learner.py [--device cuda|cpu] [--size 0.5b|tiny] [--steps N] [--out PATH]
-`--size 0.5b` (the default: 97 s for the four variants on one H200, docs/benchmarks.md): a Qwen2 of Qwen2.5-0.5B's
-shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings: 494M parameters)
-with random weights, saved to a temporary directory that `Learner` loads; each step 8 prompts of 256 tokens x 8
-completions whose lengths are drawn (seeded, uniform) from 128-2048 tokens, the learner's passes cut at 8192 tokens
-(configs/gpu_gsm8k_single.yaml's then; 4096 since `relay plan` sized it for 80 GB GPUs at 1.5B).
-`--size tiny`: 2 layers of hidden 128 (4 heads of 32), vocabulary 1024, 4 prompts of 32 tokens x 4 completions of
-16-128, passes of 1024 tokens: seconds on a CPU, for the tests.
-Four variants, each a fresh `Learner` on the same batches: bfloat16 on float32 master weights (`model.dtype=bfloat16`,
-`learner.master_dtype=float32`: the learner's autocast), packed (`learner.pack_sequences`) or padded passes, full
-fine-tuning or LoRA (rank 32 at 0.5b, every linear projection of every layer: relay's `learner.lora`). GRPO,
-one minibatch (one forward and backward per token, no separate old-logprobs pass), the KL in the loss, prompts shared
-(`learner.share_prompts`), as a run has them. One untimed warm-up step, then `--steps` timed ones (the GPU
-synchronised around each).
+Usage: python bench/gpu_learner.py [--device cuda|cpu] [--size 0.5b|tiny|demo|25m] [--steps N] [--variants a,b,..]
+                                   [--dtype bfloat16|float32] [--no-plain-loop] [--out PATH]
+`--size 0.5b` (the default): a Qwen2 of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
+vocabulary 151936, tied embeddings: 494M parameters) with random weights, saved to a temporary directory that
+`Learner` loads; each step 8 prompts of 256 tokens x 8 completions whose lengths are drawn (seeded, uniform) from
+128-2048 tokens, passes cut at 8192 tokens unless a variant asks `relay plan` (cluster/plan.py) for the largest budget
+the device holds. `--size tiny`: 2 layers of hidden 128, vocabulary 1024, 4 prompts of 32 tokens x 4 completions of
+16-128, passes of 1024 tokens: seconds on a CPU, for the tests. `demo`, `25m`: the CPU's learner steps (the demo's
+model and bench/vs_trl.py's 25M shape, character vocabulary, 32 prompts x 8 short completions).
+Variants (`VARIANTS`), each a fresh `Learner` on the same batches, `--dtype` (bfloat16: the learner's autocast) on
+float32 master weights, GRPO, one minibatch (one forward and backward per token, no separate old-logprobs pass), the
+KL in the loss, prompts shared and passes packed as a run has them: `plain` (today's paths), one per technique (`a`
+the budget of relay plan, `b` the head in chunks, `d` metrics on the device, `f` fused AdamW), `all` (together),
+`padded`, `lora`, `lora-all`. The plain loop (`plain_step`): padded passes of the same budget, `model(...)` under
+autocast, log-softmax, backward, fused AdamW: no relay code. One untimed warm-up step, then `--steps` timed ones
+(the GPU synchronised around each), then one under torch.profiler for the kernels and the idle share.
 
 Columns: tokens/s counts every row's prompt and response tokens (what the batch holds). Model FLOPs per step count
 the tokens relay must compute: each distinct prompt once (prompts shared) and every response token, never padding, so
@@ -25,7 +28,8 @@ N_adapter (the frozen base still runs its forward and carries gradients back thr
 computes no weight gradients). MFU: those FLOPs per second over the device's dense bfloat16 peak (`PEAK_TFLOPS`; n/a
 for devices not in it, the CPU among them). Peak memory: `torch.cuda.max_memory_allocated` over the variant on a
 GPU; on the CPU the process's peak resident memory so far (the learner's `memory/learner_peak_mb`), which only grows
-from one variant to the next.
+from one variant to the next. Kernels/step: the device's kernels in the profiled step; GPU idle: 1 - the union of
+their intervals / the step's wall time (`launch_profile`; n/a on a CPU).
 
 Checks (after the first variant's steps, on its trained weights; a failure exits 1 with one line saying which):
 - fingerprints: `sync.fingerprint` of every weight on the device equals that of its host copy, for the float32
@@ -34,9 +38,9 @@ Checks (after the first variant's steps, on its trained weights; a failure exits
 - packing: one packed and one padded pass over the first `check_prompts` groups (`batched_logprobs`, whole rows)
   give the same logprobs of every response token, within `TOLERANCES`, in bfloat16 (the learner's autocast) and in
   float32.
-Imports only torch, numpy, transformers, peft and the standard library, with relay's `learner/` and `sync/`, which
-import nothing more (pydantic for the config): the GPU machines have neither Ray nor vLLM
-(tests/unit/test_gpu_learner_bench.py checks it).
+Imports only torch, numpy, transformers, peft and the standard library, with relay's `learner/` and `sync/`, and
+cluster/plan.py for technique a, which import nothing more (pydantic and yaml for the config): the GPU machines have
+neither Ray nor vLLM (tests/unit/test_gpu_learner_bench.py checks it).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learner.config import LearnerConfig, LoraConfig  # noqa: E402
+from learner.config import FastPathsConfig, LearnerConfig, LoraConfig  # noqa: E402
 from learner.learner import Learner, TrainBatch  # noqa: E402
 from learner.passes.device import compute_in, pick_device  # noqa: E402
 from learner.passes.sequences import MicroBatching, batched_logprobs, pad_sequences, sharing  # noqa: E402
@@ -84,17 +88,52 @@ class Size:
     budget: int  # learner.max_tokens_per_micro_batch
     lora_rank: int
     check_prompts: int  # groups in the packed-against-padded check
+    head_chunk: int = 4096  # learner.fast_paths.head_chunk_tokens in the variants that chunk the head
 
 
 SIZES = {
     "0.5b": Size(896, 24, 14, 2, 4864, 151936, prompts=8, group=8, prompt_tokens=256, response_tokens=(128, 2048),
                  budget=8192, lora_rank=32, check_prompts=2),
     "tiny": Size(128, 2, 4, 2, 256, 1024, prompts=4, group=4, prompt_tokens=32, response_tokens=(16, 128),
-                 budget=1024, lora_rank=8, check_prompts=2),
+                 budget=1024, lora_rank=8, check_prompts=2, head_chunk=64),
+    # The CPU's learner steps: the demo's model and bench/vs_trl.py's 25M one (the character vocabulary), a step of
+    # 32 prompts x 8 short completions as the demo samples them.
+    "demo": Size(128, 2, 4, 2, 256, 17, prompts=32, group=8, prompt_tokens=6, response_tokens=(2, 30), budget=1024,
+                 lora_rank=8, check_prompts=2, head_chunk=1024),
+    "25m": Size(512, 8, 8, 4, 1536, 17, prompts=32, group=8, prompt_tokens=6, response_tokens=(2, 64), budget=1024,
+                lora_rank=8, check_prompts=2, head_chunk=1024),
 }
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: relay's learner with these settings (`learner.fast_paths` and the token budget)."""
+
+    name: str
+    packed: bool = True
+    lora: bool = False
+    fast: tuple[tuple[str, object], ...] = ()  # learner.fast_paths overrides
+    plan_budget: bool = False  # passes of the largest budget `relay plan` fits in the device's memory (technique a)
+
+
+ALL_FAST = (("head_chunk_tokens", "size"), ("metrics_on_device", True), ("fused_adamw", True))
+# The first is the one the checks run on; every other row is it with one technique, then all of them together.
+# Techniques c (compile) and e (varlen attention) are not built yet (docs/benchmarks.md).
+VARIANTS = {
+    "plain": Variant("full, packed: plain paths"),
+    "a": Variant("a. passes of relay plan's budget", plan_budget=True),
+    "b": Variant("b. head in chunks", fast=(("head_chunk_tokens", "size"),)),
+    "d": Variant("d. metrics on the device", fast=(("metrics_on_device", True),)),
+    "f": Variant("f. fused AdamW", fast=(("fused_adamw", True),)),
+    "all": Variant("a+b+d+f", fast=ALL_FAST, plan_budget=True),
+    "padded": Variant("full, padded: plain paths", packed=False),
+    "lora": Variant("LoRA, packed: plain paths", lora=True),
+    "lora-all": Variant("LoRA, packed: a+b+d+f", lora=True, fast=ALL_FAST, plan_budget=True),
+}
+# What a CPU's learner may take when a variant asks relay plan for a budget (no GPU to read): the demo's step fits
+# whole, as on a large GPU.
+PLAN_CPU_BYTES = 8 * 2**30
 # (name, packed passes, LoRA); the first is the one the checks run on.
-VARIANTS = [("full, packed", True, False), ("full, padded", False, False),
-            ("LoRA, packed", True, True), ("LoRA, padded", False, True)]
 WARMUP_STEPS = 1
 # Dense bfloat16 peaks in TFLOP/s, by a substring of torch.cuda.get_device_name() (case ignored), first match wins.
 # NVL parts (other clocks and power) and anything else unlisted get no MFU.
@@ -137,13 +176,37 @@ def draw_batch(size: Size, seed: int) -> TrainBatch:
     return TrainBatch(prompts, responses, uniform, rewards, size.group, ref_logprobs=uniform)
 
 
-def learner_config(size: Size, packed: bool, lora: bool) -> LearnerConfig:
+def learner_config(size: Size, packed: bool, lora: bool, variant: Variant | None = None,
+                   budget: int | None = None) -> LearnerConfig:
     """Near configs/gpu_gsm8k_single.yaml's learner (lr 1e-6, token-mean loss, clip-higher, the KL in the loss), but
     one minibatch (one forward and backward per token, no old-logprobs pass), no rollout correction, no warm-up. With
-    `lora`, relay's `learner.lora`: rank `size.lora_rank`, alpha 2 x rank, every linear layer of the blocks."""
-    return LearnerConfig(lr=1e-6, warmup_steps=0, master_dtype="float32", max_tokens_per_micro_batch=size.budget,
-                         pack_sequences=packed, loss_agg="token-mean", clip_high=0.28, kl_coef=0.001,
-                         lora=LoraConfig(rank=size.lora_rank if lora else 0))
+    `lora`, relay's `learner.lora`: rank `size.lora_rank`, alpha 2 x rank, every linear layer of the blocks. With a
+    `variant`, its `learner.fast_paths` (the head's chunk `size.head_chunk`), and passes of `budget` tokens when
+    given (else `size.budget`)."""
+    fast = {key: size.head_chunk if value == "size" else value for key, value in (variant.fast if variant else ())}
+    return LearnerConfig(lr=1e-6, warmup_steps=0, master_dtype="float32",
+                         max_tokens_per_micro_batch=budget or size.budget, pack_sequences=packed,
+                         loss_agg="token-mean", clip_high=0.28, kl_coef=0.001,
+                         lora=LoraConfig(rank=size.lora_rank if lora else 0), fast_paths=FastPathsConfig(**fast))
+
+
+def plan_budget(size: Size, model_dir: Path, device: torch.device, variant: Variant, dtype: str) -> int:
+    """Technique a: the largest token budget `relay plan` (cluster/plan.py, `fitting_token_budget`) fits in this
+    device's memory for the bench's step (`PLAN_CPU_BYTES` on a CPU), with the variant's fast paths."""
+    from cluster.config import load_config
+    from cluster.plan import ModelShape, fitting_token_budget
+
+    head = size.head_chunk if ("head_chunk_tokens", "size") in variant.fast else None
+    config = load_config(None, [f"model.dtype={dtype}", f"data.prompts_per_step={size.prompts}",
+                                f"rollout.group_size={size.group}", f"data.max_prompt_tokens={size.prompt_tokens}",
+                                f"rollout.max_new_tokens={size.response_tokens[1]}",
+                                f"rollout.max_model_len={size.prompt_tokens + size.response_tokens[1]}",
+                                "learner.num_minibatches=1", "learner.lr=1e-6", "learner.num_gpus=1",
+                                f"learner.lora.rank={size.lora_rank if variant.lora else 0}"]
+                         + ([f"learner.fast_paths.head_chunk_tokens={head}"] if head else []))
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else PLAN_CPU_BYTES
+    step = 1024 if size.budget >= 1024 else 128
+    return fitting_token_budget(config, ModelShape.read(model_dir), memory, step=step) or size.budget
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -202,11 +265,43 @@ def time_steps(learner: Learner, batches: list[TrainBatch]) -> tuple[list[float]
     return seconds, metrics
 
 
-def run_variant(name: str, packed: bool, lora: bool, model_dir: Path, size: Size, batches: list[TrainBatch],
-                peak: float | None) -> tuple[dict, Learner]:
-    """One variant's timed steps: its row of the table, and its learner (for the checks)."""
-    release(pick_device())
-    learner = Learner(str(model_dir), learner_config(size, packed, lora), dtype="bfloat16", seed=0)
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end] intervals (the device's kernels, which may overlap on streams)."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def launch_profile(step, device: torch.device) -> dict:
+    """One call of `step()` under torch.profiler: the kernels the device ran and the share of the step's wall time
+    it ran none (1 - the union of the kernels' intervals / the wall time). On a CPU: None for both (no kernels)."""
+    if device.type != "cuda":
+        return {"kernels": None, "idle_share": None}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    return {"kernels": len(kernels), "idle_share": max(0.0, 1 - busy_seconds(kernels) / wall)}
+
+
+def run_variant(variant: Variant, model_dir: Path, size: Size, batches: list[TrainBatch], peak: float | None,
+                dtype: str, plain_loop: float | None) -> tuple[dict, Learner]:
+    """One variant's timed steps and one profiled step: its row of the table, and its learner (for the checks)."""
+    device = pick_device()
+    release(device)
+    budget = plan_budget(size, model_dir, device, variant, dtype) if variant.plan_budget else size.budget
+    learner = Learner(str(model_dir), learner_config(size, variant.packed, variant.lora, variant, budget), dtype=dtype,
+                      seed=0)
     seconds, metrics = time_steps(learner, batches)
     timed = batches[WARMUP_STEPS:]
     tokens = sum(len(p) + len(r) for batch in timed for p, r in zip(batch.prompt_ids, batch.response_ids))
@@ -217,14 +312,79 @@ def run_variant(name: str, packed: bool, lora: bool, model_dir: Path, size: Size
         memory = torch.cuda.max_memory_allocated(learner.device) / 2**30
     else:
         memory = metrics["memory/learner_peak_mb"] / 1024
-    row = {"variant": name, "packed": packed, "lora": lora, "lora_rank": size.lora_rank if lora else None,
-           "trained_parameters": counts["trained"], "base_parameters": counts["base"],
+    launches = launch_profile(lambda: learner.train_step(timed[-1]), learner.device)
+    per_step = sum(seconds) / len(seconds)
+    row = {"variant": variant.name, "packed": variant.packed, "lora": variant.lora,
+           "lora_rank": size.lora_rank if variant.lora else None, "fast_paths": dict(variant.fast),
+           "budget": budget, "trained_parameters": counts["trained"], "base_parameters": counts["base"],
            "adapter_parameters": counts["adapter"], "steps": len(seconds), "tokens_per_step": tokens / len(timed),
-           "seconds_per_step": sum(seconds) / len(seconds), "step_seconds": seconds,
-           "tokens_per_s": tokens / sum(seconds), "model_tflops_per_step": flops / len(timed) / 1e12,
-           "tflops_per_s": tflops, "mfu": tflops / peak if peak else None, "peak_memory_gib": memory,
+           "seconds_per_step": per_step, "step_seconds": seconds, "vs_plain_loop": plain_loop / per_step
+           if plain_loop else None, "tokens_per_s": tokens / sum(seconds),
+           "model_tflops_per_step": flops / len(timed) / 1e12, "tflops_per_s": tflops,
+           "mfu": tflops / peak if peak else None, "peak_memory_gib": memory, **launches,
            "loss": metrics["loss/policy"], "grad_norm": metrics["grad_norm"]}
     return row, learner
+
+
+def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TrainBatch, budget: int,
+               device: torch.device) -> None:
+    """A hand-written step over `batch`'s rows: padded passes of at most `budget` tokens (shortest rows first, so a
+    pass's longest row is the one joining it), `model(input_ids, attention_mask)` under autocast, log-softmax of the
+    response tokens, their mean, backward, then one fused AdamW step: no relay code."""
+    rows = sorted(zip(batch.prompt_ids, batch.response_ids), key=lambda r: len(r[0]) + len(r[1]))
+    passes, current = [], []
+    for row in rows:
+        longest = len(row[0]) + len(row[1])
+        if current and longest * (len(current) + 1) > budget:
+            passes.append(current)
+            current = []
+        current.append(row)
+    passes.append(current)
+    tokens = sum(len(r) for _, r in rows)
+    for part in passes:
+        length = max(len(p) + len(r) for p, r in part)
+        ids = torch.zeros(len(part), length, dtype=torch.long)
+        mask = torch.zeros(len(part), length, dtype=torch.long)
+        response = torch.zeros(len(part), length - 1)
+        for j, (p, r) in enumerate(part):
+            ids[j, :len(p) + len(r)] = torch.tensor(p + r)
+            mask[j, :len(p) + len(r)] = 1
+            response[j, len(p) - 1:len(p) + len(r) - 1] = 1
+        ids, mask, response = ids.to(device), mask.to(device), response.to(device)
+        with compute_in(device, torch.bfloat16, torch.float32):
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(logprobs * response).sum() / tokens).backward()
+        del logits, logprobs
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def plain_loop(model_dir: Path, size: Size, batches: list[TrainBatch]) -> dict:
+    """The plain loop's row: `plain_step` over the same batches (one warm-up step), and one profiled step."""
+    from transformers import AutoModelForCausalLM
+
+    device = pick_device()
+    release(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    seconds = []
+    for i, batch in enumerate(batches):
+        synchronize(device)
+        start = time.perf_counter()
+        plain_step(model, optimizer, batch, size.budget, device)
+        synchronize(device)
+        if i >= WARMUP_STEPS:
+            seconds.append(time.perf_counter() - start)
+    timed = batches[WARMUP_STEPS:]
+    tokens = sum(len(p) + len(r) for batch in timed for p, r in zip(batch.prompt_ids, batch.response_ids))
+    launches = launch_profile(lambda: plain_step(model, optimizer, timed[-1], size.budget, device), device)
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"variant": "plain loop (transformers, padded, no relay code)",
+            "seconds_per_step": sum(seconds) / len(seconds), "step_seconds": seconds,
+            "tokens_per_step": tokens / len(timed), "tokens_per_s": tokens / sum(seconds), "peak_memory_gib": memory,
+            **launches}  # the model and optimizer are freed on return
 
 
 def check_fingerprints(learner: Learner) -> dict:
@@ -305,25 +465,33 @@ def describe(device: torch.device, size_name: str, size: Size, args: argparse.Na
     return {"device": str(device), "device_name": name, "cpus": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "peft": peft.__version__, "date": time.strftime("%Y-%m-%d"),
             "size": size_name, "shape": asdict(size), "steps": args.steps, "warmup_steps": WARMUP_STEPS,
-            "peak_tflops": peak_tflops(name) if device.type == "cuda" else None}
+            "dtype": args.dtype, "peak_tflops": peak_tflops(name) if device.type == "cuda" else None}
 
 
-def print_table(setup: dict, rows: list[dict], checks: list[dict]) -> None:
+def _cell(value, spec: str, missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def print_table(setup: dict, rows: list[dict], checks: list[dict], plain: dict | None) -> None:
     shape = setup["shape"]
     print(f"\n{setup['device_name']} ({setup['device']}), {setup['cpus']} CPUs, torch {setup['torch']}, transformers "
           f"{setup['transformers']}, peft {setup['peft']}, {setup['date']}; --size {setup['size']}: "
           f"{rows[0]['base_parameters'] / 1e6:.1f}M parameters, {shape['prompts']} prompts of "
           f"{shape['prompt_tokens']} x {shape['group']} responses of {shape['response_tokens'][0]}-"
-          f"{shape['response_tokens'][1]} tokens, passes of {shape['budget']} tokens; bfloat16 on float32 master "
-          f"weights; {setup['steps']} steps after {setup['warmup_steps']} warm-up\n")
+          f"{shape['response_tokens'][1]} tokens; {setup['dtype']} on float32 master weights; {setup['steps']} steps "
+          f"after {setup['warmup_steps']} warm-up\n")
     memory = "peak memory GiB" if setup["device"].startswith("cuda") else "peak RSS GiB (process)"
-    print(f"| variant | trained params | tokens/step | s/step | tokens/s | model TFLOP/s | MFU | {memory} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| variant | passes of | s/step | plain loop's s / this | tokens/s | model TFLOP/s | MFU | {memory} | "
+          f"kernels/step | GPU idle |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    if plain is not None:
+        print(f"| {plain['variant']} | {shape['budget']} | {plain['seconds_per_step']:.3f} | 1.00 | "
+              f"{plain['tokens_per_s']:.0f} | | | {_cell(plain['peak_memory_gib'], '.2f')} | "
+              f"{_cell(plain['kernels'], 'd')} | {_cell(plain['idle_share'], '.0%')} |")
     for r in rows:
-        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        print(f"| {r['variant']} | {r['trained_parameters'] / 1e6:.2f}M | {r['tokens_per_step']:.0f} | "
-              f"{r['seconds_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['tflops_per_s']:.3g} | {mfu} | "
-              f"{r['peak_memory_gib']:.2f} |")
+        print(f"| {r['variant']} | {r['budget']} | {r['seconds_per_step']:.3f} | {_cell(r['vs_plain_loop'], '.2f')} | "
+              f"{r['tokens_per_s']:.0f} | {r['tflops_per_s']:.3g} | {_cell(r['mfu'], '.1%')} | "
+              f"{r['peak_memory_gib']:.2f} | {_cell(r['kernels'], 'd')} | {_cell(r['idle_share'], '.0%')} |")
     for check in checks:
         if check["name"] == "fingerprints":
             print(f"\nfingerprints, {check['tensors']} tensors, float32 and bfloat16, {check['device']} against "
@@ -335,8 +503,9 @@ def print_table(setup: dict, rows: list[dict], checks: list[dict]) -> None:
                   f"{gaps}: {'PASS' if check['passed'] else 'FAIL'}")
 
 
-def write_results(path: Path, setup: dict, rows: list[dict], checks: list[dict]) -> None:
-    path.write_text(json.dumps({"setup": setup, "variants": rows, "checks": checks}, indent=2) + "\n")
+def write_results(path: Path, setup: dict, rows: list[dict], checks: list[dict], plain: dict | None = None) -> None:
+    path.write_text(json.dumps({"setup": setup, "plain_loop": plain, "variants": rows, "checks": checks}, indent=2)
+                    + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,11 +513,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="default: cuda if a GPU is visible, else cpu")
     parser.add_argument("--size", choices=list(SIZES), default="0.5b")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant, after one warm-up step")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}; the first is the one checked")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="model.dtype (the master weights are float32)")
+    parser.add_argument("--plain-loop", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the plain transformers loop first, the rows' reference (default: yes)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     device = choose_device(args.device)
     from transformers.utils import logging as hf_logging
 
@@ -356,31 +534,38 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
     setup = describe(device, args.size, size, args)
     batches = [draw_batch(size, seed) for seed in range(WARMUP_STEPS + args.steps)]
-    rows, checks = [], []
+    rows, checks, plain = [], [], None
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="relay-gpu-learner-") as tmp:
         build_model_dir(size, Path(tmp), device)
-        for number, (name, packed, lora) in enumerate(VARIANTS):
-            row, learner = run_variant(name, packed, lora, Path(tmp), size, batches, setup["peak_tflops"])
+        if args.plain_loop:
+            plain = plain_loop(Path(tmp), size, batches)
+            progress("plain loop", plain, started)
+        for number, key in enumerate(args.variants.split(",")):
+            row, learner = run_variant(VARIANTS[key], Path(tmp), size, batches, setup["peak_tflops"], args.dtype,
+                                       plain["seconds_per_step"] if plain else None)
             rows.append(row)
             if number == 0:
                 checks = [check_fingerprints(learner), check_packing(learner, batches[0], size)]
             del learner
-            # A run cut short by a machine's time limit still leaves the variants it finished.
-            print(f"gpu_learner: {name}: {row['seconds_per_step']:.3f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
-                  f"{row['peak_memory_gib']:.2f} GiB ({time.perf_counter() - started:.0f} s so far)",
-                  file=sys.stderr, flush=True)
-            if args.out is not None:
-                write_results(args.out, setup, rows, checks)
+            progress(row["variant"], row, started)
+            if args.out is not None:  # a run cut short by a machine's time limit still leaves the variants it finished
+                write_results(args.out, setup, rows, checks, plain)
     setup["wall_seconds"] = time.perf_counter() - started
-    print_table(setup, rows, checks)
+    print_table(setup, rows, checks, plain)
     print(f"\n{setup['wall_seconds']:.0f} s in all")
     if args.out is not None:
-        write_results(args.out, setup, rows, checks)
+        write_results(args.out, setup, rows, checks, plain)
     failed = failures(checks)
     for line in failed:
         print(f"gpu_learner: CHECK FAILED: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def progress(name: str, row: dict, started: float) -> None:
+    memory = "" if row["peak_memory_gib"] is None else f", {row['peak_memory_gib']:.2f} GiB"
+    print(f"gpu_learner: {name}: {row['seconds_per_step']:.3f} s/step, {row['tokens_per_s']:.0f} tokens/s{memory} "
+          f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

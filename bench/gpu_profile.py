@@ -1,14 +1,12 @@
-"""Where the learner's GPU step goes: ablations of `learner.share_prompts` and `learner.pack_sequences`, a plain
-transformers loop over the same tokens as a floor, and torch.profiler's top operators of one relay step.
+"""What one relay learner step spends its time on: the profiler's top operators of a step of each variant asked for.
 
-Usage: python bench/gpu_profile.py [--size 0.5b|tiny] [--steps N] [--out DIR] [--no-ablations]
-The model and batches are bench/gpu_learner.py's (`--size`), full fine-tuning in bfloat16 on float32 master weights.
-Rows: relay's `train_step` with prompts shared or not, packed or padded passes (one warm-up step, then `--steps`);
-"plain loop": per pass of at most the learner's token budget (rows sorted by length, padded to the pass's longest),
-`model(input_ids, attention_mask)` under autocast, log-softmax of the response tokens, their mean, backward, then one
-AdamW step: no relay code, what a hand-written trainer would take for the same tokens. Then one relay step (the
-default: shared and packed) under torch.profiler: its top operators by device time and by CPU time, written to
-`--out` (profile.txt, trace.json.gz) when given. Imports what bench/gpu_learner.py imports.
+Usage: python bench/gpu_profile.py [--size 0.5b|tiny|demo|25m] [--variants plain,all] [--dtype bfloat16] [--out DIR]
+The model, batches and variants are bench/gpu_learner.py's (`--size`; `--variants` of its VARIANTS: `plain`, today's
+paths, one per technique, `all` for them together), full fine-tuning on float32 master weights. Per variant: one
+warm-up step, then one step under torch.profiler: its top operators by device time and by CPU time, its kernels and
+the share of the step the device ran none (gpu_learner's `launch_profile` counts them the same way), printed and
+written to `--out` (profile-VARIANT.txt, trace-VARIANT.json.gz) when given. gpu_learner.py times the same variants
+against the plain transformers loop. Imports what bench/gpu_learner.py imports.
 """
 
 from __future__ import annotations
@@ -21,101 +19,64 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_learner import (  # noqa: E402
     SIZES,
+    VARIANTS,
     WARMUP_STEPS,
     build_model_dir,
+    busy_seconds,
     draw_batch,
     learner_config,
+    plain_loop,
+    plan_budget,
     release,
     synchronize,
-    time_steps,
 )
 from learner.learner import Learner, TrainBatch  # noqa: E402
-from learner.passes.device import compute_in, pick_device  # noqa: E402
-
-
-def relay_seconds(model_dir: Path, size, batches: list[TrainBatch], share: bool, pack: bool) -> float:
-    release(pick_device())
-    config = learner_config(size, pack, False).model_copy(update={"share_prompts": share})
-    learner = Learner(str(model_dir), config, dtype="bfloat16", seed=0)
-    seconds, _ = time_steps(learner, batches)
-    del learner
-    return sum(seconds) / len(seconds)
+from learner.passes.device import pick_device  # noqa: E402
 
 
 def plain_seconds(model_dir: Path, size, batches: list[TrainBatch]) -> float:
-    """A hand-written step over the same rows: padded passes of at most `size.budget` tokens, no relay code (its own
-    cut too, not `MicroBatching`: shortest rows first, so a pass's longest row is the one joining it)."""
-    from transformers import AutoModelForCausalLM
-
-    device = pick_device()
-    release(device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
-    seconds = []
-    for i, batch in enumerate(batches):
-        rows = sorted(zip(batch.prompt_ids, batch.response_ids), key=lambda r: len(r[0]) + len(r[1]))
-        passes, current = [], []
-        for row in rows:
-            longest = len(row[0]) + len(row[1])
-            if current and longest * (len(current) + 1) > size.budget:
-                passes.append(current)
-                current = []
-            current.append(row)
-        passes.append(current)
-        synchronize(device)
-        start = time.perf_counter()
-        tokens = sum(len(r) for _, r in rows)
-        for part in passes:
-            length = max(len(p) + len(r) for p, r in part)
-            ids = torch.zeros(len(part), length, dtype=torch.long)
-            mask = torch.zeros(len(part), length, dtype=torch.long)
-            response = torch.zeros(len(part), length - 1)
-            for j, (p, r) in enumerate(part):
-                ids[j, :len(p) + len(r)] = torch.tensor(p + r)
-                mask[j, :len(p) + len(r)] = 1
-                response[j, len(p) - 1:len(p) + len(r) - 1] = 1
-            ids, mask, response = ids.to(device), mask.to(device), response.to(device)
-            with compute_in(device, torch.bfloat16, torch.float32):
-                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            (-(logprobs * response).sum() / tokens).backward()
-            del logits, logprobs
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        if i >= WARMUP_STEPS:
-            seconds.append(time.perf_counter() - start)
-    del model, optimizer
-    return sum(seconds) / len(seconds)
+    """The plain transformers loop's seconds per step (bench/gpu_learner.py's `plain_loop`)."""
+    return plain_loop(model_dir, size, batches)["seconds_per_step"]
 
 
-def profile_step(model_dir: Path, size, batches: list[TrainBatch], out: Path | None) -> str:
+def profile_step(model_dir: Path, size, batches: list[TrainBatch], out: Path | None, key: str = "all",
+                 dtype: str = "bfloat16") -> str:
+    """One step of variant `key` under the profiler after a warm-up step: the top operators' tables, the kernels and
+    the device's idle share (written to `out` with the trace, when given)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    release(pick_device())
-    learner = Learner(str(model_dir), learner_config(size, True, False), dtype="bfloat16", seed=0)
+    variant, device = VARIANTS[key], pick_device()
+    release(device)
+    budget = plan_budget(size, model_dir, device, variant, dtype) if variant.plan_budget else size.budget
+    learner = Learner(str(model_dir), learner_config(size, variant.packed, variant.lora, variant, budget), dtype=dtype,
+                      seed=0)
     learner.train_step(batches[0])
     synchronize(learner.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if learner.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        learner.train_step(batches[1])
+        start = time.perf_counter()
+        learner.train_step(batches[min(1, len(batches) - 1)])
         synchronize(learner.device)
+        wall = time.perf_counter() - start
+    kernels = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    idle = f"{max(0.0, 1 - busy_seconds(kernels) / wall):.0%}" if kernels else "n/a"
     averages = prof.key_averages()
     device_key = "device_time_total" if learner.device.type == "cuda" else "cpu_time_total"
-    text = (f"by {device_key}:\n{averages.table(sort_by=device_key, row_limit=30, max_name_column_width=60)}\n"
+    text = (f"variant {variant.name} (passes of {budget} tokens): {wall:.3f} s profiled, {len(kernels)} kernels, "
+            f"device idle {idle}\n"
+            f"by {device_key}:\n{averages.table(sort_by=device_key, row_limit=30, max_name_column_width=60)}\n"
             f"by self_cpu_time_total:\n"
             f"{averages.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=60)}\n")
     if out is not None:
-        (out / "profile.txt").write_text(text)
-        trace = out / "trace.json"
+        (out / f"profile-{key}.txt").write_text(text)
+        trace = out / f"trace-{key}.json"
         prof.export_chrome_trace(str(trace))
         with trace.open("rb") as raw, gzip.open(str(trace) + ".gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
@@ -126,30 +87,24 @@ def profile_step(model_dir: Path, size, batches: list[TrainBatch], out: Path | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=list(SIZES), default="0.5b")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--variants", default="plain,all", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
-                        help="time the four relay variants and the plain loop before profiling (default: yes)")
     args = parser.parse_args(argv)
+    keys = args.variants.split(",")
+    if any(key not in VARIANTS for key in keys):
+        parser.error(f"--variants: choose from {list(VARIANTS)}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     size = SIZES[args.size]
-    batches = [draw_batch(size, seed) for seed in range(WARMUP_STEPS + args.steps)]
+    batches = [draw_batch(size, seed) for seed in range(WARMUP_STEPS + 1)]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="relay-gpu-profile-") as tmp:
         build_model_dir(size, Path(tmp), pick_device())
-        if args.ablations:
-            print("| step | s/step |\n|---|---|", flush=True)
-            for share in (True, False):
-                for pack in (True, False):
-                    seconds = relay_seconds(Path(tmp), size, batches, share, pack)
-                    print(f"| relay, prompts {'shared' if share else 'not shared'}, {'packed' if pack else 'padded'}"
-                          f" | {seconds:.3f} |", flush=True)
-            print(f"| plain loop (padded passes, no relay code) | {plain_seconds(Path(tmp), size, batches):.3f} |",
-                  flush=True)
-        print(profile_step(Path(tmp), size, batches, args.out))
+        for key in keys:
+            print(profile_step(Path(tmp), size, batches, args.out, key, args.dtype), flush=True)
     return 0
 
 

@@ -4,7 +4,8 @@ from the run config and the model's config.json alone (no Ray, no GPU, no weight
 Owns: the actors' Ray bundles (`core_bundles`, `rollout_bundles`; cluster/fleet/placement.py reserves exactly
 these), the model's shape read from config.json (`ModelShape`), the memory estimates (`plan_run`: a learner rank, the
 reference, teacher and reward models, each engine; what each counts: docs/gpu.md, "Memory: relay plan"),
-`fit_problems` (what `relay plan` and `relay train` refuse), and the GPU memory of this machine (`gpu_memory`).
+`fit_problems` (what `relay plan` and `relay train` refuse), the largest token budget a learner's GPU holds
+(`fitting_token_budget`), and the GPU memory of this machine (`gpu_memory`).
 Does not own: reserving or starting anything (cluster/fleet/placement.py), printing a plan (cluster/cli/plan.py), or
 the measurement the estimate is checked against (docs/benchmarks.md, "GPU learner"; tests/unit/test_plan.py).
 """
@@ -218,11 +219,36 @@ def learner_memory(config: RunConfig, shape: ModelShape) -> tuple[dict[str, int]
         cached = shape.layers * 2 * shape.heads * shape.head_dim * compute * prompt * math.ceil(tokens / longest)
         memory["prompts' pass (shared prompts)"] = prefix * per_token + cached
         notes.append(f"shared prompts: {prefix} prompt tokens in one pass, kept until their rows' passes end")
-    memory["logits"] = logits_bytes(shape, tokens, compute, True, lc.entropy_coef > 0, lc.num_gpus > 0)
+    # The head in chunks (`learner.fast_paths.head_chunk_tokens`) holds one chunk's logits at a time.
+    logit_tokens = min(tokens, lc.fast_paths.head_chunk_tokens or tokens)
+    memory["logits"] = logits_bytes(shape, logit_tokens, compute, True, lc.entropy_coef > 0, lc.num_gpus > 0)
     if config.critic.enabled:
         critic = shape.parameters - shape.vocab * shape.hidden * (0 if shape.tied else 1)
         memory["value model (weights, gradients, AdamW)"] = 4 * critic * master // split
     return memory, notes
+
+
+def fitting_token_budget(config: RunConfig, shape: ModelShape, gpu_bytes: int, step: int = 1024,
+                         margin: float = 0.9) -> int | None:
+    """The largest `learner.max_tokens_per_micro_batch`, a multiple of `step`, whose learner rank `learner_memory`
+    estimates within `margin` of its GPU share with CUDA's overhead (the estimate was within 5% of the one
+    measurement: docs/gpu.md), and no larger than a rank's whole minibatch; None when not even `step` fits."""
+    lc, ro, data = config.learner, config.rollout, config.data
+    share = margin * min(lc.num_gpus or 1.0, 1.0) * gpu_bytes - CUDA_OVERHEAD_BYTES
+    rows = math.ceil(data.prompts_per_step * ro.group_size / lc.num_minibatches / lc.num_ranks)
+    most = max(step, rows * ro.max_model_len // step * step)
+
+    def fits(budget: int) -> bool:
+        trial = config.model_copy(update={"learner": lc.model_copy(update={"max_tokens_per_micro_batch": budget})})
+        return sum(learner_memory(trial, shape)[0].values()) <= share
+
+    if not fits(step):
+        return None
+    low, high = 1, most // step  # fits(low * step); the answer is a multiple of step in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle - 1)
+    return low * step
 
 
 def frozen_memory(config: RunConfig, shape: ModelShape, budget: int | None, rows: int | None, scores: bool,

@@ -56,10 +56,22 @@ def run_plan(args: argparse.Namespace) -> int:
     shape, where = model_shape(config)
     actors = plan_run(config, shape, gpu_bytes, other_shapes(config))
     print(format_plan(config, path, shape, where, actors, gpu_bytes, source))
+    if gpu_bytes and config.learner.num_gpus:
+        print(budget_line(config, shape, gpu_bytes))
     problems = fit_problems(actors, gpu_bytes) if gpu_bytes else []
     if problems:
         raise ConfigError(problems[0])
     return 0
+
+
+def budget_line(config: RunConfig, shape, gpu_bytes: int) -> str:
+    """The largest learner token budget this GPU holds (`fitting_token_budget`), against the configured one."""
+    from cluster.plan import fitting_token_budget
+
+    budget = fitting_token_budget(config, shape, gpu_bytes)
+    fits = f"at most {budget} fit" if budget else "not even 1024 fit"
+    return (f"Learner passes: learner.max_tokens_per_micro_batch={config.learner.max_tokens_per_micro_batch}; "
+            f"{fits} in 90% of the learner's GPU share (larger passes launch fewer kernels per token)")
 
 
 def model_shape(config: RunConfig):

@@ -14,9 +14,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 # What relay's modules that the bench loads may import: the standard library, the bench's own packages (torch,
-# numpy, transformers, peft, pydantic) and two that transformers itself requires (safetensors, huggingface_hub).
-ALLOWED = {"torch", "numpy", "transformers", "peft", "pydantic", "safetensors", "huggingface_hub", "learner", "sync",
-           "bench"}
+# numpy, transformers, peft, pydantic), three that transformers itself requires (safetensors, huggingface_hub, yaml),
+# relay's config packages cluster/plan.py reads (technique a's budget) and NVML where installed (plan's GPU size).
+ALLOWED = {"torch", "numpy", "transformers", "peft", "pydantic", "safetensors", "huggingface_hub", "yaml", "pynvml",
+           "learner", "sync", "bench", "cluster", "rewards", "actors"}
 # Runs `body` in a fresh interpreter, then prints the top-level names of every module imported and the files of the
 # relay modules among them, as JSON on the last line.
 PROBE = """
@@ -24,7 +25,7 @@ import json, sys
 sys.path.insert(0, {root!r})
 {body}
 relay = sorted(m.__file__ for name, m in list(sys.modules.items())
-               if name.split(".")[0] in ("learner", "sync", "bench") and getattr(m, "__file__", None))
+               if name.split(".")[0] in ("learner", "sync", "bench", "cluster", "rewards", "actors") and getattr(m, "__file__", None))
 print(json.dumps({{"modules": sorted({{name.split(".")[0] for name in sys.modules}}), "relay": relay}}))
 """
 
@@ -61,8 +62,9 @@ def test_tiny_run_on_the_cpu_reports_sane_numbers_passes_its_checks_and_imports_
 
     results = json.loads(out.read_text())
     variants = {row["variant"]: row for row in results["variants"]}
-    assert set(variants) == {"full, packed", "full, padded", "LoRA, packed", "LoRA, padded"}
-    from bench.gpu_learner import SIZES, draw_batch
+    from bench.gpu_learner import SIZES, VARIANTS, draw_batch
+
+    assert list(variants) == [variant.name for variant in VARIANTS.values()]  # one per technique, all, the others
 
     tiny = SIZES["tiny"]
     timed = draw_batch(tiny, 1)  # seed 0 is the warm-up step's batch
@@ -71,7 +73,15 @@ def test_tiny_run_on_the_cpu_reports_sane_numbers_passes_its_checks_and_imports_
         assert row["steps"] == 1 and row["tokens_per_step"] == tokens
         assert row["tokens_per_s"] > 0 and row["seconds_per_step"] > 0 and row["tflops_per_s"] > 0
         assert row["mfu"] is None and 0 < row["peak_memory_gib"] < 64  # no known peak on a CPU
-    full, lora = variants["full, packed"], variants["LoRA, packed"]
+        assert row["kernels"] is None and row["idle_share"] is None  # no device kernels on a CPU
+        assert row["vs_plain_loop"] > 0
+    assert results["plain_loop"]["seconds_per_step"] > 0
+    # technique a: relay plan's budget, larger than the size's own; b, d, f: their fast path and nothing else
+    plan = variants[VARIANTS["a"].name]
+    assert plan["budget"] > tiny.budget and plan["fast_paths"] == {}
+    assert variants[VARIANTS["b"].name]["fast_paths"] == {"head_chunk_tokens": "size"}
+    assert variants[VARIANTS["all"].name]["budget"] >= plan["budget"]
+    full, lora = variants[VARIANTS["plain"].name], variants[VARIANTS["lora"].name]
     assert full["adapter_parameters"] == 0 and full["trained_parameters"] == full["base_parameters"] > 400_000
     assert 0 < lora["trained_parameters"] == lora["adapter_parameters"] < full["trained_parameters"] / 5
     assert lora["base_parameters"] == full["base_parameters"]
@@ -80,7 +90,7 @@ def test_tiny_run_on_the_cpu_reports_sane_numbers_passes_its_checks_and_imports_
     assert checks["packing"]["passed"] and checks["packing"]["rows"] == tiny.check_prompts * tiny.group
     assert checks["packing"]["float32"]["max_abs_diff"] <= 1e-4  # on the CPU the two passes agree to float32's noise
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + 4 and "n/a" in table[1]  # header and the four variants
+    assert len(table) == 1 + 1 + len(VARIANTS) and "n/a" in table[2]  # header, the plain loop, the variants
     assert done.stdout.count(": PASS") == 2 and "CHECK FAILED" not in done.stderr
 
 
@@ -130,7 +140,7 @@ def test_the_packing_check_fails_when_packed_logprobs_differ_and_says_by_how_muc
     assert "packed and padded" in line and "tolerance 0.125" in line and "float32 0.2 (tolerance 0.001)" in line
 
 
-def test_profile_script_profiles_a_step_and_times_the_plain_loop(tmp_path):
+def test_profile_script_profiles_a_step_of_a_variant_and_times_the_plain_loop(tmp_path):
     # bench/gpu_profile.py at its tiny size: the profiled relay step's table names the log-softmax the learner scores
     # with, and the plain loop times its steps (relay's variants are timed as gpu_learner's are; not repeated here).
     from bench import gpu_profile
@@ -140,6 +150,15 @@ def test_profile_script_profiles_a_step_and_times_the_plain_loop(tmp_path):
     model_dir = tmp_path / "model"
     gpu_profile.build_model_dir(size, model_dir, torch.device("cpu"))
     assert gpu_profile.plain_seconds(model_dir, size, batches) > 0
-    gpu_profile.profile_step(model_dir, size, batches, tmp_path)
-    assert "aten::logsumexp" in (tmp_path / "profile.txt").read_text()
-    assert (tmp_path / "trace.json.gz").stat().st_size > 0
+    text = gpu_profile.profile_step(model_dir, size, batches, tmp_path, "all")
+    assert text.startswith("variant a+b+d+f (passes of ") and "aten::logsumexp" in text
+    assert (tmp_path / "profile-all.txt").read_text() == text
+    assert (tmp_path / "trace-all.json.gz").stat().st_size > 0
+
+
+def test_the_device_s_busy_time_is_the_union_of_its_kernels_intervals():
+    from bench.gpu_learner import busy_seconds
+
+    # [0, 2] and [1, 3] overlap (two streams): 3 s busy; [5, 6] 1 more; [5.5, 5.7] inside it adds nothing
+    assert busy_seconds([(5, 6), (0, 2), (1, 3), (5.5, 5.7)]) == 4
+    assert busy_seconds([]) == 0

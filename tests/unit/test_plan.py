@@ -162,3 +162,29 @@ def test_the_presets_as_written_are_planned_on_the_shape_their_placeholder_names
     out = capsys.readouterr().out
     assert "(not on this machine: the shape in configs/model_shapes/Qwen2.5-1.5B-Instruct)" in out
     assert "1.54B parameters" in out and "learner rank 0 " in out
+
+
+@pytest.mark.parametrize("gpu_gib", [80, 139.8])
+def test_the_fitting_token_budget_is_the_largest_step_multiple_the_estimate_holds(gpu_gib):
+    from cluster.plan import CUDA_OVERHEAD_BYTES, fitting_token_budget
+
+    shape, config = ModelShape.read(SHAPES / "Qwen2.5-0.5B-Instruct"), bench_config(0)
+    gpu_bytes = int(gpu_gib * GIB)
+
+    def need(budget: int, fast: dict | None = None) -> int:
+        learner = config.learner.model_copy(update={"max_tokens_per_micro_batch": budget, **(fast or {})})
+        return sum(learner_memory(config.model_copy(update={"learner": learner}), shape)[0].values())
+
+    budget = fitting_token_budget(config, shape, gpu_bytes)
+    assert budget % 1024 == 0 and need(budget) + CUDA_OVERHEAD_BYTES <= 0.9 * gpu_bytes
+    assert need(budget + 1024) + CUDA_OVERHEAD_BYTES > 0.9 * gpu_bytes
+    # the head in chunks holds one chunk's logits, not the pass's: larger passes fit
+    chunked = config.model_copy(update={"learner": config.learner.model_copy(update={
+        "fast_paths": config.learner.fast_paths.model_copy(update={"head_chunk_tokens": 4096})})})
+    assert fitting_token_budget(chunked, shape, gpu_bytes) > budget
+
+
+def test_relay_plan_prints_the_largest_learner_budget_that_fits(capsys):
+    assert main(["plan", str(SINGLE), f"model.path={SHAPES / 'Qwen2.5-0.5B-Instruct'}", "--gpu-memory", "80GiB"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("Learner passes: learner.max_tokens_per_micro_batch=") and " fit in 90% " in line
