@@ -24,6 +24,7 @@ from actors.rollout_types import (  # noqa: F401  (this module's API)
     EpisodePrompt,
     Rollout,
     RolloutGroups,
+    SampleProbe,
     SamplingSettings,
 )
 from sync.group import GroupSpec
@@ -62,26 +63,24 @@ class RolloutWorker:
         mark("ready")
 
     def generate(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int], sampling: SamplingSettings,
-                 version: int | None = None, *buckets: Weights, probe: tuple | None = None,
-                 score_probe: tuple | None = None, in_flight: bool = False) -> RolloutGroups:
+                 version: int | None = None, *buckets: Weights, probe: SampleProbe | tuple | None = None,
+                 in_flight: bool = False) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
         prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
         and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
-        report comes back as the result's `loaded`; given `probe` (the `probe` method's arguments), the probe then
-        runs on the new weights before anything else can fill the prefix cache, and comes back as the result's
-        `probe`: as the first prompt of the request's own engine batch (scheduled first, so its cache hits are what
-        survived the load; its bits are those of a probe alone) on a batch-invariant engine, else alone before it.
-        Given `score_probe` instead (asynchronous training: `score_probe`'s arguments, from the learner's export),
-        that probe runs. With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
+        report comes back as the result's `loaded`; given `probe`, the sync probe then runs on the new weights before
+        anything else can fill the prefix cache (`run_probe`), and comes back as the result's `probe`. A
+        `SampleProbe` runs as the first prompt of the request's own engine batch on a batch-invariant engine
+        (scheduled first, so its cache hits are what survived the load; its bits are those of a probe alone).
+        With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
         started = time.time()
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if in_flight:
-            return self._generate_in_flight(prompts, seeds, sampling, Offer(version, score_probe, buckets), started)
+            return self._generate_in_flight(prompts, seeds, sampling, Offer(version, probe, buckets), started)
         loaded = self.load_weights(version, *buckets) if version is not None else None
-        in_batch = probe is not None and self.episodes is None and self.engine.batch_invariant
-        probed = (self.probe(*probe) if probe is not None and not in_batch else
-                  self.score_probe(*score_probe) if score_probe is not None else None)
+        in_batch = isinstance(probe, SampleProbe) and self.episodes is None and self.engine.batch_invariant
+        probed = self.run_probe(probe) if probe is not None and not in_batch else None
         prompt_ids = self._prompt_ids(prompts)
         if self.episodes is not None:  # multi-turn: `prompts` are EpisodePrompts
             episodes, env_wait_s = self.episodes.run(prompts, prompt_ids, seeds, sampling, self.weights_version)
@@ -101,7 +100,7 @@ class RolloutWorker:
         return result
 
     def offer_weights(self, version: int, probe: tuple | None, *buckets: Weights) -> None:
-        """In-flight updates: weights `version` (and the arguments of its `score_probe`), taken between two engine
+        """In-flight updates: weights `version` (and its probe, `run_probe`'s), taken between two engine
         steps of the request running now, or at the start of the next. Called in its own concurrency group (Ray
         runs it while `generate` runs); only the newest offer is kept."""
         with self._offer_lock:
@@ -129,7 +128,7 @@ class RolloutWorker:
                     key=lambda o: o.version, default=None)
         if first is not None and first.version > self.weights_version:
             loaded = self.load_weights(first.version, *first.buckets)
-            loads.append((loaded, self.score_probe(*first.probe) if first.probe is not None else None, False))
+            loads.append((loaded, self.run_probe(first.probe) if first.probe is not None else None, False))
         last: list[Offer] = []
 
         def before_step() -> int:
@@ -191,6 +190,11 @@ class RolloutWorker:
         """Whether the engine's requests' bits do not depend on what else their engine batch holds, as its start
         check found, and a line saying with which kernels (`VllmEngine.batch_invariant`, `.invariance`)."""
         return self.engine.batch_invariant, self.engine.invariance
+
+    def run_probe(self, probe: SampleProbe | tuple) -> ProbeSample:
+        """The sync probe a request carries: a `SampleProbe` the engine samples (`probe`), or the learner's own probe
+        sample of the weights, whose tokens it scores (`score_probe`'s arguments)."""
+        return self.probe(*probe) if isinstance(probe, SampleProbe) else self.score_probe(*probe)
 
     def probe(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> ProbeSample:
         """Sample one seeded completion of a fixed prompt, with how much of the prompt came from the prefix cache

@@ -1,9 +1,9 @@
 """What a rollout worker hands back: sampling settings in, `Rollout`s out, and how they travel between processes.
 
 Owns: the `Rollout` record, `RolloutGroups` (a [prompts][G] list that pickles packed: flat arrays instead of a
-Python object per token), `SamplingSettings`, and what multi-turn episodes add (`EpisodePrompt` in, `EpisodeInfo`
-and a per-token `model_mask` out). Imports only
-numpy, so the driver (and benchmarks that simulate engines) can use these types without torch or vLLM.
+Python object per token), `SamplingSettings`, the probe a request carries (`SampleProbe`), and what multi-turn
+episodes add (`EpisodePrompt` in, `EpisodeInfo` and a per-token `model_mask` out). Imports only numpy, so the driver
+(and benchmarks that simulate engines) can use these types without torch or vLLM.
 Does not own: sampling itself (actors/rollout.py).
 """
 
@@ -31,6 +31,16 @@ class SamplingSettings:
     cache_salt: str | None = None
     stop: tuple[str, ...] = ()  # a completion ends at the first of these strings (the Tinker API's `stop`)
     stop_token_ids: tuple[int, ...] = ()  # or at the first of these tokens, which it keeps
+
+
+class SampleProbe(NamedTuple):
+    """The sync probe a loading engine samples itself (`RolloutWorker.probe`'s arguments), for the learner to score;
+    a request's `probe` is this, or the learner's own probe sample for the engine to score (`score_probe`'s)."""
+
+    prompt: str
+    max_tokens: int
+    temperature: float
+    seed: int
 
 
 class EpisodePrompt(NamedTuple):

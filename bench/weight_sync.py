@@ -119,7 +119,7 @@ def measure(pool, name: str, repeats: int) -> dict[str, float]:
     try:
         for attempt in range(repeats + 1):
             ray.get(pool.fleet.learner.__ray_call__.remote(perturb, seed=pool.weights_version))
-            pool.weights.version += 1
+            pool.weights.begin_sync(pool.weights_version + 1)
             if attempt:
                 stale.append(probe_gap(pool))
             started = time.perf_counter()

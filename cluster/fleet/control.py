@@ -7,13 +7,17 @@ on their way in; `relay scale` leaves a request that the driver takes at the sta
 (`start_control`) and leaves when it ends, and the client functions that find a run on a cluster and talk to it.
 Requests are checked here, against the fleet the driver last published, so a bad request fails in the user's
 terminal, not in the run.
-Does not own: applying a request (`Scaling.resize` and `admit`, cluster/fleet/scaling.py, called by the
-driver between steps).
+`ScaleRequests` is the driver's end: it asks for the next request while a step's record is published (the answer is
+there when the next step starts) and applies it between steps through the rollout pool.
+Does not own: resizing and admitting workers (`RolloutWorkers.resize` and `admit`, cluster/fleet/workers.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from sync.calls import get, time_left
 
 NAMESPACE = "relay"
 # The registry's name carries its interface's version: a cluster that outlives an upgrade gets a second registry
@@ -238,3 +242,41 @@ def call(ref: Any, timeout: float = 30) -> Any:
     if not outcome.ok:
         raise ControlError(outcome.cause.removeprefix(f"{ControlError.__name__}: "))
     return outcome.value
+
+
+class ScaleRequests:
+    """`relay scale` and `relay status` for one run; a no-op without a mailbox (`control` None: `relay eval`)."""
+
+    def __init__(self, config: Any, control: Any, rollouts: Any, placement: Any):
+        self.config = config
+        self.control = control  # the run's mailbox in the cluster's registry (a RunHandle), if any
+        self.rollouts = rollouts
+        self.asked: tuple[Any, float] | None = None  # the pending ask for a request: (ref, when asked)
+        from cluster.fleet.placement import node_of  # not in the registry's process
+
+        # The learner's placement group is fixed for the run: ask Ray for its node once, not in every step.
+        self.learner_node = node_of(placement) if control is not None else None
+
+    def apply(self) -> None:
+        """Between steps: apply what `relay scale` asked since the last step (removals at once, new workers placed in
+        the background), and let in the new workers whose engines are up."""
+        if self.control is None:
+            return
+        asked, since = self.asked or (self.control.take_request(), time.monotonic())
+        self.asked = None
+        [request] = get([asked], time_left(self.config.timeouts.sync, since), ["run control"], "sync")
+        if request is not None:
+            self.rollouts.resize(request["num_workers"], request["remove"])
+        self.rollouts.admit()
+
+    def publish(self, record: dict[str, Any], weights_version: int) -> None:
+        """Tell the run's mailbox what the fleet is after this step (`relay status` shows it)."""
+        if self.control is None:
+            return
+        self.control.publish({  # fire and forget: the step does not wait for it
+            "step": record["step"], "weights_version": weights_version, "learner_node": self.learner_node,
+            "reward_mean": record.get("reward/mean"), "time_step": record.get("time/step"),
+            **self.rollouts.status()})
+        # Ask for the next request now: the answer is there when the next step starts; a request made after this is
+        # taken one step later.
+        self.asked = self.control.take_request(), time.monotonic()

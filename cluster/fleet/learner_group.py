@@ -1,25 +1,32 @@
 """The learner as a group of `learner.num_ranks` Ray actors, one data-parallel rank each, called as one learner.
 
-Owns: starting the rank actors with the per-rank Ray options the caller gives (placement is the caller's),
-forming their torch.distributed group (rank 0's node address and a free port; the rendezvous and every collective
-bounded by `timeouts.train`), and calling the ranks together under a deadline: every rank gets the whole batch
-(one object in the object store, read by each) and the same call, in the same order, because the calls run
-collectives. The first rank that fails ends the call (the others would wait in a collective until its timeout).
-With one rank the calls go to the one actor as they are (no process group, no `ray.put`).
+Owns: starting the rank actors with the per-rank Ray options the caller gives (placement is the caller's), forming
+their torch.distributed group (rank 0's node address and a free port; rendezvous and collectives bounded by
+`timeouts.train`), and calling the ranks together under a deadline: every rank gets the whole batch (one object in
+the object store) and the same calls in the same order (they run collectives); the first rank that fails ends the
+call. With one rank the calls go to the one actor as they are (no process group, no `ray.put`).
 Does not own: placement groups or bundles (cluster/fleet/placement.py), what a step does (cluster/run/trainer.py), or
 the data-parallel arithmetic (learner/distributed.py). Weight transports and the pool's fingerprint check talk to
 `rank0` directly: rank 0 alone serves the `WeightPublisher` methods (sync/publisher.py).
+`Updates`: the learner as a step sees it (the train batch, updates sent then waited for within `timeouts.train`, the
+weights version they produce, checked; a `gate` run before each: the rollouts' checks).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
+from rewards.steps import token_step_rewards
 from sync.calls import RunError, call_all, get, values, wait_all
 
 if TYPE_CHECKING:
+    from cluster.config import RunConfig
     from cluster.run_sections import TimeoutConfig
     from learner.config import CriticConfig, LearnerConfig
     from learner.learner import TrainBatch
@@ -150,3 +157,64 @@ def _open_group(learner: Any, timeout_s: float) -> tuple[str, int]:
     listens on (the OS chose it, so no other process holds it)."""
     host = ray.util.get_node_ip_address()
     return host, learner.open_process_group(host, timeout_s)
+
+
+@dataclass
+class Update:
+    """One update sent to the learner (`Updates.submit`)."""
+
+    refs: list[Any]  # every rank's
+    submitted: float  # time.monotonic() when it was sent
+    done: list[float] = field(default_factory=list)  # gets the time.monotonic() when it was done
+
+
+class Updates:
+    """`version`: the weights version the learner's last finished update produced; `updated`: when it was done."""
+
+    def __init__(self, config: RunConfig, learner_group: Any, gate: Callable[[], None]):
+        self.config = config
+        self.learner_group = learner_group
+        self.gate = gate
+        self.version = 0
+        self.updated: float | None = None  # time.monotonic() when the learner's last update was done
+
+    def restored(self, version: int) -> None:
+        """The learner was restored from a checkpoint at weights version `version`."""
+        self.version = version
+
+    def submit(self, rollouts: list[Any], rewards: list[float], reference: Any, teacher: Any,
+               timings: dict[str, float]) -> Update:
+        """Send the update to the learner without waiting (`finish` waits), and record how long the learner waited
+        since its last update was done (`time/learner_wait`)."""
+        from learner.learner import TrainBatch
+        from learner.passes.sequences import Rows
+
+        self.gate()
+        submitted = time.monotonic()
+        timings["time/learner_wait"] = submitted - self.updated if self.updated is not None else 0.0
+        batch = TrainBatch(prompt_ids=Rows(r.prompt_ids for r in rollouts),
+                           response_ids=Rows(r.response_ids for r in rollouts),
+                           behavior_logprobs=Rows(r.behavior_logprobs for r in rollouts), rewards=rewards,
+                           group_size=self.config.rollout.group_size)  # Rows: packed across Ray
+        if any(r.model_mask is not None for r in rollouts):  # multi-turn episodes: train on the model's tokens only
+            batch.model_masks = Rows(np.ones(len(r.response_ids), np.uint8) if r.model_mask is None
+                                     else np.asarray(r.model_mask, np.uint8) for r in rollouts)
+        if self.config.scores_steps:
+            dense = [token_step_rewards(r.step_ends, r.step_rewards, len(r.response_ids)) for r in rollouts]
+            batch.step_rewards, batch.step_ends = Rows(d[0] for d in dense), Rows(d[1] for d in dense)
+        update = Update(self.learner_group.submit_train(batch, reference, teacher), submitted)
+        update.refs[0].future().add_done_callback(lambda _: update.done.append(time.monotonic()))
+        return update
+
+    def finish(self, update: Update, step: int) -> dict[str, float]:
+        """Wait for `update` (`timeouts.train` from its submission): the learner's metrics; `version` becomes the
+        version it reports it produced, which must be the next one, `updated` when it was done."""
+        remaining = self.config.timeouts.train - (time.monotonic() - update.submitted)
+        metrics = self.learner_group.finish(update.refs, max(0.0, remaining), "train")[0]
+        self.updated = update.done[0] if update.done else time.monotonic()
+        produced = int(metrics["weights/version"])
+        if produced != self.version + 1:
+            raise RunError(f"the learner reports weights version {produced} after step {step}, expected "
+                           f"{self.version + 1}: its updates and the driver's steps are out of step")
+        self.version = produced
+        return metrics

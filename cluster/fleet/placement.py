@@ -48,17 +48,17 @@ class RolloutSlot:
     actor: Any
     placement: PlacementGroup
     node_id: str  # the Ray node its engine runs on
+    name: str = field(init=False, repr=False)  # "rollout worker <id>", set once (errors name it in every check)
 
-    @property
-    def name(self) -> str:
-        return f"rollout worker {self.id}"
+    def __post_init__(self):
+        self.name = f"rollout worker {self.id}"
 
 
 @dataclass(eq=False)
 class PendingWorker:
     """A rollout worker on its way into the fleet: its placement group waits for room (Ray's autoscaler may be adding
-    a node), then its engine starts; it joins at a step boundary once it is up (`Scaling.admit`,
-    cluster/fleet/scaling.py)."""
+    a node), then its engine starts; it joins at a step boundary once it is up (`RolloutWorkers.admit`,
+    cluster/fleet/workers.py)."""
 
     id: int
     placement: PlacementGroup

@@ -5,18 +5,16 @@ Owns: one request path for every regime (on-policy is `max_staleness` = 0: one b
 several batches queue on each worker, each sampled with its own version): a batch's prompts split over the workers
 by their measured speed (`rollout.balance`), each share queued behind what its worker holds and loading the batch's
 weights first when needed, the deadline on each request (`timeouts.generate`), and recovery: a worker that dies or
-misses its deadline is replaced and handed every request it held, in order, with the same seeds (`RolloutPool`).
+misses its deadline is replaced (cluster/fleet/workers.py) and handed every request it held, in order, with the same
+seeds (`RolloutPool`).
 Does not own: what a step does with the rollouts (cluster/run/trainer.py), exporting and checking the weights
-(cluster/fleet/weight_sync.py), growing or shrinking the fleet (cluster/fleet/scaling.py), placement
-(cluster/fleet/placement.py).
+(cluster/fleet/weight_sync.py), the workers' life: restarts, `relay scale`, what each holds (cluster/fleet/workers.py).
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +24,8 @@ import ray
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, RolloutSlot
 from cluster.fleet.weight_sync import Export, WeightSync
-from sync.calls import Outcome, RunError, get, late, settle
-from sync.transport import make_transport
+from cluster.fleet.workers import RolloutWorkers
+from sync.calls import Outcome, RunError, late, settle
 from sync.verify import SyncError
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
@@ -59,7 +57,7 @@ class Batch:
 
 
 class RolloutPool:
-    """Calls the fleet's rollout workers; `restarts` and `recovery_seconds` count the replacements.
+    """Calls the fleet's rollout workers (`workers`: their life, cluster/fleet/workers.py).
 
     A request's deadline counts from when it reaches the front of its worker's queue and the weights it loads exist.
     A worker that dies or misses it is killed, started again in its placement group, and handed every request it
@@ -69,22 +67,16 @@ class RolloutPool:
     def __init__(self, config: RunConfig, fleet: Fleet):
         self.config = config
         self.fleet = fleet
-        self.restarts = 0
-        self.recovery_seconds = 0.0  # spent replacing workers, over the run
+        self.workers = RolloutWorkers(config, fleet)
+        self.weights = WeightSync(config, fleet, self.workers)
         self.speeds: dict[int, float] = {}  # worker id -> prompts per second in recent steps (`rollout.balance`)
-        self.transport = make_transport(config.sync, fleet.learner, config.timeouts.sync)
-        self.weights = WeightSync(config, fleet, self.transport)
-        self.queues: dict[int, deque[Request]] = {}  # slot id -> its requests in flight, in the order it runs them
-        # slot id -> the version its engine has once its queue ran (engines start on the model's own: version 0)
-        self.serving: dict[int, int] = {slot.id: 0 for slot in fleet.rollout}
-        self.clock_end: dict[int, float] = {}  # slot id -> its worker's clock when its last request ended
+        self.recovered = 0.0  # `workers.recovery_seconds` at the last `step_metrics`
         self.idle: dict[int, float] = {}  # slot id -> seconds its engine waited between requests, since `take_idle`
         self.env_wait: dict[int, float] = {}  # slot id -> seconds its engine waited for environments (episodes)
         # In-flight updates (`rollout.in_flight_updates`): every export is offered to every worker at once.
         self.in_flight = config.rollout.in_flight_updates
         self.offers: list[tuple[RolloutSlot, Any]] = []  # (worker, ref of its `offer_weights` call) not yet settled
         self.in_flight_loads = 0  # loads made during a request, since `take_in_flight_loads`
-        self.invariance: dict[int, bool] = {}  # slot id -> whether its engine is batch-invariant (`check_invariance`)
 
     @property
     def weights_version(self) -> int:
@@ -105,12 +97,15 @@ class RolloutPool:
                 self.offers.append((slot, slot.actor.offer_weights.options(concurrency_group="weights").remote(
                     version, export.probe, *export.load_args(slot.id)[1:])))
 
+    def ensure_exported(self, version: int) -> None:
+        """`export(version)` unless it was exported (what a replaced worker loads for the batches sent now)."""
+        if version not in self.weights.exports:
+            self.export(version)
+
     def sync_now(self, version: int) -> None:
         """Load the learner's weights (version `version`) into every worker now and verify them (the end of a run,
         and every sync of the `collective` transport); a worker that fails is replaced (and then loaded)."""
-        self.weights.version = version
-        if self.config.sync.fingerprint:  # computed by the learner while the workers load
-            self.weights.expected = (version, self.fleet.learner.weights_fingerprint.remote())
+        self.weights.begin_sync(version)
         failed = self.load_now(self.fleet.rollout)
         for slot in self.fleet.rollout:
             if slot.id in failed:
@@ -121,18 +116,46 @@ class RolloutPool:
     def load_now(self, slots: list[RolloutSlot]) -> dict[int, str]:
         """Load the current weights into `slots` now (`WeightSync.load_now`); {slot id: cause} of those that failed."""
         done, failed = self.weights.load_now(slots)
-        self.serving.update((slot.id, self.weights.version) for slot in done)
+        for slot in done:
+            self.workers.serves(slot.id, self.weights.version)
         return failed
 
-    def restored(self, version: int) -> None:
+    def restored(self, version: int, speeds: dict[str, float] | None = None) -> None:
         """The learner was restored to weights version `version` (nothing in flight): every worker's next request
-        loads it (and probes it), as after the drain the checkpoint was written at."""
-        self.weights.version = version
-        self.serving = {}
+        loads it (and probes it), as after the drain the checkpoint was written at; `speeds`: the workers' measured
+        speeds the checkpoint holds (`save_speeds`)."""
+        self.weights.restored(version)
+        for slot in self.fleet.rollout:
+            self.workers.serves(slot.id, None)
+        if speeds is not None:
+            self.speeds = {int(slot_id): speed for slot_id, speed in speeds.items()}
+
+    def save_speeds(self) -> dict[str, float]:
+        """The workers' measured speeds, for a checkpoint (they split the next batch)."""
+        return {str(slot_id): speed for slot_id, speed in self.speeds.items()}
+
+    def probe_all(self) -> float:
+        """Probe every worker now (`WeightSync.verify`): at the start, engines and learner on the weights they start
+        from, which is where the probe's noise floor and tolerance come from."""
+        return self.weights.verify(self.fleet.rollout)
+
+    def checked(self) -> None:
+        """Every rollout collected so far is checked: the probes the engines sampled and the learner scored
+        meanwhile are checked now (`WeightSync.check_pending`; SyncError if one fails)."""
+        self.weights.check_pending()
+
+    def status(self) -> dict[str, Any]:
+        """What `relay status` shows of the workers (`RolloutWorkers.status`)."""
+        return self.workers.status()
+
+    def close(self) -> None:
+        """The `collective` transport leaves its group."""
+        self.weights.transport.close()
 
     def replace(self, slot: RolloutSlot, cause: str) -> None:
-        """Kill `slot`'s worker, start a new one in its bundle, load the current weights and probe them."""
-        self._restart(slot, cause)  # counts its own time in `recovery_seconds`
+        """Kill `slot`'s worker, start a new one in its bundle, load the current weights and probe them; then the
+        requests it held go to the new one."""
+        held = self.workers.restart(slot, cause)  # counts its own time in `recovery_seconds`
         started = time.perf_counter()
         failed = self.load_now([slot])
         if failed:
@@ -140,7 +163,26 @@ class RolloutPool:
                            "loading the weights")
         if self.config.sync.probe:
             self.weights.verify([slot])
-        self.recovery_seconds += time.perf_counter() - started
+        self.workers.add_recovery(time.perf_counter() - started)
+        for request in held:
+            self._submit(request)
+
+    def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:
+        """`relay scale` between steps (`RolloutWorkers.resize`): the requests removed workers held go to the
+        others."""
+        self.requeue(self.workers.resize(num_workers, remove_ids))
+
+    def admit(self) -> int:
+        """Let in the new workers whose engines are up, each loaded with the current weights and probe-checked
+        (`RolloutWorkers.admit`); returns how many joined."""
+        return self.workers.admit(self._join)
+
+    def _join(self, slots: list[RolloutSlot]) -> dict[int, str]:
+        failed = self.load_now(slots)
+        joined = [slot for slot in slots if slot.id not in failed]
+        if self.config.sync.probe and joined:
+            self.weights.verify(joined)
+        return failed
 
     # ------------------------------------------------------------------------------------------------ the requests
 
@@ -169,24 +211,19 @@ class RolloutPool:
     def _submit(self, request: Request) -> None:
         """Send `request` to its slot's worker, behind the requests it already holds."""
         batch, slot = request.batch, request.slot
-        queue = self.queues.setdefault(slot.id, deque())
-        export = self.weights.exports[batch.version] if self.serving.get(slot.id) != batch.version else None
+        export = self.weights.exports[batch.version] if self.workers.serving(slot.id) != batch.version else None
         request.load = export
         load = export.load_args(slot.id) if export is not None else []
         kwargs: dict[str, Any] = {}
         if export is not None and export.probe is not None:
-            kwargs["score_probe"] = export.probe
-        elif export is not None and export.engine_probe:
-            kwargs["probe"] = self.weights.probe_args()
+            kwargs["probe"] = export.probe  # the engine samples it, or scores the learner's sample (`WeightSync.probe`)
         if self.in_flight:
             kwargs["in_flight"] = True
         a, b = request.chunk
         request.ref = slot.actor.generate.remote(batch.prompts[a:b], batch.seeds[a:b], batch.sampling, *load,
                                                  **kwargs)
-        request.started = None if queue else time.monotonic()
         request.result = None
-        queue.append(request)
-        self.serving[slot.id] = batch.version
+        request.started = time.monotonic() if self.workers.enqueue(slot.id, request, batch.version) else None
 
     def _deadline(self, request: Request) -> float:
         """When the front request of a queue is late: `timeouts.generate` after it reached the front and the weights
@@ -207,8 +244,9 @@ class RolloutPool:
         already scored) before this returns, and every rollout's version; the probes the engines sampled are left to
         `WeightSync.check_pending` (the learner scores them meanwhile)."""
         while any(r.result is None or not r.result.ok for r in batch.requests):
-            waiting = [r for queue in self.queues.values() for r in queue]
-            fronts = [q[0] for q in self.queues.values() if q]
+            waiting = self.workers.queued()
+            queues = self.workers.queues()
+            fronts = [q[0] for q in queues.values() if q]
             unready = {id(ref): ref for r in fronts if r.load is not None and r.load.ready.at is None
                        for ref in r.load.ready.refs}
             watch = [r.ref for r in waiting] + list(unready.values())
@@ -216,11 +254,11 @@ class RolloutPool:
             ray.wait(watch, num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             ready = set(ray.wait([r.ref for r in waiting], num_returns=len(waiting), timeout=0)[0])
             failed = self._settle_queues(ready)
-            for request in [q[0] for slot_id, q in self.queues.items() if q and slot_id not in failed]:
+            for request in [q[0] for slot_id, q in queues.items() if q and slot_id not in failed]:
                 if request.load is not None and request.load.ready.at is None and \
                         time.monotonic() >= self.weights.export_deadline(request.load):
                     raise self.weights.late_export(request.load)
-            for export in {id(r.load): r.load for sid in failed for r in self.queues[sid] if r.load}.values():
+            for export in {id(r.load): r.load for sid in failed for r in queues[sid] if r.load}.values():
                 self.weights.check_export(export)  # a learner whose export failed fails every request loading it
             for slot_id, cause in failed.items():
                 self._restart_queue(slot_id, cause)
@@ -228,7 +266,7 @@ class RolloutPool:
         self._check_batch(batch)
         # Kept: versions requests in flight may load again, this batch's (dynamic sampling's extra rounds) and the
         # newest (the next batches); the rest cannot be asked for again.
-        in_flight = {r.batch.version for queue in self.queues.values() for r in queue}
+        in_flight = {r.batch.version for r in self.workers.queued()}
         self.weights.prune(min(in_flight | {batch.version, max(self.weights.exports, default=batch.version)}))
         groups = [group for r in sorted(batch.requests, key=lambda r: r.chunk) for group in r.result.value]
         if self.in_flight:  # each token: the batch's version or a newer one the worker loaded (`_check_batch`)
@@ -249,22 +287,22 @@ class RolloutPool:
         returns {slot id: cause} of the workers whose front request failed or is late."""
         now = time.monotonic()
         failed: dict[int, str] = {}
-        for slot_id, queue in self.queues.items():
-            while queue and queue[0].ref in ready:
-                request = queue[0]
-                [request.result] = settle([request.ref], "generate")
-                if not request.result.ok:
-                    failed[slot_id] = request.result.error
+        for slot_id, queue in self.workers.queues().items():
+            front = queue[0] if queue else None
+            while front is not None and front.ref in ready:
+                [front.result] = settle([front.ref], "generate")
+                if not front.result.ok:
+                    failed[slot_id] = front.result.error
                     break
-                queue.popleft()
-                a, b = request.chunk
-                if request.batch.measured:
-                    self._record_speed(slot_id, b - a, now - request.started)
-                self._note_clock(slot_id, request.result.value)
-                if queue:
-                    queue[0].started = now
-            if slot_id not in failed and queue and self._deadline(queue[0]) <= now and \
-                    (queue[0].load is None or queue[0].load.ready.at is not None):
+                a, b = front.chunk
+                if front.batch.measured:
+                    self._record_speed(slot_id, b - a, now - front.started)
+                self._note_clock(slot_id, front.result.value)
+                front = self.workers.done(slot_id)
+                if front is not None:
+                    front.started = now
+            if slot_id not in failed and front is not None and self._deadline(front) <= now and \
+                    (front.load is None or front.load.ready.at is not None):
                 failed[slot_id] = late(self.config.timeouts.generate, "generate")
         return failed
 
@@ -287,7 +325,7 @@ class RolloutPool:
                     probed.append(export is not None and export.probe is not None)
             elif request.load is not None:
                 loads.append((slot, batch.version, value.loaded, value.probe, False))
-                probed.append(request.load.probe is not None or request.load.engine_probe)
+                probed.append(request.load.probe is not None)
         self.in_flight_loads += self.weights.check_loads(loads, probed)
 
     def _settle_offers(self) -> None:
@@ -308,13 +346,10 @@ class RolloutPool:
         return loads
 
     def _restart_queue(self, slot_id: int, cause: str) -> None:
-        """Replace the worker of slot `slot_id` and send it every request the old one held, in order."""
+        """Replace the worker of slot `slot_id` and send it every request the old one held, in order (a new engine:
+        each loads its version)."""
         slot = next(slot for slot in self.fleet.rollout if slot.id == slot_id)
-        self._restart(slot, cause)
-        requests = list(self.queues.pop(slot_id))
-        self.serving.pop(slot_id, None)  # a new engine: each request loads its version
-        self.clock_end.pop(slot_id, None)
-        for request in requests:
+        for request in self.workers.restart(slot, cause):
             self._submit(request)
 
     def requeue(self, requests: list[Request]) -> None:
@@ -323,43 +358,21 @@ class RolloutPool:
             request.slot = self.fleet.rollout[n % len(self.fleet.rollout)]
             self._submit(request)
 
-    def _restart(self, slot: RolloutSlot, cause: str) -> None:
-        """Kill `slot`'s worker and start a new one in its bundle (counted against `rollout.max_restarts`); the new
-        engine serves the model's own weights until it loads others."""
-        limit = self.config.rollout.max_restarts
-        if self.restarts >= limit:
-            raise RunError(f"{slot.name} {cause}, and {self.restarts} rollout workers were already replaced "
-                           f"(rollout.max_restarts={limit}); the engines keep failing, check the Ray logs")
-        started = time.perf_counter()
-        self.restarts += 1
-        print(f"relay: {slot.name} {cause}; replacing it", file=sys.stderr, flush=True)
-        ray.kill(slot.actor, no_restart=True)
-        slot.actor = self.fleet.launcher.start(slot.placement)
-        self.transport.fleet_changed(self.fleet.rollout_workers)
-        get([slot.actor.__ray_ready__.remote()], self.config.timeouts.start, [slot.name], "start")
-        self.weights.unprobed.add(slot.id)
-        self.invariance.pop(slot.id, None)  # a new engine: asked again
-        self.recovery_seconds += time.perf_counter() - started
-
     def check_invariance(self) -> bool:
-        """Whether every engine is batch-invariant (`RolloutWorker.batch_invariance`), asked once of each engine that
-        is new since the last call: the first call says so in one line, and an engine that is not says which
-        guarantee drops."""
-        new = [slot for slot in self.fleet.rollout if slot.id not in self.invariance]
-        verdicts = get([slot.actor.batch_invariance.remote() for slot in new], self.config.timeouts.start,
-                       [slot.name for slot in new], "report its batch invariance") if new else []
-        first = not self.invariance
-        for slot, (invariant, detail) in zip(new, verdicts):
-            self.invariance[slot.id] = invariant
-            if not invariant:
-                print(f"relay: {slot.name}'s engine is not batch-invariant here ({detail}): a prompt's logprobs may "
-                      "change in their last bits with what shares its engine batch, so two runs, or a run and its "
-                      "resumption, give the same weights and rewards only with rollout.balance=even (or one rollout "
-                      "worker); with rollout.balance=speed, logprob/mismatch, mismatch/kl and rarely a sampled token "
-                      "may differ (docs/operations.md, exact resume)", file=sys.stderr, flush=True)
-        if first and verdicts and all(ok for ok, _ in verdicts):
-            print(f"relay: rollout engines are batch-invariant ({verdicts[0][1]})", file=sys.stderr, flush=True)
-        return all(self.invariance[slot.id] for slot in self.fleet.rollout)
+        """Whether every engine is batch-invariant (`RolloutWorkers.check_invariance`)."""
+        return self.workers.check_invariance()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The fleet's part of a step's record, each counted since the last call: the largest probe gap, the workers
+        and what happened to them, whether every engine is batch-invariant, the replacements' time, the engines'
+        idle time (and, with `env`, their wait for environments)."""
+        recovered, self.recovered = self.recovered, self.workers.recovery_seconds
+        metrics = {"sync/probe_max_diff": self.weights.take_gap(), **self.workers.metrics(),
+                   "engine/batch_invariant": float(self.check_invariance()),
+                   "time/recovery": self.workers.recovery_seconds - recovered, "time/rollout_idle": self.take_idle()}
+        if self.config.env.enabled:
+            metrics["time/env"] = self.take_env_wait()
+        return metrics
 
     # ------------------------------------------------------------------------------------------------ balancing
 
@@ -399,9 +412,9 @@ class RolloutPool:
             self.env_wait[slot_id] = self.env_wait.get(slot_id, 0.0) + groups.env_wait_s
         if groups.clock is None:
             return
-        if slot_id in self.clock_end:
-            self.idle[slot_id] = self.idle.get(slot_id, 0.0) + max(0.0, groups.clock[0] - self.clock_end[slot_id])
-        self.clock_end[slot_id] = groups.clock[1]
+        waited = self.workers.clock(slot_id, *groups.clock)
+        if waited is not None:
+            self.idle[slot_id] = self.idle.get(slot_id, 0.0) + waited
 
     def take_env_wait(self) -> float:
         """Multi-turn episodes: seconds the engines sat waiting for environments (nothing to generate) since the last

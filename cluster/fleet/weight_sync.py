@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from actors.rollout_types import SampleProbe
 from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, RolloutSlot
 from sync.calls import RunError, call_all, get, time_left, values
+from sync.transport import make_transport
 from sync.verify import (
     PROBE_NOISE_FACTOR,
     PROBE_NOISE_SEEDS,
@@ -41,8 +43,8 @@ from sync.verify import (
 
 if TYPE_CHECKING:
     from actors.rollout import ProbeSample
+    from cluster.fleet.workers import RolloutWorkers
     from sync.receive import Loaded
-    from sync.transport import WeightTransport
 
 
 class Ready:
@@ -73,8 +75,7 @@ class Export:
     loads: dict[int, list]  # slot id -> `[version, *refs]` (RolloutWorker.generate's load arguments), by worker
     default: list | None  # the load arguments of any other worker (object-store buckets), or None
     fingerprints: Any  # the learner's fingerprints of it (a ref until read), with `sync.fingerprint`
-    probe: Any  # rank 0's ref of the learner's probe sample, which the loading engine scores (`max_staleness` >= 1)
-    engine_probe: bool  # the loading engine samples the probe and the learner scores it (`max_staleness` = 0)
+    probe: Any  # what a loading request's engine runs as the probe (`RolloutWorker.generate`'s `probe`), or None
     ready: Ready  # when the weights were exported (the learner exports them after the update it runs)
     asked: float  # time.monotonic() when the export was asked for
 
@@ -84,6 +85,41 @@ class Export:
             raise RuntimeError(f"weights version {self.version} was exported for workers {sorted(self.loads)} only, "
                                f"not for worker {slot_id}")
         return args
+
+
+class EngineSampledProbe:
+    """The probe while one version is in flight (`rollout.max_staleness` = 0): the loading engine samples the seeded
+    probe (in its request's own engine batch where it is batch-invariant) and the learner, which still holds that
+    version, scores the same tokens while the driver scores the rollouts; checked before the update goes out."""
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+
+    def ask(self) -> SampleProbe:
+        return SampleProbe(*self.sync.probe_args())
+
+    def draws(self, slots: list[RolloutSlot], seeds: tuple[int, ...]) -> list[list[ProbeSample]]:
+        """Every engine samples each seed's probe, then the learner scores them all."""
+        asked = [self.sync.score_probes(slots, self.sync.engine_probes(slots, seed)) for seed in seeds]
+        return [self.sync.scored(probes) for probes in asked]
+
+
+class LearnerSampledProbe:
+    """The probe while several versions are in flight: the learner has moved on when an engine loads a version, so
+    it samples the probe itself when it exports the version, and the loading engine scores those tokens."""
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+
+    def ask(self) -> Any:
+        """Rank 0's ref of the learner's probe sample of the weights exported now (every rank must join); None before
+        any worker told the probe prompt's tokens."""
+        if self.sync.probe_prompt is None:
+            return None
+        return self.sync.fleet.learner_group.submit("probe_sample", self.sync.learner_probe_args(PROBE_SEED))[0]
+
+    def draws(self, slots: list[RolloutSlot], seeds: tuple[int, ...]) -> list[list[ProbeSample]]:
+        return [self.sync.learner_probes(slots, seed) for seed in seeds]
 
 
 @dataclass(eq=False)
@@ -99,13 +135,17 @@ class Probes:
 class WeightSync:
     """The weights versions the learner exported and the checks of what the engines loaded; `version` is the newest."""
 
-    def __init__(self, config: RunConfig, fleet: Fleet, transport: WeightTransport):
+    def __init__(self, config: RunConfig, fleet: Fleet, workers: RolloutWorkers):
         self.config = config
         self.fleet = fleet  # read for the learner's actors only
-        self.transport = transport
-        # At most one version in flight (`max_staleness` = 0): loads may read the learner's shared-memory buffer, and
-        # the engines sample the probes (`export`, `verify`).
-        self.shared = not config.rollout.max_staleness
+        self.transport = make_transport(config.sync, fleet.learner, config.timeouts.sync)
+        workers.watch(new_engine=lambda slot: self.unprobed.add(slot.id), changed=self.transport.fleet_changed)
+        # Chosen once: with one version in flight (`max_staleness` = 0) loads may read the learner's shared-memory
+        # buffer (rewritten by the next export) and the engines sample the probes; with several, every version's
+        # buckets outlive the next export and the learner samples them (`export`, `verify`).
+        one_version = not config.rollout.max_staleness
+        self.probe = EngineSampledProbe(self) if one_version else LearnerSampledProbe(self)
+        self.loads = self._deferred_loads if one_version else self._bucket_loads
         self.version = 0
         self.exports: dict[int, Export] = {}  # version -> its export, while requests may need it
         self.gaps: list[float] = []  # each check's largest (RMS) probe gap since `take_gap`
@@ -120,29 +160,42 @@ class WeightSync:
         self.probe_prompt: list[int] | None = None  # the probe prompt's tokens, once a worker ran the probe
         self.probe_sample: tuple[list[int], list[int]] | None = None  # (prompt, response) of the latest probe checked
 
+    def begin_sync(self, version: int) -> None:
+        """The learner's current weights become version `version`, to be loaded into workers at once (`load_now`),
+        their fingerprints asked for now (the learner computes them while the workers load)."""
+        self.version = version
+        if self.config.sync.fingerprint:
+            self.expected = (version, self.fleet.learner.weights_fingerprint.remote())
+
+    def restored(self, version: int) -> None:
+        """The learner was restored to weights version `version`: the start's probe checked the model's weights, not
+        the checkpoint's the next step samples with (that step's requests probe those), so its gap is let go: the next
+        record's must match the uninterrupted run's."""
+        self.version = version
+        self.gaps = []
+
     def export(self, version: int, slots: list[RolloutSlot]) -> Export:
         """The learner's weights as of its calls so far become version `version`, with its fingerprints of them,
-        asked for now (the learner answers after any update it runs). On-policy (`shared`: one version in flight)
-        workers on the learner's node may read its shared-memory buffer and each loading
-        engine samples the probe, which the learner scores after; else every worker loads object-store buckets that
-        outlive the next export, and scores the learner's own probe sample of the version (the learner has moved on
-        when the engine loads)."""
+        asked for now (the learner answers after any update it runs), with what a loading request runs as the probe
+        (`probe`, chosen at the start by how many versions may be in flight)."""
         cfg = self.config
         self.version = version
         fingerprints = self.fleet.learner.weights_fingerprint.remote() if cfg.sync.fingerprint else None
         asked = time.monotonic()
-        if self.shared:
-            loads, default, probe = self.transport.defer({slot.id: slot for slot in slots}, version), None, None
-        else:
-            loads, default, probe = {}, self.transport.export(version), None
-            if cfg.sync.probe and self.probe_prompt is not None:
-                # rank 0's ref (every rank must join)
-                probe = self.fleet.learner_group.submit("probe_sample", self._learner_probe_args(PROBE_SEED))[0]
+        loads, default = self.loads(version, slots)
         refs = {id(ref): ref for args in [*loads.values(), default or []] for ref in args[1:]}
-        export = Export(version, loads, default, fingerprints, probe, self.shared and cfg.sync.probe,
+        export = Export(version, loads, default, fingerprints, self.probe.ask() if cfg.sync.probe else None,
                         Ready(list(refs.values())), asked)
         self.exports[version] = export
         return export
+
+    def _deferred_loads(self, version: int, slots: list[RolloutSlot]) -> tuple[dict[int, list], None]:
+        """One version in flight: each worker's own load arguments (on the learner's node its shared-memory buffer)."""
+        return self.transport.defer({slot.id: slot for slot in slots}, version), None
+
+    def _bucket_loads(self, version: int, slots: list[RolloutSlot]) -> tuple[dict[int, list], list]:
+        """Several versions in flight: object-store buckets any worker loads, kept while the export is."""
+        return {}, self.transport.export(version)
 
     def check_export(self, export: Export) -> None:
         """After requests that load `export` failed: raise a RunError naming the learner if the export itself failed.
@@ -246,24 +299,20 @@ class WeightSync:
         tolerance from it (`probe_tolerance_from`), from `PROBE_NOISE_SEEDS` draws (the rules then check the first,
         `PROBE_SEED`'s, as every later probe uses that seed)."""
         seeds = PROBE_NOISE_SEEDS if self.noise is None else (PROBE_SEED,)  # PROBE_SEED's first: the cache check's
-        if self.shared:  # every engine samples first, then the learner scores them all
-            asked = [self.score_probes(slots, self._engine_probes(slots, seed)) for seed in seeds]
-            draws = [self.scored(probes) for probes in asked]
-        else:
-            draws = [self._learner_probes(slots, seed) for seed in seeds]
+        draws = self.probe.draws(slots, seeds)
         if self.noise is None:
             self.noise = probe_noise([(s.logprobs, s.learner_logprobs) for samples in draws for s in samples])
         weights = self.weights_digest()
         return self._check_probes([(slot, probe_gap(s.logprobs, s.learner_logprobs), s, weights)
                                    for slot, s in zip(slots, draws[0])])
 
-    def _engine_probes(self, slots: list[RolloutSlot], seed: int = PROBE_SEED) -> list[ProbeSample]:
+    def engine_probes(self, slots: list[RolloutSlot], seed: int = PROBE_SEED) -> list[ProbeSample]:
         """Each worker's engine samples the seeded probe now (the learner scores it: `score_probes`)."""
         return values(call_all([slot.actor for slot in slots], "probe", self.probe_args(seed),
                                self.config.timeouts.sync, "sync", stop_on_failure=True), [slot.name for slot in slots],
                       "sync")
 
-    def _learner_probes(self, slots: list[RolloutSlot], seed: int) -> list[ProbeSample]:
+    def learner_probes(self, slots: list[RolloutSlot], seed: int) -> list[ProbeSample]:
         """The learner samples the seeded probe from its current weights now and each worker's engine scores the same
         tokens (asynchronous training's kind of probe); the samples carry both sides' logprobs. Only `PROBE_SEED`'s
         probe checks the prefix cache (the other draws of the noise floor find the prompt there)."""
@@ -271,11 +320,11 @@ class WeightSync:
         if self.probe_prompt is None:
             [self.probe_prompt] = get([slots[0].actor.tokenize.remote(cfg.sync.probe_prompt)], cfg.timeouts.sync,
                                       [slots[0].name], "sync")
-        probe = group.finish(group.submit("probe_sample", self._learner_probe_args(seed)), cfg.timeouts.sync, "sync")[0]
+        probe = group.finish(group.submit("probe_sample", self.learner_probe_args(seed)), cfg.timeouts.sync, "sync")[0]
         return values(call_all([slot.actor for slot in slots], "score_probe", (*probe, seed == PROBE_SEED),
                                cfg.timeouts.sync, "sync", stop_on_failure=True), [slot.name for slot in slots], "sync")
 
-    def _learner_probe_args(self, seed: int) -> tuple:
+    def learner_probe_args(self, seed: int) -> tuple:
         """The arguments of `Learner.probe_sample`: the probe prompt's tokens, sampled as the engines sample it."""
         cfg = self.config
         return self.probe_prompt, cfg.sync.probe_tokens, cfg.rollout.temperature, seed
@@ -383,7 +432,7 @@ class WeightSync:
         """Per worker: (the root mean square engine-learner logprob gap of a seeded probe sample run now, the sample
         with the learner's logprobs filled in), without `verify`'s rules (bench/weight_sync.py's stale gap)."""
         return [(probe_gap(s.logprobs, s.learner_logprobs), s)
-                for s in self.scored(self.score_probes(slots, self._engine_probes(slots)))]
+                for s in self.scored(self.score_probes(slots, self.engine_probes(slots)))]
 
 
 def _sample_key(sample: ProbeSample) -> tuple:

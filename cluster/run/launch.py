@@ -294,12 +294,12 @@ def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None
 
             cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))
             trainer = Trainer(config, fleet, data, scorer, control, evaluation)
-            cleanup.callback(trainer.rollouts.transport.close)  # the collective transport leaves its group
+            cleanup.callback(trainer.close)  # the collective transport leaves its group
             if config.sync.probe:
                 # Engines and learner agree on the weights they start from (the model's, also when resuming: before
                 # the checkpoint loads), which is where the probe's noise floor and tolerance come from.
                 startup.begin("probe")
-                trainer.rollouts.weights.verify(fleet.rollout)
+                trainer.rollouts.probe_all()
             first = trainer.restore(point) + 1 if point else 1
             startup.begin("first_step")
             records = train(trainer, recorder, run_dir, resolved, first, display, startup)
@@ -378,9 +378,9 @@ def run_evaluation(config: RunConfig, out_dir: Path, checkpoint_path: Path | Non
         fleet = start_fleet(config, model_path or _demo_model(config), None, pool)
         cleanup.callback(lambda: _release(fleet, pool, started_ray, failed=not finished))
         trainer = Trainer(config, fleet, data, scorer, None, evaluation)
-        cleanup.callback(trainer.rollouts.transport.close)
+        cleanup.callback(trainer.close)
         if config.sync.probe:
-            trainer.rollouts.weights.verify(fleet.rollout)
+            trainer.rollouts.probe_all()
         version = 0
         if checkpoint_path is not None:
             version = fleet.learner_group.load_checkpoint(str(checkpoint_path))
@@ -404,8 +404,9 @@ def train(trainer: Trainer, recorder: MetricsRecorder, run_dir: Path, resolved: 
     progress = ProgressDisplay(config.max_steps, start_step=first - 1) if display else None
 
     def write(record: dict[str, Any]) -> None:
-        nonlocal warned
-        record = startup.stamp(record) if startup else record
+        nonlocal warned, startup
+        if startup is not None:  # the first record only
+            record, startup = startup.stamp(record), None
         recorder.write(record)
         records.append(record)
         trainer.publish(record)

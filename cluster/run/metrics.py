@@ -3,9 +3,10 @@ Biases and Prometheus (when enabled), the console display, and the Ray dashboard
 
 Owns: the metrics file's format (its keys: docs/operations.md), fanning each step's record out to every sink
 (`MetricsRecorder`), dropping records past the checkpoint on resume, the progress display (rich) and the final
-summary. Does not own: computing metrics (the driver and the learner do), the charts (cluster/cli/plot.py), or
-Prometheus' names and server (cluster/run/prometheus.py). TensorBoard, wandb and prometheus_client are imported only
-when a run writes to them.
+summary; the step's record itself (`step_record`: what it holds besides the parts' own metrics) and the phases'
+times (`Timings`). Does not own: the parts' metrics (the learner's, the data's, the fleet's), the charts
+(cluster/cli/plot.py), or Prometheus' names and server (cluster/run/prometheus.py). TensorBoard, wandb and
+prometheus_client are imported only when a run writes to them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -26,6 +30,7 @@ from rich.table import Table
 from cluster.run.prometheus import PrometheusExporter, check_prometheus
 
 if TYPE_CHECKING:
+    from cluster.config import RunConfig
     from cluster.run_sections import LoggingConfig
 
 WANDB_ID_FILE = "wandb_run_id"  # in run_dir: the W&B run id, so a resumed run logs to the same W&B run
@@ -312,3 +317,53 @@ def idle_breakdown(record: dict[str, Any]) -> str:
 def _mean(values: list[float]) -> float:
     values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else float("nan")
+
+
+class Timings(dict):
+    """`time/<phase>` -> seconds; `timed(phase)` adds a block's wall time (a phase may run several times a step)."""
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        key = f"time/{phase}"
+        self[key] = self.get(key, 0.0) + time.perf_counter() - start
+
+
+def version_stats(config: RunConfig, groups: list[list[Any]], fresh: int, sampled_with: int, version: int,
+                  in_flight_loads: int | None) -> dict[str, float]:
+    """The version that sampled the batch (`sampled_with`) and its staleness against the update that made `version`;
+    with in-flight updates, that of its fresh groups' tokens and the loads made during requests."""
+    stats = {"rollout/version": sampled_with, "async/staleness": version - 1 - sampled_with}
+    if config.rollout.in_flight_updates:  # tokens sampled by versions newer than the batch's (fresh groups)
+        tokens = np.concatenate([np.asarray(r.versions, np.float64) for g in groups[:fresh] for r in g])
+        stats.update({"async/token_staleness": version - 1 - float(tokens.mean()),
+                      "rollout/in_flight_loads": in_flight_loads})
+    return stats
+
+
+def episode_stats(rollouts: list[Any]) -> dict[str, float]:
+    """Multi-turn: what the episodes trained on did (failures: every one scored)."""
+    infos = [r.episode for r in rollouts if r.episode is not None]
+    return {"env/turns/mean": statistics.fmean(e.turns for e in infos) if infos else 0.0,
+            "env/calls": float(sum(e.calls for e in infos)),
+            "env/invalid_calls": float(sum(e.invalid_calls for e in infos)),
+            "env/truncated_observations": float(sum(e.truncated_observations for e in infos)),
+            "env/episode_seconds": statistics.fmean(e.env_seconds for e in infos) if infos else 0.0,
+            "response_length/model_tokens": statistics.fmean(
+                float(np.sum(r.model_mask)) if r.model_mask is not None else len(r.response_ids) for r in rollouts)}
+
+
+def step_record(config: RunConfig, step: int, rollouts: list[Any], sampling: dict[str, Any],
+                parts: list[dict[str, Any]], timings: dict[str, float], step_seconds: float) -> dict[str, Any]:
+    """One metrics line. `sampling`: the step's scoring and sampling stats (`reward/*` cover every completion scored
+    this step, dropped groups too: they show how the policy does); `parts`: the learner's, the data's, the weights
+    version, the fleet's; the rest covers the completions trained on."""
+    lengths = [len(r.response_ids) for r in rollouts]
+    record = {"step": step, **sampling, "rollout/completions": len(rollouts),
+              "response_length/mean": statistics.fmean(lengths),
+              "response/truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+              **(episode_stats(rollouts) if config.env.enabled else {})}
+    for part in parts:
+        record.update(part)
+    return {**record, **timings, "time/step": step_seconds, "throughput/tokens_per_s": sum(lengths) / step_seconds}

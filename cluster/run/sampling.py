@@ -1,17 +1,19 @@
 """A step's groups from its generation rounds: DAPO's dynamic sampling and overlong shaping.
 
-Owns: counting one round's scored groups (`add_round`: groups a verifier or environment lost under `on_failure=drop`
+Owns: the rounds of one step (`sample_rounds`: generate, score, count, until enough groups are kept), counting one
+round's scored groups (`add_round`: groups a verifier or environment lost under `on_failure=drop`
 left out, the uninformative ones set aside, overlong shaping added) and choosing the step's groups from the rounds
 (`choose`: kept ones first, topped up with set-aside ones, counted). A group is uninformative when the learner would
 give every one of its tokens a zero advantage: all its rewards equal, or under process supervision all the per-step
 values the learner normalises (`step_values`) equal.
-Does not own: generating or scoring (cluster/run/trainer.py, cluster/run/scoring.py), the advantages themselves
-(learner/algo/advantages.py).
+Does not own: generating or scoring (cluster/fleet/rollout_pool.py, cluster/run/scoring.py), the advantages
+themselves (learner/algo/advantages.py).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,28 @@ def _last_model_token(rollout: Any) -> int:
         return len(rollout.response_ids) - 1
     sampled = np.flatnonzero(np.asarray(rollout.model_mask))
     return int(sampled[-1]) if sampled.size else len(rollout.response_ids) - 1
+
+
+def sample_rounds(config: RunConfig, step: int, rounds_from: Callable[[int], tuple[list[Any], list[list[Any]]]],
+                  scorer: Any, timings: Any, fitting: Any) -> tuple[list[list[Any]], list[float], dict[str, Any]]:
+    """Score generation rounds (`rounds_from(round)`: a round's problems and their groups) into `prompts_per_step`
+    groups; returns [prompts][G] rollouts, their rewards, and stats. Groups a remote verifier or environment lost
+    under `on_failure=drop` are left out (counted). With `rollout.dynamic_sampling` (DAPO), uninformative groups are
+    set aside and fresh prompts are drawn until enough groups are kept or `max_sampling_rounds` rounds ran, after
+    which set-aside groups top the batch up (counted, never hidden). `timings`: a `Timings` (`time/generate`,
+    `time/score`); `fitting`: the `RewardFitting` that keeps the examples of reward models trained in the run."""
+    ro, want = config.rollout, config.data.prompts_per_step
+    tally = Tally([*config.reward.sources, *(["env"] if config.env.enabled else [])])
+    rounds = 0
+    while len(tally.kept) < want and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
+        with timings.timed("generate"):
+            problems, groups = rounds_from(rounds)
+        with timings.timed("score"):
+            result = scorer.score(problems, groups)
+        fitting.add(step, result.fit)
+        add_round(config, tally, groups, result)
+        rounds += 1
+    return choose(config, step, tally, rounds)
 
 
 def add_round(config: RunConfig, tally: Tally, groups: list[list[Any]], result: Any) -> None:

@@ -6,7 +6,8 @@ means and failure counts, batch normalisation of reward-model scores, and the we
 steps (split on token ids by `rewards.steps.StepSplitter`, each scored by every step source); an environment's turn
 rewards (`env.weight`, `env.turn_rewards`) and failures (`env.on_failure`); marking a group dropped when a sample of it
 could not be scored under `on_failure=drop`; and OpenRLHF sources' queries (prompt and response token ids decoded
-together with their special tokens).
+together with their special tokens); iterative GRPO's reward models fine-tuned in the run on its completions
+(`RewardFitting`: their examples per step, fitting them at `train.every`, their checkpoints).
 Does not own: the verifiers (`rewards/`), the HTTP protocols (`rewards/remote.py`), the models
 (`actors/reward_model.py`, `actors/process_reward_model.py`), or what the driver does with dropped groups.
 """
@@ -16,12 +17,17 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rewards.config import EnvironmentConfig, ModelSource, RemoteSource, RewardConfig, RuleSource
 from sync.calls import RunError, get
+
+if TYPE_CHECKING:
+    from cluster.config import RunConfig
+    from cluster.fleet.placement import Fleet
 
 
 @dataclass(frozen=True)
@@ -283,3 +289,54 @@ def _split_like(flat: list[float], rows: list[list[float]]) -> list[list[float]]
         out.append(flat[start:start + len(row)])
         start += len(row)
     return out
+
+
+REWARD_MODELS_DIR = "reward_models"  # a checkpoint's fine-tuned reward models, one directory each
+
+
+class RewardFitting:
+    """The reward models a run fine-tunes (`reward.sources.<name>.train`)."""
+
+    def __init__(self, config: RunConfig, fleet: Fleet):
+        self.config = config
+        self.fleet = fleet
+        self.examples: dict[int, dict[str, tuple[list, list, list]]] = {}  # step -> reward model -> its examples
+        self.trained = [name for name, source in config.reward.sources.items() if getattr(source, "train", None)]
+
+    def add(self, step: int, fit: dict[str, tuple[list, list, list]]) -> None:
+        """A scoring round's (prompts, completions, targets) for each reward model fine-tuned in the run."""
+        for name, new in fit.items():
+            data = self.examples.setdefault(step, {}).setdefault(name, ([], [], []))
+            for kept, values in zip(data, new):
+                kept += values
+
+    def fit(self, step: int, timings: Any) -> dict[str, float]:
+        """At steps that are multiples of a reward model's `train.every`, fine-tune it on step `step`'s completions
+        labelled by its `train.label_source` (the next scoring uses the new weights; `time/reward_fit` into
+        `timings`, a `Timings`); its `reward_model/<name>/*` metrics. Examples of steps up to `step` are let go."""
+        data = self.examples.pop(step, {})
+        for old in [s for s in self.examples if s < step]:
+            del self.examples[old]
+        due = {name: examples for name, examples in data.items()
+               if step % self.config.reward.sources[name].train.every == 0}
+        if not due:
+            return {}
+        with timings.timed("reward_fit"):
+            refs = [self.fleet.reward_models[name].fit.remote(*examples, self.config.rollout.group_size)
+                    for name, examples in due.items()]
+            results = get(refs, self.config.timeouts.reward, [f"reward model '{name}' fine-tuning" for name in due],
+                          "reward")
+        return {f"reward_model/{name}/{key}": float(value) for name, result in zip(due, results)
+                for key, value in result.items()}
+
+    def save(self, directory: Path) -> None:
+        """The fine-tuned reward models' weights and optimizer states, in `reward_models/<name>/`."""
+        self._each("save_state", directory)
+
+    def restore(self, directory: Path) -> None:
+        self._each("load_state", directory)
+
+    def _each(self, method: str, directory: Path) -> Any:
+        refs = [getattr(self.fleet.reward_models[name], method).remote(str(directory / REWARD_MODELS_DIR / name))
+                for name in self.trained]
+        get(refs, self.config.timeouts.reward, [f"reward model '{name}'" for name in self.trained], "checkpoint")

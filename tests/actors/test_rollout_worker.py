@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.engine import EngineSettings
-from actors.rollout import RolloutWorker, SamplingSettings
+from actors.rollout import RolloutWorker, SampleProbe, SamplingSettings
 from actors.vllm_extension import torch_linear
 from bench.batch_invariance import sample_splits
 from sync.fingerprint import fingerprint
@@ -308,7 +308,7 @@ def test_the_probe_rides_in_its_request_with_the_bits_of_a_probe_alone(tiny_mode
             if version == 3:
                 monkeypatch.setattr(w.engine, "batch_invariant", False)
             groups = w.generate(prompts, list(range(len(prompts))), sampling, version, *buckets_of(model),
-                                probe=args)
+                                probe=SampleProbe(*args))
             assert len(groups) == len(prompts) and all(len(group) == 8 for group in groups)
             probed = groups.probe
             assert probed.weights_version == version and probed.cached_prompt_tokens == 0

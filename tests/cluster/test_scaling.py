@@ -16,9 +16,8 @@ import ray
 
 from actors.rollout import RolloutWorker
 from cluster.config import load_config
-from cluster.fleet.control import find_run, run_name
+from cluster.fleet.control import ScaleRequests, find_run, run_name
 from cluster.run.launch import run_training
-from cluster.run.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class below travels by value
@@ -54,24 +53,24 @@ def read(run_dir) -> list[dict]:
 
 def hold_near_the_end(monkeypatch, run_dir, steps: int, workers: int, failures: int) -> list[int]:
     """The test waits on the state it checks, not on the run's length: at the step boundaries of the run's last 5 steps
-    (where new workers join: `Trainer.apply_scale_request`), a run whose fleet has not reached `workers` serving and
+    (where new workers join: `ScaleRequests.apply`), a run whose fleet has not reached `workers` serving and
     `failures` failed starts yet applies the boundary again until it has (at most 240 s), so a slow machine cannot end
     the run first. Returns the steps held: their time/step and time/scale hold the wait."""
     held: list[int] = []
-    original = Trainer.apply_scale_request
+    original = ScaleRequests.apply
 
-    def apply(trainer: Trainer) -> None:
-        original(trainer)
-        pool, step = trainer.rollouts, len(read(run_dir)) + 1
+    def apply(control: ScaleRequests) -> None:
+        original(control)
+        workers_now, step = control.rollouts.workers, len(read(run_dir)) + 1
         deadline = time.monotonic() + 240
         while (step > steps - 5 and time.monotonic() < deadline
-               and (len(pool.fleet.rollout) < workers or trainer.scaling.failures < failures)):
+               and (len(workers_now.slots) < workers or workers_now.failures < failures)):
             if step not in held:
                 held.append(step)
             time.sleep(0.5)
-            original(trainer)
+            original(control)
 
-    monkeypatch.setattr(Trainer, "apply_scale_request", apply)
+    monkeypatch.setattr(ScaleRequests, "apply", apply)
     return held
 
 

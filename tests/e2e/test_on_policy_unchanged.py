@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from cluster.config import load_config
 from cluster.fleet.placement import with_default_threads
 from cluster.run.launch import run_training
-from cluster.run.trainer import overlaps_reference
+from cluster.run.logprob_asks import overlaps_reference
 from learner.passes.device import CPU_BFLOAT16_MATMULS
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from actors.engine import EngineSettings, wants_torch_linear
 from actors.vllm_extension import ROW_BLOCKS, blocked_rows, row_block, rows_invariant, torch_linear
 from cluster.config import ConfigError, load_config
 from cluster.fleet.placement import with_default_threads
-from cluster.run.trainer import overlaps_reference
+from cluster.run.logprob_asks import overlaps_reference
 from learner.passes.device import SMALL_MODEL_PARAMETERS
 
 
