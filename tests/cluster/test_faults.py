@@ -120,17 +120,21 @@ def test_non_finite_updates_in_a_row_stop_the_run_with_one_line(ray_local, tmp_p
 
 def kill_actor_process(class_name: str, when, timeout: float = 300, killed: list | None = None) -> threading.Thread:
     """From a thread: once `when()` holds, SIGKILL the Ray worker process hosting `class_name` (its process title is
-    `ray::<class_name>...`), as an OOM kill or a lost node would; the pids it killed go to `killed`."""
+    `ray::<class_name>...`), as an OOM kill or a lost node would; the pids it killed go to `killed`. Only this
+    session's Ray's processes (this process's descendants): other Ray instances on the machine are not ours."""
     import psutil
 
     def killer():
         deadline = time.monotonic() + timeout
         while not when() and time.monotonic() < deadline:
             time.sleep(0.05)
-        for proc in psutil.process_iter(["cmdline"]):
-            if any(part.startswith(f"ray::{class_name}") for part in proc.info["cmdline"] or []):
-                proc.kill()
-                (killed if killed is not None else []).append(proc.pid)
+        for proc in psutil.Process(os.getpid()).children(recursive=True):
+            try:
+                if any(part.startswith(f"ray::{class_name}") for part in proc.cmdline()):
+                    proc.kill()
+                    (killed if killed is not None else []).append(proc.pid)
+            except psutil.Error:  # gone meanwhile
+                continue
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
