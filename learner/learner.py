@@ -41,14 +41,13 @@ from learner.passes.device import (
 from learner.passes.head import PassScorer
 from learner.passes.metric_sums import MetricSums, denominators, pass_weights
 from learner.passes.micro_batches import MicroBatching
+from learner.passes.rounds import in_update_passes, update_rounds
 from learner.passes.sequences import (
     SequenceBatch,
     SharedPrompts,
     pad_per_token,
     pad_sequences,
-    prompt_rounds,
     shared_prompts,
-    sharing,
     tail_lengths,
     unpad_per_token,
 )
@@ -250,7 +249,7 @@ class Learner(WeightPublisher):
         cfg = self.config
         batch = pad_sequences(data.prompt_ids, data.response_ids, self.pad_id, self.device, data.model_masks)
         mask = batch.loss_mask  # the tokens trained on: the model's (the response's, without environment tokens)
-        old_logprobs = None if self.single_update else self._policy_rows(batch)
+        old_logprobs = None if self.single_update else self._old_rows(batch)
         ref = self._reference_rows(batch, data.ref_logprobs if ref_logprobs is None else ref_logprobs)
         metrics: dict[str, float] = {}
         token_rewards, step_ends = per_token_rewards(data, batch, old_logprobs, ref, cfg, self.device, metrics)
@@ -314,22 +313,28 @@ class Learner(WeightPublisher):
         means["train/skipped_updates"] = sums["train/skipped_updates"]
         return means
 
-    def _rounds(self, batch: SequenceBatch, rows: torch.Tensor
+    def _rounds(self, batch: SequenceBatch, rows: torch.Tensor, grad: bool = True
                 ) -> Iterator[tuple[SharedPrompts | None, list[tuple[torch.Tensor, bool]]]]:
-        """This rank's passes over `rows`, in rounds that share their prompts: each round's `SharedPrompts` (computed
-        with gradients when the round is reached, carried back after its last pass: one prefix pass's activations
-        are kept at a time) and its passes, cut by the tokens they run (each row's own; whole rows with a value
-        model, which runs whole rows in the same passes). Without shared prompts, one round of
-        `DataParallel.micro_batches`."""
-        mine = self.dp.share(rows)
-        if not sharing(self.model, batch.select(mine), self.batching):
-            yield None, self.dp.micro_batches(rows, batch.lengths, self.batching)
-            return
-        lengths = batch.lengths if self.critic else tail_lengths(batch)
-        for round_rows in prompt_rounds(batch, mine, self.batching):
+        """This rank's passes over `rows` in rounds that share prompts (`update_rounds`; whole rows with a critic)."""
+        return update_rounds(self.model, batch, rows, self.batching, self.dp, self.critic is not None, self._compute,
+                             grad)
+
+    def _old_rows(self, batch: SequenceBatch) -> torch.Tensor:
+        """The old logprobs [B, L-1] before the update, computed in the passes of the first epoch's minibatches (its
+        order drawn ahead from the shuffling generator, which is put back): each row in a pass of the same rows,
+        order and shapes as its first training forward, so that in bfloat16 no pass shape makes a ratio that is not 1
+        (`learner.passes.rounds`)."""
+        state = self.shuffle.get_state()
+        order = torch.randperm(len(batch), generator=self.shuffle, device="cpu").to(self.device)
+        self.shuffle.set_state(state)
+
+        def score(part: SequenceBatch, prompts: SharedPrompts | None) -> torch.Tensor:
             with self._compute():
-                prompts = SharedPrompts(self.model, batch.select(round_rows), True, self.batching)
-            yield prompts, [(round_rows[part], True) for part in self.batching.split(lengths[round_rows])]
+                return self.scorer.logprobs(self.model, part, self.temperature, prompts, self.batching.pack)
+
+        with torch.no_grad():
+            rounds = lambda b_idx: self._rounds(batch, b_idx, grad=False)  # noqa: E731
+            return in_update_passes(batch, order.chunk(self.config.num_minibatches), rounds, score, self.dp.all_reduce)
 
     def _minibatch_update(self, step: StepTensors, b_idx: torch.Tensor) -> dict[str, float]:
         """Accumulate gradients over micro-batches, then one optimizer step (skipped if anything is non-finite).

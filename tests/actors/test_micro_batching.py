@@ -107,7 +107,8 @@ def test_token_budget_passes_make_the_one_pass_update_in_every_mode(tiny_model_d
     for policy_loss in (["ppo", "gspo"] if mode == "seq-mean-token-mean" else ["ppo"]):
         settings = dict(loss_agg=mode, policy_loss=policy_loss, num_minibatches=2)  # two updates: pi_old its own pass
         whole = update(make(tiny_model_dir, dtype, max_tokens_per_micro_batch=None, **settings), behavior, ref)
-        assert whole[2] == 1 + 2  # pi_old + one pass per minibatch
+        # pi_old in the passes of the first epoch's minibatches (learner.passes.rounds), then one pass per minibatch
+        assert whole[2] == 2 + 2
         for pack in (False, True):  # padded passes: 5 + 4 or 5; packed (real tokens count): 4 + 2 or 3 at least
             split = make(tiny_model_dir, dtype, max_tokens_per_micro_batch=BUDGET, pack_sequences=pack, **settings)
             assert split.batching.pack == pack

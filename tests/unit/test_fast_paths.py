@@ -270,3 +270,51 @@ def test_the_learner_asks_torch_for_fused_adamw_only_when_configured(model_dir):
     for fused in (False, True):
         learner = Learner(str(model_dir), LearnerConfig(fast_paths=FastPathsConfig(fused_adamw=fused)))
         assert learner.optimizer.defaults["fused"] is (True if fused else None)
+
+
+# The bfloat16 shape trap (verl #6280): a row's bfloat16 logits depend on the shapes of the pass it runs in, so old
+# logprobs from other passes than the update's make ratios that are not 1 before anything changed.
+def recorded_passes(model_dir, dtype: str, **config) -> tuple[list, list]:
+    """One train step: every decoder call's (input ids, whether gradients were on), and each policy-loss call's
+    (logprobs, old logprobs) over the trained tokens."""
+    import learner.objective as objective
+
+    learner = Learner(str(model_dir), LearnerConfig(**{**LEARNER, "kl_coef": 0.0, "entropy_coef": 0.0, **config}),
+                      dtype=dtype)
+    prompts, responses = rows()
+    behaviour = learner.compute_logprobs(prompts, responses)
+    calls, ratios = [], []
+    learner.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((kwargs["input_ids"].clone(), torch.is_grad_enabled())),
+        with_kwargs=True)
+    real = objective.POLICY_LOSSES["ppo"]
+
+    def recorded(logprobs, old, advantages, mask, *args):
+        ratios.append((logprobs.detach()[mask.bool()], old[mask.bool()]))
+        return real(logprobs, old, advantages, mask, *args)
+
+    objective.POLICY_LOSSES["ppo"] = recorded
+    try:
+        learner.train_step(TrainBatch(prompts, responses, behaviour, [1.0, 0.0] * 3, 3))
+    finally:
+        objective.POLICY_LOSSES["ppo"] = real
+    return calls, ratios
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_old_logprobs_run_in_the_passes_of_the_first_epoch_so_its_first_ratios_are_exactly_one(model_dir, dtype):
+    # Two epochs of two minibatches (old logprobs needed before the update), passes packed, prompts shared.
+    calls, ratios = recorded_passes(model_dir, dtype, ppo_epochs=2, max_tokens_per_micro_batch=16)
+    old = [ids for ids, grad in calls if not grad]
+    first_epoch = [ids for ids, grad in calls if grad][:len(old)]
+    assert len(old) > 2 and all(torch.equal(a, b) for a, b in zip(old, first_epoch))  # the same rows, order, shapes
+    minibatches = 2
+    first = ratios[: len(ratios) // (2 * minibatches)]  # the first minibatch's passes: nothing has changed yet
+    assert first and all(torch.equal(logprobs, before) for logprobs, before in first)
+
+
+def test_with_one_update_per_batch_old_logprobs_are_the_training_forward_s_own_with_every_fast_path(model_dir):
+    _, ratios = recorded_passes(model_dir, "bfloat16", num_minibatches=1, max_tokens_per_micro_batch=10**4,
+                                fast_paths=FastPathsConfig(head_chunk_tokens=5, metrics_on_device=True,
+                                                           fused_adamw=True))
+    assert ratios and all(torch.equal(logprobs, before) for logprobs, before in ratios)
