@@ -108,7 +108,7 @@ def values(outcomes: Sequence[Outcome], names: Sequence[str], what: str) -> list
     died = [(name, o) for name, o in failed if o.kind == "died"]
     raised = [(name, o) for name, o in failed if o.kind == "raised"]
     if died:
-        raise RunError(f"an actor died during '{what}': {died[0][1].cause}")
+        raise RunError(f"{died[0][0]} died during '{what}': {died[0][1].cause}")
     if raised:
         raise RunError(f"{raised[0][0]} failed during '{what}': {raised[0][1].cause}")
     late_names = ", ".join(name for name, _ in failed)

@@ -56,7 +56,7 @@ def test_every_outcome_says_what_happened_in_one_line(ray_local, actors):
 
 
 def test_get_names_the_actor_that_failed_and_returns_at_the_first_failure(ray_local):
-    fresh = [ray_local.remote(Echo).options(num_cpus=0).remote() for _ in range(3)]
+    fresh = [ray_local.remote(Echo).options(num_cpus=0).remote() for _ in range(4)]
     try:
         started = time.monotonic()
         with pytest.raises(RunError, match=r"^worker b failed during 'sync': ValueError: bad value 7$"):
@@ -66,6 +66,8 @@ def test_get_names_the_actor_that_failed_and_returns_at_the_first_failure(ray_lo
         with pytest.raises(RunError, match=r"^worker c missed the 1 s deadline of 'train' \(raise timeouts.train"):
             get([fresh[2].run.remote("ok"), fresh[1].run.remote("sleep")], 1.0, ["worker a", "worker c"], "train")
         assert [o.value for o in wait_all([fresh[2].run.remote("ok", 5)], 30.0, "sync")] == [5]
+        with pytest.raises(RunError, match=r"^worker d died during 'train': ActorDiedError: "):  # the dead one named
+            get([fresh[2].run.remote("ok"), fresh[3].run.remote("die")], 20.0, ["worker c", "worker d"], "train")
     finally:
         for actor in fresh:
             ray_local.kill(actor)
