@@ -556,7 +556,7 @@ def make_trl_trainer(spec: dict[str, Any], rows: list[dict[str, str]], clock: Ph
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec["betas"]),
                                   weight_decay=spec["weight_decay"])
-    warmup = spec["warmup_steps"]  # relay's learner.critic.warmup_schedule: step n (from 0) uses lr x (n + 1) / warmup
+    warmup = spec["warmup_steps"]  # relay's `warmup_schedule`: step n (from 0) uses lr x (n + 1) / warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
     args = GRPOConfig(
         output_dir=spec["output_dir"], max_steps=spec["steps"], seed=spec["seed"], use_cpu=True, bf16=False,

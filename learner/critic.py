@@ -23,7 +23,7 @@ import torch
 
 from learner.algo.losses import value_loss
 from learner.distributed import DataParallel, clip_grad_norm, tied_names
-from learner.passes.device import compute_in, matmuls_in, pick_device
+from learner.passes.device import compute_in, matmuls_in, pick_device, warmup_schedule
 from learner.passes.sequences import SequenceBatch, pass_logits
 
 if TYPE_CHECKING:
@@ -95,12 +95,6 @@ def check_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
         raise ValueError(f"{source}: weights do not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; was it saved from another architecture?")
     return state
-
-
-def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear learning-rate warm-up from 0 to the optimizer's lr over `warmup_steps` steps, then constant."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0)
 
 
 def value_pass(model: torch.nn.Module, batch: SequenceBatch, pack: bool = False) -> torch.Tensor:

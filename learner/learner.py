@@ -14,8 +14,8 @@ class: Ray wraps its ranks in cluster/fleet/learner_group.py.
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ import torch
 from learner.algo.advantages import AdvantageInputs, distill_log_ratios
 from learner.algo.losses import aggregate
 from learner.batch import StepTensors, TrainBatch, per_token_rewards
-from learner.critic import Critic, check_weights, read_model_weights, save_model_dir, warmup_schedule
+from learner.critic import Critic, check_weights, read_model_weights, save_model_dir
 from learner.distributed import DataParallel, clip_grad_norm
 from learner.lora import adapter_dropout, adapter_weights, add_adapters, load_adapters, read_adapters, save_adapters
 from learner.objective import correct_rollouts, micro_batch_loss, step_advantages
@@ -35,8 +35,10 @@ from learner.passes.device import (
     default_threads,
     fused_adamw,
     matmuls_in,
+    peak_rss_mb,
     pick_device,
     to_cpu,
+    warmup_schedule,
 )
 from learner.passes.head import PassScorer
 from learner.passes.metric_sums import MetricSums, denominators, pass_weights
@@ -57,11 +59,6 @@ from sync.startup import mark
 
 if TYPE_CHECKING:
     from learner.config import CriticConfig, LearnerConfig
-
-
-def _peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # The learner's part of a checkpoint directory (cluster/run/checkpoint.py names the same files; a test keeps them
@@ -92,7 +89,7 @@ class Learner(WeightPublisher):
         mark("loading")  # start-up marks (sync/startup.py)
         torch.set_num_threads(config.num_threads or default_threads(count_parameters(model_path)))
         torch.manual_seed(seed)
-        self.base_rss_mb = _peak_rss_mb()  # the process before any model: interpreter, torch, transformers
+        self.base_rss_mb = peak_rss_mb()  # the process before any model: interpreter, torch, transformers
         self.model_path = model_path  # where a saved policy's tokenizer and generation files come from
         self.config = config
         self.temperature = temperature
@@ -277,7 +274,7 @@ class Learner(WeightPublisher):
         metrics["advantage/mean_abs"] = float(aggregate(estimate.advantages.abs(), mask, "token-mean"))
         if estimate.returns is not None:
             metrics["returns/mean"] = float(aggregate(estimate.returns, mask, "token-mean"))
-        metrics["memory/learner_peak_mb"] = _peak_rss_mb()
+        metrics["memory/learner_peak_mb"] = peak_rss_mb()
         metrics["memory/learner_base_mb"] = self.base_rss_mb
         self.weights_version += 1
         metrics["weights/version"] = self.weights_version
@@ -348,7 +345,7 @@ class Learner(WeightPublisher):
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic:
             self.critic.zero_grad()
-        with adapter_dropout(self.model, self.lora and self.config.lora.dropout > 0):
+        with adapter_dropout(self.model, True) if self.lora and self.config.lora.dropout > 0 else nullcontext():
             for prompts, passes in self._rounds(step.batch, b_idx):  # prompts shared by a round's rows, or None
                 for mb_idx, live in passes:
                     self._micro_batch_backward(step, mb_idx, live, whole, prompts, sums)

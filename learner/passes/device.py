@@ -4,9 +4,9 @@ how many threads the learner and the reference take.
 Owns `pick_device` (the GPU this process sees, else the CPU), `default_threads` (by the model's size, when
 `num_threads` is unset), `compute_in` (mixed precision: float32 parameters computed in bfloat16), `matmuls_in`
 (bfloat16 matmuls at float32's speed on a CPU without bfloat16 instructions), `fused_adamw` (whether torch fuses
-AdamW here) and `to_cpu` (a nested state moved to host memory for a checkpoint). Here, in `learner/passes/`,
-because every model pass runs on this device in these contexts, and `actors/` may import the pass package but not
-the learner's training code.
+AdamW here), `warmup_schedule` (the optimizers' learning-rate warm-up), `peak_rss_mb` and `to_cpu` (a nested
+state moved to host memory for a checkpoint). Here, in `learner/passes/`, because every model pass runs on this
+device in these contexts, and `actors/` may import the pass package but not the learner's training code.
 Does not own asking for GPUs: each actor asks Ray for `num_gpus` (cluster/), and Ray sets CUDA_VISIBLE_DEVICES in
 the actor's process, so its one GPU is `cuda:0` there. One device per process: nothing here spreads a model over
 several GPUs. Imports only torch (and safetensors, to read a model's size).
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 from typing import Any
 
 import torch
@@ -117,6 +118,17 @@ def fused_adamw(asked: bool, named: list[tuple[str, torch.nn.Parameter]]) -> boo
 
     devices = _get_fused_kernels_supported_devices()
     return True if all(p.device.type in devices and p.is_floating_point() for _, p in named) else None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear learning-rate warm-up from 0 to the optimizer's lr over `warmup_steps` steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0)
 
 
 def to_cpu(state: Any) -> Any:
