@@ -24,8 +24,9 @@ PROBE = """
 import json, sys
 sys.path.insert(0, {root!r})
 {body}
+packages = ("learner", "sync", "bench", "cluster", "rewards", "actors")
 relay = sorted(m.__file__ for name, m in list(sys.modules.items())
-               if name.split(".")[0] in ("learner", "sync", "bench", "cluster", "rewards", "actors") and getattr(m, "__file__", None))
+               if name.split(".")[0] in packages and getattr(m, "__file__", None))
 print(json.dumps({{"modules": sorted({{name.split(".")[0] for name in sys.modules}}), "relay": relay}}))
 """
 
