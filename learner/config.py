@@ -64,6 +64,20 @@ class FastPathsConfig(_Section):
     """Keep each pass's metrics where they are computed and read them once per minibatch, and weigh passes by token
     counts taken from host memory: no `.item()` per pass. The same metrics and update bit for bit (the same float64
     sums in the same order)."""
+    varlen_attention: bool = False
+    """Packed passes' attention over the pack's tokens as they lie (`learner.passes.varlen`), no row gathered into a
+    padded row of its own: torch's `varlen_attn` (flash attention over cu_seqlens) on CUDA in bfloat16 and float16,
+    else, and for rows on shared prompts' cached states, compiled FlexAttention with a block mask (on a CPU, its mask
+    over every query and key of the pack through sdpa: for tests). The same logprobs, entropies and gradients up to
+    the softmax's summation order (bounds: tests/unit/test_packed_fast_paths.py). Packed passes only."""
+    compile_bucket_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """torch.compile each decoder layer, not the whole model (`learner.passes.compiled`), and pad each packed pass's
+    tokens up to a multiple of this many, so that the compiled shapes stay one per bucket (verl's pad_to_length): no
+    real token sees the padding, whose outputs are dropped. Old logprobs and the update bucket alike. Packed passes
+    only; padded ones and shared prompts' prefixes run uncompiled. Empty: nothing compiled."""
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
+    """torch.compile's backend with `compile_bucket_tokens`: `inductor` (fused kernels, for GPUs; compiles for minutes
+    on a CPU) or `aot_eager` (the traced graphs run by eager kernels: what the CPU's tests run)."""
 
 
 class LearnerConfig(_Section):

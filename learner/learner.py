@@ -40,7 +40,7 @@ from learner.passes.device import (
     to_cpu,
     warmup_schedule,
 )
-from learner.passes.head import PassScorer
+from learner.passes.head import pass_scorer
 from learner.passes.metric_sums import MetricSums, denominators, pass_weights
 from learner.passes.micro_batches import MicroBatching
 from learner.passes.rounds import in_update_passes, update_rounds
@@ -132,7 +132,7 @@ class Learner(WeightPublisher):
         # With LoRA the reference (the initial policy) is the base: the learner computes its logprobs itself with the
         # adapters disabled, and no reference actor holds a second copy of the base (the driver starts none).
         self.base_reference = self.lora and (config.kl_coef > 0 or config.kl_reward_coef > 0)
-        self.scorer = PassScorer(config.fast_paths.head_chunk_tokens)  # the plain path, or the head in chunks
+        self.scorer = pass_scorer(self.model, config.fast_paths, config.max_tokens_per_micro_batch)  # fast paths
         self.shuffle = torch.Generator().manual_seed(seed)
         self.weights_version = 0
         self.nonfinite_in_row = 0

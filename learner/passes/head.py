@@ -27,6 +27,8 @@ from learner.algo.logprobs import (
     entropy_from_logits,
     logprobs_from_logits,
 )
+from learner.passes.compiled import compile_layers
+from learner.passes.packing import PackedPaths, packed_paths
 from learner.passes.sequences import SharedPrompts, pass_logits, sequence_logprobs, sequence_logprobs_and_entropy
 
 # Architectures whose causal LM computes logits as `lm_head(final hidden states)` and nothing more (no soft-capping,
@@ -116,24 +118,27 @@ def _uncached_casts(device: torch.device) -> contextlib.AbstractContextManager:
 class PassScorer:
     """How the learner scores a pass: the plain path (`sequence_logprobs`, `sequence_logprobs_and_entropy`: the whole
     pass's logits at once), or, with `chunk_tokens`, the output head over that many tokens at a time (`chunked_head`)
-    where the model allows it (`chunkable`)."""
+    where the model allows it (`chunkable`); packed passes run by `packed` (`learner.passes.packing.PackedPaths`)."""
 
     chunk_tokens: int | None = None
+    packed: PackedPaths = PackedPaths()
 
     def logprobs(self, model: torch.nn.Module, batch: Any, temperature: float, prompts: SharedPrompts | None,
                  pack: bool) -> torch.Tensor:
         """`sequence_logprobs`'s [B, L-1]."""
-        if not self._chunks(model):
-            return sequence_logprobs(model, batch, temperature, prompts, pack)
-        logprobs, _ = self._scored(model, batch, temperature, prompts, pack, False, False)
+        with packed_paths(self.packed):
+            if not self._chunks(model):
+                return sequence_logprobs(model, batch, temperature, prompts, pack)
+            logprobs, _ = self._scored(model, batch, temperature, prompts, pack, False, False)
         return logprobs
 
     def logprobs_and_entropy(self, model: torch.nn.Module, batch: Any, temperature: float, entropy_grad: bool,
                              prompts: SharedPrompts | None, pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`sequence_logprobs_and_entropy`'s two [B, L-1]."""
-        if not self._chunks(model):
-            return sequence_logprobs_and_entropy(model, batch, temperature, entropy_grad, prompts, pack)
-        return self._scored(model, batch, temperature, prompts, pack, True, entropy_grad)
+        with packed_paths(self.packed):
+            if not self._chunks(model):
+                return sequence_logprobs_and_entropy(model, batch, temperature, entropy_grad, prompts, pack)
+            return self._scored(model, batch, temperature, prompts, pack, True, entropy_grad)
 
     def _chunks(self, model: torch.nn.Module) -> bool:
         return self.chunk_tokens is not None and chunkable(model)
@@ -145,3 +150,14 @@ class PassScorer:
                                            temperature, self.chunk_tokens, entropy, entropy_grad)
         placed: Callable[[torch.Tensor], torch.Tensor] = place
         return placed(logprobs), (placed(entropies) if entropy else None)
+
+
+def pass_scorer(model: torch.nn.Module, fast: Any, budget: Any) -> PassScorer:
+    """The learner's `PassScorer` for its `learner.fast_paths` (`fast`), the model's layers compiled when it asks
+    (`compile_layers`: for the buckets of passes of up to `budget` tokens, with and without gradients, LoRA's
+    adapters on and off, and a few longer rows alone in their passes)."""
+    bucket = fast.compile_bucket_tokens
+    if bucket is not None:
+        longest = budget if isinstance(budget, int) else 2**16  # no budget, or one not yet resolved
+        compile_layers(model, fast.compile_backend, 4 * -(-longest // bucket) + 8)
+    return PassScorer(fast.head_chunk_tokens, PackedPaths(fast.varlen_attention, bucket))

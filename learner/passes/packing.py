@@ -7,17 +7,48 @@ time, so in a packed pass it runs on the real tokens only; attention gathers eac
 The attention function is sdpa itself for every other call, so a model is switched once (`packable`) and keeps
 generating, caching and scoring whole rows as before. Models whose attention is not sdpa, or that keep a sliding
 window, are not packed. A pass checks that every layer's attention saw its layout, so a model whose layers do not
-call transformers' attention interface fails loudly instead of letting packed rows see each other.
+call transformers' attention interface fails loudly instead of letting packed rows see each other. Faster paths
+(`packed_paths`): attention over the pack itself (`varlen`), lengths bucketed for compiled layers (`compiled`).
 Does not own: cutting passes (`MicroBatching`), shared prompts' states (`SharedPrompts`), logprobs.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
+from learner.passes import varlen
+
 IMPLEMENTATION = "relay_packed"  # the attention implementation a packable model is switched to
+
+
+@dataclass(frozen=True)
+class PackedPaths:
+    """How packed passes run (`learner.fast_paths`): attention over the pack itself (`varlen`), and the pack's
+    tokens padded to a multiple of `bucket_tokens` through compiled layers (`learner.passes.compiled`)."""
+
+    varlen: bool = False
+    bucket_tokens: int | None = None
+
+
+# The paths of the packed passes under way, and the layout of the one running: set around a pass, not passed through
+# the model's forward, so that compiled layers see no argument whose shape follows the rows.
+_PATHS: ContextVar[PackedPaths] = ContextVar("packed_paths", default=PackedPaths())
+_LAYOUT: ContextVar["_Layout | varlen.Segments | None"] = ContextVar("packed_layout", default=None)
+
+
+@contextlib.contextmanager
+def packed_paths(paths: PackedPaths) -> Iterator[None]:
+    """Packed passes inside run by `paths`."""
+    token = _PATHS.set(paths)
+    try:
+        yield
+    finally:
+        _PATHS.reset(token)
 
 
 @dataclass
@@ -26,6 +57,7 @@ class _Layout:
 
     rows: int
     width: int
+    tokens: int  # the pack's length, bucket padding included (the rows' real tokens come first)
     flat: torch.Tensor  # [T] the packed tokens' positions in the flattened [rows * width] layout
     slots: torch.Tensor  # [rows * width] each layout position's packed token; T (a row of zeros) for padding
     mask: torch.Tensor  # [rows, 1, width, cached + width] bool, True where a query may attend
@@ -59,21 +91,29 @@ def packed_logits(model: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor
     its logits to the long one. With `prefix` (per layer, the rows' cached keys and values [b, kv_heads, P,
     head_dim]) and `prefix_mask` [b, P] (1 on real cached tokens), each row attends to its cached states before its
     own tokens, as to a prompt. The model must be `packable`. Gradients flow into the model and into `prefix` if
-    enabled by the caller."""
+    enabled by the caller. Under `packed_paths`: attention over the pack itself (`varlen`), and with `bucket_tokens`
+    the pack padded to a multiple of it (tokens 0 at position 0, after the rows' and seen by none of them, their
+    outputs dropped: no loss or gradient reaches or leaves them)."""
     rows, width = ids.shape
-    device = ids.device
+    paths = _PATHS.get()
     flat = torch.nonzero(valid.flatten()).flatten()  # [T]
-    slots = torch.full((rows * width,), len(flat), dtype=torch.long, device=device)
-    slots[flat] = torch.arange(len(flat), device=device)
-    offsets = torch.arange(width, device=device)
-    mask = (offsets[None, :, None] >= offsets[None, None, :]) & valid[:, None, :]  # [b, R, R] causal, real keys
-    if prefix is not None:
-        cached = prefix_mask.to(torch.bool)[:, None, :].expand(rows, width, prefix_mask.shape[1])
-        mask = torch.cat([cached, mask], dim=2)
-    layout = _Layout(rows, width, flat, slots, mask[:, None], prefix)
-    # The 4-D mask is handed to the model as is (transformers passes a prepared 4-D mask through), so it builds none.
-    logits = model(input_ids=ids.flatten()[flat][None], position_ids=positions.flatten()[flat][None],
-                   attention_mask=layout.mask, use_cache=False, packed_layout=layout).logits[0]  # [T, V]
+    count = len(flat)
+    tokens = bucketed(count, paths.bucket_tokens)
+    if paths.varlen:
+        layout = varlen.segments(valid, tokens, prefix, prefix_mask)
+    else:
+        layout = _gathered(valid, flat, tokens, prefix, prefix_mask)
+    padding = tokens - count
+    packed_ids = torch.cat([ids.flatten()[flat], ids.new_zeros(padding)])[None]
+    packed_positions = torch.cat([positions.flatten()[flat], positions.new_zeros(padding)])[None]
+    # A 4-D mask is handed to the model as is (transformers builds none); attention reads the layout instead.
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)
+    token = _LAYOUT.set(layout)
+    try:
+        logits = model(input_ids=packed_ids, position_ids=packed_positions, attention_mask=placeholder,
+                       use_cache=False).logits[0, :count]  # [T, V]
+    finally:
+        _LAYOUT.reset(token)
     layers = getattr(model.config, "num_hidden_layers", None)
     if layout.calls == 0 or (layers is not None and layout.calls != layers):
         raise RuntimeError(f"a packed pass reached the attention of {layout.calls} of the model's {layers} layers "
@@ -82,27 +122,57 @@ def packed_logits(model: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor
     return logits, flat
 
 
+def bucketed(tokens: int, bucket: int | None) -> int:
+    """`tokens` rounded up to a multiple of `bucket` (as it is when None): the lengths compiled layers see."""
+    return tokens if bucket is None else max(1, -(-tokens // bucket)) * bucket
+
+
+def bucketed_pass() -> bool:
+    """A packed pass runs with its length bucketed (`PackedPaths.bucket_tokens`): compiled layers may run it."""
+    return _LAYOUT.get() is not None and _PATHS.get().bucket_tokens is not None
+
+
+def _gathered(valid: torch.Tensor, flat: torch.Tensor, tokens: int,
+              prefix: list[tuple[torch.Tensor, torch.Tensor]] | None, prefix_mask: torch.Tensor | None) -> _Layout:
+    """The padded per-row layout of a pack of `tokens` whose real tokens are `valid`'s at `flat`."""
+    rows, width = valid.shape
+    device = valid.device
+    slots = torch.full((rows * width,), len(flat), dtype=torch.long, device=device)
+    slots[flat] = torch.arange(len(flat), device=device)
+    offsets = torch.arange(width, device=device)
+    mask = (offsets[None, :, None] >= offsets[None, None, :]) & valid[:, None, :]  # [b, R, R] causal, real keys
+    if prefix is not None:
+        cached = prefix_mask.to(torch.bool)[:, None, :].expand(rows, width, prefix_mask.shape[1])
+        mask = torch.cat([cached, mask], dim=2)
+    return _Layout(rows, width, tokens, flat, slots, mask[:, None], prefix)
+
+
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               packed_layout: _Layout | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention; given a `packed_layout`, over each row's tokens alone. query [1, heads, T, d],
-    key and value [1, kv_heads, T, d] (the pack) -> [1, T, heads, d].
+               **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention; inside a packed pass, over each row's tokens alone. query [1, heads, N, d],
+    key and value [1, kv_heads, N, d] (the pack, N = T real tokens and any bucket padding) -> [1, N, heads, d].
 
     The packed queries, keys and values are gathered into one padded row per sequence ([rows, heads, longest, d]),
     run through sdpa with each row's causal mask, and scattered back: the CPU equivalent of a GPU's variable-length
     attention, whose padding costs only here, where transformers' own packed format (position ids that restart)
     builds a dense block-diagonal mask over the whole pack, whose cost grows with its square (docs/benchmarks.md,
-    "How passes are cut")."""
+    "How passes are cut"). Bucket padding attends to nothing here: its outputs are zeros. With `PackedPaths.varlen`,
+    `varlen.attention` instead. Never traced into a compiled layer's graph (`_register`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if packed_layout is None:
+    layout = _LAYOUT.get()
+    if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    layout = packed_layout
     layout.calls += 1
+    if isinstance(layout, varlen.Segments):
+        return varlen.attention(layout, module, query, key, value, dropout, scaling), None
+    count = len(layout.flat)
 
-    def per_row(states: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [rows, h, width, d]
-        padded = torch.cat([states[0], states.new_zeros(states.shape[1], 1, states.shape[3])], dim=1)
+    def per_row(states: torch.Tensor) -> torch.Tensor:  # [1, h, N, d] -> [rows, h, width, d]
+        real = states[0, :, :count]
+        padded = torch.cat([real, real.new_zeros(real.shape[0], 1, real.shape[2])], dim=1)
         padded = padded.index_select(1, layout.slots)
         return padded.view(padded.shape[0], layout.rows, layout.width, padded.shape[2]).transpose(0, 1)
 
@@ -113,6 +183,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     out, _ = sdpa_attention_forward(module, query, key, value, layout.mask, dropout=dropout, scaling=scaling,
                                     is_causal=False)  # [rows, width, heads, d]
     out = out.reshape(layout.rows * layout.width, *out.shape[2:]).index_select(0, layout.flat)
+    if layout.tokens > count:
+        out = torch.cat([out, out.new_zeros(layout.tokens - count, *out.shape[1:])])
     return out[None], None
 
 
@@ -126,6 +198,8 @@ def _register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(IMPLEMENTATION, _attention)
+        # Outside dynamo's graphs: compiled layers (`learner.passes.compiled`) break around it, so their graphs see
+        # only the pack's length, never the rows' shapes the layout holds.
+        AttentionInterface.register(IMPLEMENTATION, torch.compiler.disable(_attention))
         AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
         _registered = True
