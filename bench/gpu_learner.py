@@ -14,10 +14,12 @@ model and bench/vs_trl.py's 25M shape, character vocabulary, 32 prompts x 8 shor
 Variants (`VARIANTS`), each a fresh `Learner` on the same batches, `--dtype` (bfloat16: the learner's autocast) on
 float32 master weights, GRPO, one minibatch (one forward and backward per token, no separate old-logprobs pass), the
 KL in the loss, prompts shared and passes packed as a run has them: `plain` (today's paths), one per technique (`a`
-the budget of relay plan, `b` the head in chunks, `d` metrics on the device, `f` fused AdamW), `all` (together),
-`padded`, `lora`, `lora-all`. The plain loop (`plain_step`): padded passes of the same budget, `model(...)` under
-autocast, log-softmax, backward, fused AdamW: no relay code. One untimed warm-up step, then `--steps` timed ones
-(the GPU synchronised around each), then one under torch.profiler for the kernels and the idle share.
+the budget of relay plan, `b` the head in chunks, `c` each decoder layer compiled on bucketed pass lengths (inductor
+on a GPU; on a CPU aot_eager, as inductor compiles there for minutes), `d` metrics on the device, `e` varlen attention,
+`f` fused AdamW), `all` (together), `padded`, `lora`, `lora-all`. The plain loop (`plain_step`): padded passes of
+the same budget, `model(...)` under autocast, log-softmax, backward, fused AdamW: no relay code. One untimed warm-up
+step, then `--steps` timed ones (the GPU synchronised around each), then one under torch.profiler for the kernels and
+the idle share.
 
 Columns: tokens/s counts every row's prompt and response tokens (what the batch holds). Model FLOPs per step count
 the tokens relay must compute: each distinct prompt once (prompts shared) and every response token, never padding, so
@@ -89,19 +91,20 @@ class Size:
     lora_rank: int
     check_prompts: int  # groups in the packed-against-padded check
     head_chunk: int = 4096  # learner.fast_paths.head_chunk_tokens in the variants that chunk the head
+    compile_bucket: int = 2048  # learner.fast_paths.compile_bucket_tokens in the variants that compile the layers
 
 
 SIZES = {
     "0.5b": Size(896, 24, 14, 2, 4864, 151936, prompts=8, group=8, prompt_tokens=256, response_tokens=(128, 2048),
                  budget=8192, lora_rank=32, check_prompts=2),
     "tiny": Size(128, 2, 4, 2, 256, 1024, prompts=4, group=4, prompt_tokens=32, response_tokens=(16, 128),
-                 budget=1024, lora_rank=8, check_prompts=2, head_chunk=64),
+                 budget=1024, lora_rank=8, check_prompts=2, head_chunk=64, compile_bucket=256),
     # The CPU's learner steps: the demo's model and bench/vs_trl.py's 25M one (the character vocabulary), a step of
     # 32 prompts x 8 short completions as the demo samples them.
     "demo": Size(128, 2, 4, 2, 256, 17, prompts=32, group=8, prompt_tokens=6, response_tokens=(2, 30), budget=1024,
-                 lora_rank=8, check_prompts=2, head_chunk=1024),
+                 lora_rank=8, check_prompts=2, head_chunk=1024, compile_bucket=256),
     "25m": Size(512, 8, 8, 4, 1536, 17, prompts=32, group=8, prompt_tokens=6, response_tokens=(2, 64), budget=1024,
-                lora_rank=8, check_prompts=2, head_chunk=1024),
+                lora_rank=8, check_prompts=2, head_chunk=1024, compile_bucket=256),
 }
 
 
@@ -116,19 +119,23 @@ class Variant:
     plan_budget: bool = False  # passes of the largest budget `relay plan` fits in the device's memory (technique a)
 
 
-ALL_FAST = (("head_chunk_tokens", "size"), ("metrics_on_device", True), ("fused_adamw", True))
+ALL_FAST = (("head_chunk_tokens", "size"), ("compile_bucket_tokens", "size"), ("metrics_on_device", True),
+            ("varlen_attention", True), ("fused_adamw", True))
+# `learner.fast_paths` keys whose value "size" means the size's own (`Size`'s field).
+SIZE_FIELDS = {"head_chunk_tokens": "head_chunk", "compile_bucket_tokens": "compile_bucket"}
 # The first is the one the checks run on; every other row is it with one technique, then all of them together.
-# Techniques c (compile) and e (varlen attention) are not built yet (docs/benchmarks.md).
 VARIANTS = {
     "plain": Variant("full, packed: plain paths"),
     "a": Variant("a. passes of relay plan's budget", plan_budget=True),
     "b": Variant("b. head in chunks", fast=(("head_chunk_tokens", "size"),)),
+    "c": Variant("c. compiled layers, bucketed lengths", fast=(("compile_bucket_tokens", "size"),)),
     "d": Variant("d. metrics on the device", fast=(("metrics_on_device", True),)),
+    "e": Variant("e. varlen attention", fast=(("varlen_attention", True),)),
     "f": Variant("f. fused AdamW", fast=(("fused_adamw", True),)),
-    "all": Variant("a+b+d+f", fast=ALL_FAST, plan_budget=True),
+    "all": Variant("a+b+c+d+e+f", fast=ALL_FAST, plan_budget=True),
     "padded": Variant("full, padded: plain paths", packed=False),
     "lora": Variant("LoRA, packed: plain paths", lora=True),
-    "lora-all": Variant("LoRA, packed: a+b+d+f", lora=True, fast=ALL_FAST, plan_budget=True),
+    "lora-all": Variant("LoRA, packed: a+b+c+d+e+f", lora=True, fast=ALL_FAST, plan_budget=True),
 }
 # What a CPU's learner may take when a variant asks relay plan for a budget (no GPU to read): the demo's step fits
 # whole, as on a large GPU.
@@ -181,9 +188,12 @@ def learner_config(size: Size, packed: bool, lora: bool, variant: Variant | None
     """Near configs/gpu_gsm8k_single.yaml's learner (lr 1e-6, token-mean loss, clip-higher, the KL in the loss), but
     one minibatch (one forward and backward per token, no old-logprobs pass), no rollout correction, no warm-up. With
     `lora`, relay's `learner.lora`: rank `size.lora_rank`, alpha 2 x rank, every linear layer of the blocks. With a
-    `variant`, its `learner.fast_paths` (the head's chunk `size.head_chunk`), and passes of `budget` tokens when
-    given (else `size.budget`)."""
-    fast = {key: size.head_chunk if value == "size" else value for key, value in (variant.fast if variant else ())}
+    `variant`, its `learner.fast_paths` (the head's chunk `size.head_chunk`, the compiled layers' bucket
+    `size.compile_bucket`), and passes of `budget` tokens when given (else `size.budget`)."""
+    fast = {key: getattr(size, SIZE_FIELDS[key]) if value == "size" else value
+            for key, value in (variant.fast if variant else ())}
+    if "compile_bucket_tokens" in fast:  # the module's docstring: inductor on a GPU, aot_eager on a CPU
+        fast["compile_backend"] = "inductor" if pick_device().type == "cuda" else "aot_eager"
     return LearnerConfig(lr=1e-6, warmup_steps=0, master_dtype="float32",
                          max_tokens_per_micro_batch=budget or size.budget, pack_sequences=packed,
                          loss_agg="token-mean", clip_high=0.28, kl_coef=0.001,

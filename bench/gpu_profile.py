@@ -2,11 +2,12 @@
 
 Usage: python bench/gpu_profile.py [--size 0.5b|tiny|demo|25m] [--variants plain,all] [--dtype bfloat16] [--out DIR]
 The model, batches and variants are bench/gpu_learner.py's (`--size`; `--variants` of its VARIANTS: `plain`, today's
-paths, one per technique, `all` for them together), full fine-tuning on float32 master weights. Per variant: one
-warm-up step, then one step under torch.profiler: its top operators by device time and by CPU time, its kernels and
-the share of the step the device ran none (gpu_learner's `launch_profile` counts them the same way), printed and
-written to `--out` (profile-VARIANT.txt, trace-VARIANT.json.gz) when given. gpu_learner.py times the same variants
-against the plain transformers loop. Imports what bench/gpu_learner.py imports.
+paths, one per technique a-f, `all` for them together), full fine-tuning on float32 master weights. Per variant: one
+warm-up step (where c compiles; a bucket it has not seen compiles in the profiled step), then one step under
+torch.profiler: its top operators by device time and by CPU time, its kernels and the share of the step the device ran
+none (gpu_learner's `launch_profile` counts them the same way), printed and written to `--out` (profile-VARIANT.txt,
+trace-VARIANT.json.gz) when given. gpu_learner.py times the same variants against the plain transformers loop. Imports
+what bench/gpu_learner.py imports.
 """
 
 from __future__ import annotations

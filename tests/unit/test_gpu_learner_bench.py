@@ -77,10 +77,12 @@ def test_tiny_run_on_the_cpu_reports_sane_numbers_passes_its_checks_and_imports_
         assert row["kernels"] is None and row["idle_share"] is None  # no device kernels on a CPU
         assert row["vs_plain_loop"] > 0
     assert results["plain_loop"]["seconds_per_step"] > 0
-    # technique a: relay plan's budget, larger than the size's own; b, d, f: their fast path and nothing else
+    # technique a: relay plan's budget, larger than the size's own; b-f: their fast path and nothing else
     plan = variants[VARIANTS["a"].name]
     assert plan["budget"] > tiny.budget and plan["fast_paths"] == {}
     assert variants[VARIANTS["b"].name]["fast_paths"] == {"head_chunk_tokens": "size"}
+    assert variants[VARIANTS["c"].name]["fast_paths"] == {"compile_bucket_tokens": "size"}
+    assert variants[VARIANTS["e"].name]["fast_paths"] == {"varlen_attention": True}
     assert variants[VARIANTS["all"].name]["budget"] >= plan["budget"]
     full, lora = variants[VARIANTS["plain"].name], variants[VARIANTS["lora"].name]
     assert full["adapter_parameters"] == 0 and full["trained_parameters"] == full["base_parameters"] > 400_000
@@ -152,7 +154,7 @@ def test_profile_script_profiles_a_step_of_a_variant_and_times_the_plain_loop(tm
     gpu_profile.build_model_dir(size, model_dir, torch.device("cpu"))
     assert gpu_profile.plain_seconds(model_dir, size, batches) > 0
     text = gpu_profile.profile_step(model_dir, size, batches, tmp_path, "all")
-    assert text.startswith("variant a+b+d+f (passes of ") and "aten::logsumexp" in text
+    assert text.startswith("variant a+b+c+d+e+f (passes of ") and "aten::logsumexp" in text
     assert (tmp_path / "profile-all.txt").read_text() == text
     assert (tmp_path / "trace-all.json.gz").stat().st_size > 0
 
