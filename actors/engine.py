@@ -205,12 +205,12 @@ class VllmEngine:
         """Sample n completions for each tokenized prompt, prompt i with seed i; returns [prompts][n]."""
         return self.sample(prompt_ids, [Request(n, temperature, top_p, max_tokens, seed) for seed in seeds])
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request], adapter: str | None = None
-               ) -> list[list[SampledCompletion]]:
+    def sample(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request], adapter: str | None = None,
+               before_step: Callable[[], int] | None = None) -> list[list[SampledCompletion]]:
         """`generate` with each prompt's own sampling settings, in one engine batch: returns [prompts][its n].
         Requests are scheduled in order, so the first one's `cached_prompt_tokens` counts only what the prefix cache
         held before the call. `adapter`: the name of the adapters to sample with (`load_adapters`); None: the run's
-        (or the base, before any load).
+        (or the base, before any load). With `before_step`, one engine step at a time (`generate_stepwise`).
 
         vLLM neither detokenizes nor builds a Logprob object per token (`detokenize=False`, `flat_logprobs`): it
         would decode every sampled token twice (text and logprob) in Python; the texts are decoded here in one
@@ -218,6 +218,10 @@ class VllmEngine:
         with `stop` strings is detokenized by vLLM, which matches them on the text."""
         from vllm import SamplingParams
 
+        if before_step is not None:
+            if adapter is not None:
+                raise ValueError("adapters are not sampled one engine step at a time")
+            return self.generate_stepwise(prompt_ids, requests, before_step)
         params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                  logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=bool(r.stop),
                                  flat_logprobs=True, stop=list(r.stop) or None,
@@ -230,27 +234,29 @@ class VllmEngine:
                                                  skip_special_tokens=True))
         return [[_completion(c, next(texts), out.num_cached_tokens) for c in out.outputs] for out in outputs]
 
-    def generate_stepwise(self, prompt_ids: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
-                          max_tokens: int, seeds: Sequence[int | None], before_step: Callable[[], int],
-                          cache_salt: str | None = None) -> list[list[SampledCompletion]]:
-        """`generate`, one engine step at a time: `before_step()` runs before every step (it may load new weights:
+    def generate_stepwise(self, prompt_ids: Sequence[Sequence[int]], requests: Sequence[Request],
+                          before_step: Callable[[], int]) -> list[list[SampledCompletion]]:
+        """`sample`, one engine step at a time: `before_step()` runs before every step (it may load new weights:
         `load_weights(..., running=True)`) and returns the weights version the step samples with, which tags each
-        token. Without loads, the same tokens and logprobs as `generate` (tests/actors/test_rollout_worker.py).
+        token. Without loads, the same tokens and logprobs as `sample` (tests/actors/test_rollout_worker.py). Stop
+        sequences are not supported (their texts would need detokenizing every step).
 
         The requests are added as `LLM.generate` adds them (its rendering), but stream their new tokens
         (`RequestOutputKind.DELTA`): each step's tokens are tagged when they arrive."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if any(r.stop or r.stop_token_ids for r in requests):
+            raise ValueError("stop sequences are not supported with in-flight updates (rollout.in_flight_updates)")
         engine = self.llm.llm_engine
         tag = f"relay-{next(self._requests)}-"
-        for i, (ids, seed) in enumerate(zip(prompt_ids, seeds)):
-            params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                    seed=seed, skip_special_tokens=True, detokenize=False, flat_logprobs=True,
-                                    output_kind=RequestOutputKind.DELTA)
-            engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(_tokens_prompt(ids, cache_salt), None),
+        for i, (ids, r) in enumerate(zip(prompt_ids, requests)):
+            params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                    logprobs=0, seed=r.seed, skip_special_tokens=True, detokenize=False,
+                                    flat_logprobs=True, output_kind=RequestOutputKind.DELTA)
+            engine.add_request(f"{tag}{i}", self.llm._preprocess_cmpl_one(_tokens_prompt(ids, r.cache_salt), None),
                                params, lora_request=self.lora_request)
-        tokens = [[([], [], []) for _ in range(n)] for _ in prompt_ids]  # [prompt][index] -> ids, logprobs, versions
+        tokens = [[([], [], []) for _ in range(r.n)] for r in requests]  # [prompt][index] -> ids, logprobs, versions
         ends: dict[tuple[int, int], tuple[str, int | None]] = {}
         while engine.has_unfinished_requests():
             version = before_step()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -66,21 +66,30 @@ class RolloutWorker:
                  version: int | None = None, *buckets: Weights, probe: SampleProbe | tuple | None = None,
                  in_flight: bool = False) -> RolloutGroups:
         """Sample `sampling.group_size` completions per prompt: [len(prompts)][G]. One seed per prompt, so a
-        prompt's completions do not depend on which worker serves it or what else is in the batch. Given `version`
-        and `buckets`, load those weights first (`load_weights`): the sync and the next request in one call, whose
-        report comes back as the result's `loaded`; given `probe`, the sync probe then runs on the new weights before
-        anything else can fill the prefix cache (`run_probe`), and comes back as the result's `probe`. A
-        `SampleProbe` runs as the first prompt of the request's own engine batch on a batch-invariant engine
-        (scheduled first, so its cache hits are what survived the load; its bits are those of a probe alone).
-        With `in_flight` (`rollout.in_flight_updates`), `_generate_in_flight`."""
+        prompt's completions do not depend on which worker serves it or what else is in the batch. One path:
+        1. Load (`load_weights`) the request's weights, `version` and `buckets` (the sync and the next request in one
+           call); with `in_flight` (`rollout.in_flight_updates`), the newest of those and the offered ones
+           (`offer_weights`), if newer than the engine's (`_first_load`). `probe` then runs on them before anything
+           else can fill the prefix cache (`run_probe`); a `SampleProbe` runs as the first prompt of the request's
+           own engine batch on a batch-invariant engine (scheduled first, so its cache hits are what survived the
+           load; its bits are those of a probe alone).
+        2. Sample. With `in_flight`, one engine step at a time, taking any newer offer between two steps (requests
+           in progress are preempted and their KV computed again, so every token after the load is sampled by the
+           new weights), each token tagged with the version that sampled it; the last of those loads is probed
+           after the request (`score_probe` without the prefix-cache check: the request's own entries are in it).
+        The result's `loads` lists every load with its probe (or None) and whether it came during the request."""
         started = time.time()
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        if in_flight:
-            return self._generate_in_flight(prompts, seeds, sampling, Offer(version, probe, buckets), started)
-        loaded = self.load_weights(version, *buckets) if version is not None else None
-        in_batch = isinstance(probe, SampleProbe) and self.episodes is None and self.engine.batch_invariant
-        probed = self.run_probe(probe) if probe is not None and not in_batch else None
+        first = self._first_load(Offer(version, probe, buckets), in_flight)
+        in_batch = (first is not None and isinstance(first.probe, SampleProbe) and self.episodes is None
+                    and self.engine.batch_invariant and not in_flight)
+        loads: list[tuple[Loaded, ProbeSample | None, bool]] = []  # (report, probe, during the request)
+        if first is not None:
+            loaded = self.load_weights(first.version, *first.buckets)
+            loads.append((loaded, self.run_probe(first.probe) if first.probe is not None and not in_batch else None,
+                          False))
+        during: list[Offer] = []  # the offers loaded during the request
         prompt_ids = self._prompt_ids(prompts)
         if self.episodes is not None:  # multi-turn: `prompts` are EpisodePrompts
             episodes, env_wait_s = self.episodes.run(prompts, prompt_ids, seeds, sampling, self.weights_version)
@@ -89,14 +98,17 @@ class RolloutWorker:
         else:
             requests = engine_requests(sampling, seeds)
             if in_batch:
-                probe_ids, probe_request = self._probe_request(*probe)
+                probe_ids, probe_request = self._probe_request(*first.probe)
                 [[c], *groups] = self.engine.sample([probe_ids, *prompt_ids], [probe_request, *requests])
-                probed = self._probe_sample(probe_ids, c)
+                loads[0] = (loads[0][0], self._probe_sample(probe_ids, c), False)
             else:
-                groups = self.engine.sample(prompt_ids, requests)
+                groups = self.engine.sample(prompt_ids, requests,
+                                            before_step=self._between_steps(loads, during) if in_flight else None)
             result = RolloutGroups([to_rollout(ids, c, self.weights_version) for c in group]
                                    for ids, group in zip(prompt_ids, groups))
-        result.loaded, result.probe, result.clock = loaded, probed, (started, time.time())
+        if during and during[-1].probe is not None:  # the engine still serves it: nothing loads between requests
+            loads[-1] = (loads[-1][0], self.score_probe(*during[-1].probe, cache_check=False), True)
+        result.loads, result.clock = loads, (started, time.time())
         return result
 
     def offer_weights(self, version: int, probe: tuple | None, *buckets: Weights) -> None:
@@ -112,42 +124,26 @@ class RolloutWorker:
             offered = self.offered
         return offered if offered is not None and offered.version > self.weights_version else None
 
-    def _generate_in_flight(self, prompts: Sequence[str | Sequence[int]], seeds: Sequence[int],
-                            sampling: SamplingSettings, asked: Offer, started: float) -> RolloutGroups:
-        """`generate` with in-flight updates: first the newest of the request's weights and the offered ones (if newer
-        than the engine's), probed at once; then the prompts, one engine step at a time, taking any newer offer
-        between two steps (requests in progress are preempted and their KV computed again, so every token after the
-        load is sampled by the new weights), each token tagged with the version that sampled it. The last of those
-        loads is probed after the request (`score_probe` without the prefix-cache check: the request's own entries
-        are in it by then). The result's `loads` lists every load with its probe (or None) and whether it came during
-        the request; its rollouts' `versions` tag the tokens."""
-        if sampling.stop or sampling.stop_token_ids:
-            raise ValueError("stop sequences are not supported with in-flight updates (rollout.in_flight_updates)")
-        loads: list[tuple[Loaded, ProbeSample | None, bool]] = []  # (report, probe, during the request)
-        first = max((o for o in (asked, self._newest_offer()) if o is not None and o.version is not None),
-                    key=lambda o: o.version, default=None)
-        if first is not None and first.version > self.weights_version:
-            loaded = self.load_weights(first.version, *first.buckets)
-            loads.append((loaded, self.run_probe(first.probe) if first.probe is not None else None, False))
-        last: list[Offer] = []
+    def _first_load(self, asked: Offer, in_flight: bool) -> Offer | None:
+        """The weights a request loads before it samples: its own, whatever their version (a pooled engine resumed
+        to an earlier checkpoint goes back); with in-flight updates, the newest of its own and the offered ones, and
+        only if newer than the engine's (an offer may have brought it past the request's)."""
+        if not in_flight:
+            return asked if asked.version is not None else None
+        newest = max((o for o in (asked, self._newest_offer()) if o is not None and o.version is not None),
+                     key=lambda o: o.version, default=None)
+        return newest if newest is not None and newest.version > self.weights_version else None
 
+    def _between_steps(self, loads: list, during: list[Offer]) -> Callable[[], int]:
+        """In-flight updates: what runs before each engine step: load the newest offer if it is newer than the
+        engine's (noted in `loads` and `during`); the version the step samples with."""
         def before_step() -> int:
             newer = self._newest_offer()
             if newer is not None:
                 loads.append((self.load_weights(newer.version, *newer.buckets, running=True), None, True))
-                last[:] = [newer]
+                during.append(newer)
             return self.weights_version
-
-        prompt_ids = self._prompt_ids(prompts)
-        groups = self.engine.generate_stepwise(prompt_ids, sampling.group_size, sampling.temperature,
-                                               sampling.top_p, sampling.max_new_tokens, list(seeds), before_step,
-                                               cache_salt=sampling.cache_salt)
-        if last and last[0].probe is not None:  # the engine still serves it: nothing loads between requests
-            loads[-1] = (loads[-1][0], self.score_probe(*last[0].probe, cache_check=False), True)
-        result = RolloutGroups([to_rollout(ids, c, self.weights_version) for c in group]
-                               for ids, group in zip(prompt_ids, groups))
-        result.loads, result.clock = loads, (started, time.time())
-        return result
+        return before_step
 
     def load_weights(self, version: int, *buckets: Weights, running: bool = False) -> Loaded:
         """Load every bucket of (name, array) pairs, or the learner's shared-memory buffer (one handle, on the

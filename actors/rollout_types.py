@@ -94,18 +94,24 @@ class RolloutGroups(list):
     every completion's token ids and logprobs in two flat arrays, so the driver decodes one buffer per request rather
     than a Python object per token (docs/benchmarks.md, scale simulation). On the receiving side
     `response_ids` and `behavior_logprobs` are int32 / float32 numpy views of those arrays (vLLM's logprobs are
-    float32: nothing is lost). `loaded` is the weight load the request made first, if it carried one, and `probe`
-    the sync probe it ran then (an `actors.rollout.ProbeSample`), if it was asked to; `clock` the worker's wall clock
-    (time.time()) when the request started running and when it finished (the engines' idle time between requests);
-    `loads`, with in-flight updates, every load the request made, each with its probe or None; `env_wait_s`, with
-    multi-turn episodes, the seconds the engine had nothing to generate because every unfinished episode was waiting
-    for its environment."""
+    float32: nothing is lost). `loads` lists every weight load the request made, in order, each as (its report, the
+    sync probe it ran or scored then (an `actors.rollout.ProbeSample`) or None, whether it came during the request
+    (in-flight updates)); `loaded` and `probe` are the load it made first, if it carried one, and its probe;
+    `clock` the worker's wall clock (time.time()) when the request started running and when it finished (the
+    engines' idle time between requests); `env_wait_s`, with multi-turn episodes, the seconds the engine had
+    nothing to generate because every unfinished episode was waiting for its environment."""
 
-    loaded: Loaded | None = None
-    probe: Any = None
     clock: tuple[float, float] | None = None
-    loads: list | None = None
+    loads: Sequence = ()
     env_wait_s: float = 0.0
+
+    @property
+    def loaded(self) -> Loaded | None:
+        return self.loads[0][0] if self.loads and not self.loads[0][2] else None
+
+    @property
+    def probe(self) -> Any:
+        return self.loads[0][1] if self.loads and not self.loads[0][2] else None
 
     def __reduce__(self):
         rollouts = [r for group in self for r in group]
@@ -116,7 +122,7 @@ class RolloutGroups(list):
             np.concatenate([np.asarray(r.behavior_logprobs, np.float32) for r in rollouts]
                            or [np.zeros(0, np.float32)]),
             [r.text for r in rollouts], [r.finish_reason for r in rollouts], [r.weights_version for r in rollouts],
-            self.loaded, self.probe, self.clock, self.loads,
+            self.clock, self.loads,
             None if not rollouts or rollouts[0].versions is None else
             np.concatenate([np.asarray(r.versions, np.int32) for r in rollouts]),
             None if not rollouts or rollouts[0].model_mask is None else
@@ -125,7 +131,7 @@ class RolloutGroups(list):
 
 
 def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reasons, versions,
-                   loaded=None, probe=None, clock=None, loads=None, token_versions=None, episodes=None,
+                   clock=None, loads=(), token_versions=None, episodes=None,
                    env_wait_s=0.0) -> RolloutGroups:
     # Zero-copy arrays from Ray's object store are read-only; one copy each keeps torch.as_tensor quiet downstream.
     ids, logprobs = np.array(ids), np.array(logprobs)
@@ -141,6 +147,6 @@ def _unpack_groups(sizes, prompt_ids, lengths, ids, logprobs, texts, finish_reas
                                episode=None if infos is None else infos[j])
                        for j in range(k, k + size)])
         k += size
-    groups.loaded, groups.probe, groups.clock, groups.loads = loaded, probe, clock, loads
+    groups.clock, groups.loads = clock, list(loads)
     groups.env_wait_s = env_wait_s
     return groups

@@ -73,7 +73,7 @@ class SimulatedEngine:
         g = sampling.group_size
         groups = RolloutGroups([Rollout([1, 2, 3], self.ids[p * g + j], self.logprobs[p * g + j], "x" * self.tokens,
                                         "length", self.weights_version) for j in range(g)] for p in range(len(prompts)))
-        groups.loaded = loaded
+        groups.loads = [(loaded, None, False)] if loaded is not None else []
         return groups
 
     def load_weights(self, version, *buckets):

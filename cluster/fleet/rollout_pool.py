@@ -315,9 +315,6 @@ class RolloutPool:
         for request in batch.requests:
             value, slot = request.result.value, request.slot
             if self.in_flight:
-                if value.loads is None:
-                    raise SyncError(f"{slot.name} returned no report of its in-flight loads "
-                                    "(rollout.in_flight_updates)")
                 for loaded, sample, during in value.loads:
                     version = getattr(loaded, "version", None)
                     loads.append((slot, version, loaded, sample, during))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import EngineSettings
+from actors.engine import EngineSettings, Request
 from actors.rollout import RolloutWorker, SampleProbe, SamplingSettings
 from actors.vllm_extension import torch_linear
 from bench.batch_invariance import sample_splits
@@ -220,11 +220,11 @@ def test_score_probe_scores_the_learners_sample_and_reports_cache_hits(worker, t
 
 
 def test_stepwise_generation_without_loads_is_generate_bit_for_bit(worker):
-    """In-flight updates drive the engine a step at a time (`generate_stepwise`); with nothing to load, the same
+    """In-flight updates drive the engine a step at a time (`sample`'s `before_step`); with nothing to load, the same
     tokens and logprobs as `generate`, every token tagged with the version served."""
     ids = [worker.tokenizer.encode(p, add_special_tokens=False) for p in ("37+45=", PROBE)]
     ours = worker.engine.generate(ids, 3, 1.0, 1.0, 12, [4, 5])
-    stepped = worker.engine.generate_stepwise(ids, 3, 1.0, 1.0, 12, [4, 5], lambda: 7)
+    stepped = worker.engine.sample(ids, [Request(3, 1.0, 1.0, 12, seed) for seed in (4, 5)], before_step=lambda: 7)
     for group, again in zip(ours, stepped):
         for c, d in zip(group, again):
             assert (c.response_ids, c.logprobs, c.text, c.finish_reason) == (d.response_ids, d.logprobs, d.text,
