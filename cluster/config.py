@@ -395,7 +395,15 @@ def _format_error(err: ValidationError) -> str:
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f" (got {value!r})"
     msg = _PATTERNS.get(first.get("ctx", {}).get("pattern"), first["msg"].removeprefix("Value error, "))
+    if loc and _union_member(loc[-1]):  # a value no member of a union takes (`int | "auto"`): each member's message
+        members = [e for e in err.errors() if len(e["loc"]) == len(first["loc"]) and e["loc"][:-1] == first["loc"][:-1]]
+        key, msg = ".".join(str(p) for p in loc[:-1]), "; or ".join(dict.fromkeys(e["msg"] for e in members))
     return f"{key}: {msg}{shown}" if key else msg
+
+
+def _union_member(part: object) -> bool:
+    """A location part that is a union member's tag (pydantic's `constrained-int`, `literal['auto']`, `bool`)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in ("int", "float", "bool", "str", "none"))
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

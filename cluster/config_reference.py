@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import annotated_types
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from cluster.config import RunConfig
 
@@ -107,7 +108,7 @@ def _type_name(annotation: Any) -> str:
     if origin is Literal:
         return " | ".join(sorted({type(v).__name__ for v in typing.get_args(annotation)}))
     if origin in (types.UnionType, typing.Union):
-        if any(typing.get_origin(a) is typing.Annotated for a in typing.get_args(annotation)):
+        if any(_tagged(a) for a in typing.get_args(annotation)):
             return "section (by `type`)"
         return " | ".join(dict.fromkeys(_type_name(a) for a in typing.get_args(annotation)))
     if origin is not None:
@@ -161,9 +162,15 @@ def _nested_metadata(annotation: Any) -> list:
         found.extend(typing.get_args(annotation)[1:])
     if typing.get_origin(annotation) in (types.UnionType, typing.Union):
         for arg in typing.get_args(annotation):
-            if typing.get_origin(arg) is typing.Annotated and not any(hasattr(m, "tag") for m in arg.__metadata__):
+            if typing.get_origin(arg) is typing.Annotated and not _tagged(arg):
                 found.extend(arg.__metadata__)
-    return found
+    # `Annotated[int, Field(ge=1)]` keeps its constraints in the Field's own metadata
+    return [m for meta in found for m in ([meta, *meta.metadata] if isinstance(meta, FieldInfo) else [meta])]
+
+
+def _tagged(annotation: Any) -> bool:
+    """A discriminated union's member (`Annotated[RuleSource, Tag("rule")]`)."""
+    return typing.get_origin(annotation) is typing.Annotated and any(hasattr(m, "tag") for m in annotation.__metadata__)
 
 
 def _interval(limits: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ Owns: the actors' Ray bundles (`core_bundles`, `rollout_bundles`; cluster/fleet/
 these), the model's shape read from config.json (`ModelShape`), the memory estimates (`plan_run`: a learner rank, the
 reference, teacher and reward models, each engine; what each counts: docs/gpu.md, "Memory: relay plan"),
 `fit_problems` (what `relay plan` and `relay train` refuse), the largest token budget a learner's GPU holds
-(`fitting_token_budget`), and the GPU memory of this machine (`gpu_memory`).
+(`fitting_token_budget`, `resolve_token_budget` for `=auto`), and the GPU memory of this machine (`gpu_memory`).
 Does not own: reserving or starting anything (cluster/fleet/placement.py), printing a plan (cluster/cli/plan.py), or
 the measurement the estimate is checked against (docs/benchmarks.md, "GPU learner"; tests/unit/test_plan.py).
 """
@@ -145,6 +145,18 @@ def rollout_bundles(config: RunConfig) -> list[dict[str, float]]:
     return [bundle(ro.num_cpus, ro.num_gpus, ro.resources) for _ in range(ro.tensor_parallel_size)]
 
 
+def cpus_asked(config: RunConfig) -> dict[str, float]:
+    """The CPUs the run's actors book in Ray at the start (placement groups), by the config keys that set them."""
+    lc, rc, ro = config.learner, config.reference, config.rollout
+    engines = ro.num_cpus * ro.num_workers * ro.tensor_parallel_size
+    return {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
+            "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
+            "teacher.num_cpus": config.teacher.num_cpus if config.uses_teacher else 0.0,
+            "rollout.num_cpus x num_workers x tensor_parallel_size": engines,
+            **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
+               if isinstance(s, ModelSource)}}
+
+
 def bundle(num_cpus: float, num_gpus: float, resources: dict[str, float] | None = None) -> dict[str, float]:
     """One actor's Ray bundle: its CPUs, its GPUs when it asks for any, and custom resources."""
     out = {"CPU": num_cpus, **(resources or {})}
@@ -249,6 +261,39 @@ def fitting_token_budget(config: RunConfig, shape: ModelShape, gpu_bytes: int, s
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle * step) else (low, middle - 1)
     return low * step
+
+
+def resolve_token_budget(config: RunConfig, gpu_bytes: int | None = None, shape: ModelShape | None = None
+                         ) -> tuple[RunConfig, str | None]:
+    """`config` with `learner.max_tokens_per_micro_batch=auto` made a number, and the line that says which (None when
+    it is not `auto`): on a GPU learner, `fitting_token_budget` for a GPU of `gpu_bytes` (None: this machine's
+    smallest, `gpu_memory`) and the policy's `shape` (None: read from `model.path`, else the shipped demo model's); on a
+    CPU learner, 1024. ConfigError (one line) when a GPU learner's GPU is unknown or not even 1024 tokens fit."""
+    lc = config.learner
+    if lc.max_tokens_per_micro_batch != "auto":
+        return config, None
+    if not lc.num_gpus:
+        budget, why = 1024, "a CPU learner's (on CPUs 512-1024 were fastest: docs/benchmarks.md)"
+    else:
+        gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_memory()
+        if gpu_bytes is None:
+            raise ConfigError("learner.max_tokens_per_micro_batch=auto sizes passes to the learner's GPU, and this "
+                              "machine has none: run `relay plan --gpu-memory SIZE` and set the number it prints")
+        if shape is None:
+            from cluster.demo.cache import shipped_demo_model
+
+            try:
+                shape = ModelShape.read(config.model.path or shipped_demo_model(config.data.task))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        budget = fitting_token_budget(config, shape, gpu_bytes)
+        if budget is None:
+            raise ConfigError("learner.max_tokens_per_micro_batch=auto: not even 1024-token passes fit the learner's "
+                              "GPU by relay plan's estimate; add learner ranks, use LoRA (learner.lora.rank) or "
+                              "learner.fast_paths.head_chunk_tokens, or set a number")
+        why = f"the largest that fits in 90% of the learner's {gpu_bytes / GIB:.1f} GiB GPU share (relay plan)"
+    resolved = config.model_copy(update={"learner": lc.model_copy(update={"max_tokens_per_micro_batch": budget})})
+    return resolved, f"learner.max_tokens_per_micro_batch=auto: {budget}, {why}"
 
 
 def frozen_memory(config: RunConfig, shape: ModelShape, budget: int | None, rows: int | None, scores: bool,

@@ -5,7 +5,7 @@ Owned here, beside the learner; `cluster/config.py` composes them into the run c
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -141,12 +141,14 @@ class LearnerConfig(_Section):
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per forward/backward pass at most; empty: only `max_tokens_per_micro_batch` limits a pass.
     Gradients accumulate over a minibatch's micro-batches (the loss is the same however they are cut)."""
-    max_tokens_per_micro_batch: int | None = Field(1024, ge=1, le=1_000_000_000)
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=1, le=1_000_000_000)] | Literal["auto"] | None = 1024
     """Tokens per forward/backward pass at most (a longer sequence is a pass alone): each rank's rows are sorted by
     length and cut into passes under this budget, so compute follows the real tokens. Packed passes
     (`pack_sequences`) count the rows' own tokens; padded ones sequences x the pass's longest, each pass padded only
     to its own longest sequence. Larger uses more memory (activations, logits); on CPU 512-1024 were fastest
-    (docs/benchmarks.md), GPUs want more (e.g. 16384). Empty: no token limit."""
+    (docs/benchmarks.md), GPUs want more (e.g. 16384). `auto`: on a GPU learner, the largest multiple of 1024 that
+    `relay plan`'s memory estimate fits in 90% of the learner's GPU share (this machine's GPU, or `relay plan
+    --gpu-memory`), on a CPU learner 1024; `relay train`, `relay serve` and `relay plan` print the number. Empty: no token limit."""
     share_prompts: bool = True
     """Compute each prompt once for the rows that share it (a group's G completions): the prompt's tokens run in
     one forward whose key/value states every row's pass attends to, gradients carried back through them once; the

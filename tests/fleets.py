@@ -302,7 +302,7 @@ class ParkingPool:
     def _fits_beside(config: RunConfig) -> bool:
         """Whether a fleet of `config` fits in the CPUs the cluster has free now (its GPUs and custom resources too,
         when it asks for any: then it does not, as a parked fleet is not worth the risk of waiting for them)."""
-        from cluster.run.launch import cpus_asked
+        from cluster.plan import cpus_asked
 
         sections = [config.learner, config.reference, config.rollout, config.teacher]
         if any(s.num_gpus or getattr(s, "resources", None) for s in sections):

@@ -46,7 +46,7 @@ def parse_size(text: str) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """`relay plan`: the plan on stdout; 2 with one line on stderr when the GPUs cannot hold it."""
-    from cluster.plan import fit_problems, gpu_memory, plan_run
+    from cluster.plan import fit_problems, gpu_memory, plan_run, resolve_token_budget
 
     path = args.items[0] if args.items and "=" not in args.items[0] else None
     config = load_config(path, args.items[1:] if path else args.items)
@@ -54,6 +54,9 @@ def run_plan(args: argparse.Namespace) -> int:
     gpu_bytes = parse_size(args.gpu_memory) if args.gpu_memory else found
     source = "--gpu-memory" if args.gpu_memory else "the smallest GPU on this machine" if found else None
     shape, where = model_shape(config)
+    config, budget = resolve_token_budget(config, gpu_bytes, shape)
+    if budget:
+        print(budget)
     actors = plan_run(config, shape, gpu_bytes, other_shapes(config))
     print(format_plan(config, path, shape, where, actors, gpu_bytes, source))
     if gpu_bytes and config.learner.num_gpus:

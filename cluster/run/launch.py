@@ -3,7 +3,8 @@ loop, checkpoints written, and everything cleaned up however the run ends (`run_
 
 Owns: the checks made before anything starts or is written (`check_inputs`: model and dataset paths, datasets read and
 validated, logging, reward sources, the environment, the CPUs asked of a local Ray), what the user's model sets
-(`model_settings`: `model.dtype` from the hardware, and the one line naming every value the model set), the run
+(`model_settings`: `model.dtype` from the hardware, the one line naming every value the model set, and the learner's
+token budget where it is `auto`), the run
 directory, joining or starting Ray, and the loop over `Trainer.step` with its checkpoints (and the warning when many
 completions are cut at `rollout.max_new_tokens`).
 Does not own: the step (cluster/run/trainer.py), placement (cluster/fleet/placement.py), checkpoint files
@@ -37,7 +38,7 @@ from cluster.fleet.placement import (
     stop_fleet,
     teacher_path,
 )
-from cluster.plan import check_gpu_fit
+from cluster.plan import check_gpu_fit, cpus_asked, resolve_token_budget
 from cluster.run import checkpoint, resume
 from cluster.run.evaluation import evaluation_inputs
 from cluster.run.metrics import MetricsRecorder, ProgressDisplay, check_logging, dashboard_line
@@ -155,12 +156,12 @@ def model_settings(config: RunConfig) -> RunConfig:
     """`config` with what the user's model (`model.path`) sets where the user did not, and one line on stderr naming
     every such value: the rollout sizes (set when the config was built: `RunConfig.from_model`) and `model.dtype`,
     bfloat16 for a model stored in 16 bits (its config.json's `torch_dtype`) where the hardware computes bfloat16
-    natively (`native_bfloat16`), else float32 (a model stored in float32, like the demo's, stays float32)."""
+    natively (`native_bfloat16`), else float32 (a model stored in float32, like the demo's, stays float32); then
+    `learner.max_tokens_per_micro_batch=auto` made a number (`resolve_token_budget`), in one line too."""
     path = config.model.path
-    if not path or not (Path(path) / "config.json").is_file():
-        return config
-    derived = dict(config.from_model)
-    if "dtype" not in config.model.model_fields_set:
+    own = bool(path) and (Path(path) / "config.json").is_file()
+    derived = dict(config.from_model) if own else {}
+    if own and "dtype" not in config.model.model_fields_set:
         stored = json.loads((Path(path) / "config.json").read_text())
         sixteen = (stored.get("torch_dtype") or stored.get("dtype")) in ("bfloat16", "float16")
         dtype = "bfloat16" if sixteen and native_bfloat16(config) else "float32"
@@ -169,6 +170,9 @@ def model_settings(config: RunConfig) -> RunConfig:
     if derived:
         shown = ", ".join(f"{key}={value}" for key, value in derived.items())
         print(f"relay: from the model in {path}: {shown} (set any of them to override)", file=sys.stderr, flush=True)
+    config, budget = resolve_token_budget(config)
+    if budget:
+        print(f"relay: {budget}", file=sys.stderr, flush=True)
     return config
 
 
@@ -236,18 +240,6 @@ def check_environment(config: RunConfig) -> None:
     if env.urls and env.token_env and not os.environ.get(env.token_env):
         print(f"relay: warning: env.token_env={env.token_env} is not set here; the rollout workers read it from their "
               "own environment (set it on every node, or in the job's runtime_env)", file=sys.stderr, flush=True)
-
-
-def cpus_asked(config: RunConfig) -> dict[str, float]:
-    """The CPUs the run's actors book in Ray at the start (placement groups), by the config keys that set them."""
-    lc, rc, ro = config.learner, config.reference, config.rollout
-    engines = ro.num_cpus * ro.num_workers * ro.tensor_parallel_size
-    return {"learner.num_cpus x num_ranks": lc.num_cpus * lc.num_ranks,
-            "reference.num_cpus": rc.num_cpus if config.uses_reference else 0.0,
-            "teacher.num_cpus": config.teacher.num_cpus if config.uses_teacher else 0.0,
-            "rollout.num_cpus x num_workers x tensor_parallel_size": engines,
-            **{f"reward.sources.{name}.num_cpus": s.num_cpus for name, s in config.reward.sources.items()
-               if isinstance(s, ModelSource)}}
 
 
 def run_training(config: RunConfig, run_dir: Path, model_path: str | None = None, display: bool = True,

@@ -392,6 +392,7 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     import uvicorn
 
     from cluster.demo.cache import ensure_demo_model
+    from cluster.plan import ModelShape, resolve_token_budget
 
     key = token_from_env(key_env, "--key-env")
     keys = [k.strip() for k in key.split(",") if k.strip()] if key else []  # several: one tenant each
@@ -404,6 +405,9 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     model_path = (str(Path(config.model.path).resolve()) if config.model.path
                   else str(ensure_demo_model(log=lambda line: print(f"relay: {line}", flush=True))))
     model_config = json.loads((Path(model_path) / "config.json").read_text())
+    config, budget = resolve_token_budget(config, shape=ModelShape.read(model_path))
+    if budget:
+        print(f"relay: {budget}", flush=True)
     started = start_ray(config.ray)
     state_dir = Path(config.run_dir) if config.run_dir else Path.home() / ".cache" / "relay" / "serve"
     runs = TrainingRuns(base_model, model_path, config.learner, config.model.dtype, config.timeouts, state_dir)

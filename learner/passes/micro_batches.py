@@ -33,6 +33,11 @@ class MicroBatching:
     # allows it (`packable`; else padded passes); the budget then counts real tokens.
     pack: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int | None):  # `auto` is made a number before a run starts
+            raise ValueError(f"max_tokens_per_micro_batch={self.max_tokens!r} reached the learner unresolved: "
+                             "relay train, plan and serve make `auto` a number (cluster.plan.resolve_token_budget)")
+
     @property
     def padded(self) -> MicroBatching:
         """The same budgets over padded passes (what prompts' prefix passes are cut by)."""

@@ -97,6 +97,11 @@ BAD = [
     (["learner.policy_loss=gspo", "learner.clip_c=3"], "clip_c (dual clip) is not defined for policy_loss=gspo"),
     (["learner.clip_c=0.5"], "learner.clip_c: Input should be greater than 1"),
     (["learner.loss_agg=sum"], "learner.loss_agg: Input should be 'token-mean'"),
+    # A value no member of a union takes: the key, then each member's message.
+    (["learner.max_tokens_per_micro_batch=0"], "learner.max_tokens_per_micro_batch: Input should be greater than or "
+                                               "equal to 1; or Input should be 'auto' (got 0)"),
+    (["learner.overlap_reference=maybe"], "learner.overlap_reference: Input should be 'auto'; or Input should be a "
+                                          "valid boolean"),
     (["reward.overlong_buffer=8"], "reward.overlong_buffer (8) must be below rollout.max_new_tokens (8)"),
     (["rollout.dynamic_sampling=true", "rollout.group_size=1"], "rollout.dynamic_sampling needs rollout.group_size"),
     # Distillation gives every token the teacher's advantage: a group of equal rewards still teaches.

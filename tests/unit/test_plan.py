@@ -188,3 +188,45 @@ def test_relay_plan_prints_the_largest_learner_budget_that_fits(capsys):
     assert main(["plan", str(SINGLE), f"model.path={SHAPES / 'Qwen2.5-0.5B-Instruct'}", "--gpu-memory", "80GiB"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("Learner passes: learner.max_tokens_per_micro_batch=") and " fit in 90% " in line
+
+
+def test_an_auto_token_budget_is_the_fitting_one_on_a_gpu_and_1024_on_a_cpu(monkeypatch):
+    from cluster.plan import fitting_token_budget, resolve_token_budget
+
+    shape, config = ModelShape.read(SHAPES / "Qwen2.5-0.5B-Instruct"), bench_config(0)
+    learner = config.learner.model_copy(update={"max_tokens_per_micro_batch": "auto"})
+    auto = config.model_copy(update={"learner": learner})
+    resolved, line = resolve_token_budget(auto, 80 * GIB, shape)
+    budget = resolved.learner.max_tokens_per_micro_batch
+    assert budget == fitting_token_budget(config, shape, 80 * GIB) and budget > 8192
+    assert line.startswith(f"learner.max_tokens_per_micro_batch=auto: {budget}, ") and "80.0 GiB" in line
+    assert resolve_token_budget(config, 80 * GIB, shape) == (config, None)  # a number is the user's
+    monkeypatch.setattr("cluster.plan.gpu_memory", lambda: 80 * GIB)  # this machine's GPU, when none is given
+    assert resolve_token_budget(auto, shape=shape)[0] == resolved
+    cpu = auto.model_copy(update={"learner": auto.learner.model_copy(update={"num_gpus": 0.0})})
+    assert resolve_token_budget(cpu)[0].learner.max_tokens_per_micro_batch == 1024
+    monkeypatch.setattr("cluster.plan.gpu_memory", lambda: None)
+    with pytest.raises(ConfigError, match=r"this machine has none: run `relay plan --gpu-memory SIZE`"):
+        resolve_token_budget(auto, shape=shape)
+    with pytest.raises(ConfigError, match="not even 1024-token passes fit"):
+        resolve_token_budget(auto, 4 * GIB, shape)
+
+
+def test_relay_plan_and_train_make_an_auto_budget_a_number_and_say_which(monkeypatch, capsys):
+    from cluster.run.launch import model_settings
+    from learner.passes.micro_batches import MicroBatching
+
+    model = f"model.path={SHAPES / 'Qwen2.5-0.5B-Instruct'}"
+    assert main(["plan", str(SINGLE), model, "learner.max_tokens_per_micro_batch=auto", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    budget = int(out.splitlines()[0].removeprefix("learner.max_tokens_per_micro_batch=auto: ").split(",")[0])
+    assert f"passes of {budget} tokens (learner.max_tokens_per_micro_batch)" in out
+    monkeypatch.setattr("cluster.plan.gpu_memory", lambda: None)  # no GPU here, and none given: one line
+    assert main(["plan", str(SINGLE), model, "learner.max_tokens_per_micro_batch=auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "relay plan --gpu-memory SIZE" in err
+    config = model_settings(load_config(None, ["learner.max_tokens_per_micro_batch=auto"]))  # the demo: a CPU learner
+    assert config.learner.max_tokens_per_micro_batch == 1024
+    assert "relay: learner.max_tokens_per_micro_batch=auto: 1024, " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reached the learner unresolved"):
+        MicroBatching(None, "auto")
