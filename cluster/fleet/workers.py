@@ -68,7 +68,7 @@ class RolloutWorkers:
     def pending(self) -> list[PendingWorker]:
         return self.fleet.pending
 
-    def state(self, slot_id: int) -> WorkerState:
+    def _state(self, slot_id: int) -> WorkerState:
         return self.states.setdefault(slot_id, WorkerState())
 
     def queued(self) -> list[Any]:
@@ -81,30 +81,30 @@ class RolloutWorkers:
 
     def serving(self, slot_id: int) -> int | None:
         """The weights version worker `slot_id`'s engine has once the calls queued on it ran; None: not known."""
-        return self.state(slot_id).serving
+        return self._state(slot_id).serving
 
     def serves(self, slot_id: int, version: int | None) -> None:
         """Worker `slot_id`'s engine has weights `version` once the calls queued on it ran (None: not known)."""
-        self.state(slot_id).serving = version
+        self._state(slot_id).serving = version
 
     def enqueue(self, slot_id: int, call: Any, version: int) -> bool:
         """`call` was sent to worker `slot_id`, behind what it holds, sampling with weights `version`; whether it is
         the front of its queue (the worker runs it now)."""
-        state = self.state(slot_id)
+        state = self._state(slot_id)
         state.queue.append(call)
         state.serving = version
         return len(state.queue) == 1
 
     def done(self, slot_id: int) -> Any:
         """Worker `slot_id`'s front call finished: take it off its queue; returns the next one, or None."""
-        queue = self.state(slot_id).queue
+        queue = self._state(slot_id).queue
         queue.popleft()
         return queue[0] if queue else None
 
     def clock(self, slot_id: int, start: float, end: float) -> float | None:
         """Worker `slot_id`'s engine ran a call from `start` to `end` (its own clock); returns how long it waited since
         its previous call ended (None for its first)."""
-        state = self.state(slot_id)
+        state = self._state(slot_id)
         waited = None if state.clock_end is None else max(0.0, start - state.clock_end)
         state.clock_end = end
         return waited
@@ -150,12 +150,12 @@ class RolloutWorkers:
         """Whether every engine is batch-invariant (`RolloutWorker.batch_invariance`), asked once of each engine that
         is new since the last call: the first call says so in one line, and an engine that is not says which
         guarantee drops."""
-        new = [slot for slot in self.slots if self.state(slot.id).invariant is None]
+        new = [slot for slot in self.slots if self._state(slot.id).invariant is None]
         verdicts = get([slot.actor.batch_invariance.remote() for slot in new], self.config.timeouts.start,
                        [slot.name for slot in new], "report its batch invariance") if new else []
         first, self._told = not self._told, True
         for slot, (invariant, detail) in zip(new, verdicts):
-            self.state(slot.id).invariant = invariant
+            self._state(slot.id).invariant = invariant
             if not invariant:
                 print(f"relay: {slot.name}'s engine is not batch-invariant here ({detail}): a prompt's logprobs may "
                       "change in their last bits with what shares its engine batch, so two runs, or a run and its "
@@ -164,7 +164,7 @@ class RolloutWorkers:
                       "may differ (docs/operations.md, exact resume)", file=sys.stderr, flush=True)
         if first and verdicts and all(ok for ok, _ in verdicts):
             print(f"relay: rollout engines are batch-invariant ({verdicts[0][1]})", file=sys.stderr, flush=True)
-        return all(self.state(slot.id).invariant for slot in self.slots)
+        return all(self._state(slot.id).invariant for slot in self.slots)
 
     # ------------------------------------------------------------------------------------------------ `relay scale`
 
