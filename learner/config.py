@@ -148,7 +148,8 @@ class LearnerConfig(_Section):
     to its own longest sequence. Larger uses more memory (activations, logits); on CPU 512-1024 were fastest
     (docs/benchmarks.md), GPUs want more (e.g. 16384). `auto`: on a GPU learner, the largest multiple of 1024 that
     `relay plan`'s memory estimate fits in 90% of the learner's GPU share (this machine's GPU, or `relay plan
-    --gpu-memory`), on a CPU learner 1024; `relay train`, `relay serve` and `relay plan` print the number. Empty: no token limit."""
+    --gpu-memory`), on a CPU learner 1024; `relay train`, `relay serve` and `relay plan` print the number. Empty: no
+    token limit."""
     share_prompts: bool = True
     """Compute each prompt once for the rows that share it (a group's G completions): the prompt's tokens run in
     one forward whose key/value states every row's pass attends to, gradients carried back through them once; the

@@ -31,6 +31,9 @@ def compile_layers(model: torch.nn.Module, backend: str, shapes: int) -> int:
     import torch._dynamo
 
     config = torch._dynamo.config
+    if config.disable:  # TORCHDYNAMO_DISABLE, or a process's own choice (a CPU vLLM engine's: actors/engine.py)
+        raise RuntimeError("learner.fast_paths.compile_bucket_tokens: torch.compile is disabled in this process "
+                           "(torch._dynamo.config.disable, TORCHDYNAMO_DISABLE): nothing would compile")
     config.recompile_limit = max(config.recompile_limit, shapes)
     layers = list(getattr(model.get_decoder(), "layers", []))
     for layer in layers:

@@ -54,6 +54,15 @@ def scored(model, dtype: torch.dtype, shared: bool, paths: PackedPaths = PackedP
     return (logprobs * mask).detach(), (entropy * mask).detach(), grads
 
 
+@pytest.fixture(autouse=True)
+def dynamo_on():
+    """An in-process CPU vLLM engine of another test turns dynamo off process-wide (actors/engine.py): on here."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=False):
+        yield
+
+
 @pytest.fixture(scope="module")
 def exact():
     """The plain packed path in float64: what both paths approximate."""
@@ -186,3 +195,10 @@ def test_with_one_update_per_batch_old_logprobs_are_the_training_forward_s_own_o
 def test_compile_asks_for_a_known_backend():
     with pytest.raises(ValueError, match="inductor, aot_eager"):
         compile_layers(tiny_model(), "cudagraphs", 8)
+
+
+def test_compile_refuses_a_process_where_dynamo_is_off():
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True), pytest.raises(RuntimeError, match="is disabled in this process"):
+        compile_layers(tiny_model(), "aot_eager", 8)
