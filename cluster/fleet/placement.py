@@ -148,11 +148,12 @@ def _reserve(bundles: list[dict[str, float]], strategy: str, timeout: float, wha
 
 class RolloutLauncher:
     """Reserves, starts and stops rollout workers, each in its own placement group of `tensor_parallel_size`
-    bundles packed on one node, on the nodes the config allows (custom resources, node labels), packed or spread."""
+    bundles packed on one node, on the nodes the config allows (custom resources, node labels), packed or spread. With
+    LoRA, each engine serves `max_loras` adapters at once under their own names (`relay serve`'s pools: several)."""
 
     SHUTDOWN_TIMEOUT = 10.0  # s: how long `stop` waits for the engines to shut down before it kills the actors
 
-    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None):
+    def __init__(self, config: RunConfig, model_path: str, rollout_cls: type | None = None, max_loras: int = 1):
         from actors.engine import EngineSettings, LoraServing
         from actors.rollout import RolloutWorker
 
@@ -165,7 +166,7 @@ class RolloutLauncher:
                                        seed=config.seed, tensor_parallel_size=ro.tensor_parallel_size,
                                        cpu_linear=ro.cpu_linear,
                                        lora=LoraServing(lora.rank, lora.scale_alpha, tuple(lora_targets(
-                                           config.learner, model_path))) if lora.enabled else None)
+                                           config.learner, model_path)), max_loras) if lora.enabled else None)
         self.bundles = rollout_bundles(config)  # one per tensor-parallel shard (cluster/plan.py: `relay plan`'s)
         self.bundle = self.bundles[0]
         self.episodes = None  # multi-turn episodes (`env`): what each worker needs to run them

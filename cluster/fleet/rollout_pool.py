@@ -25,7 +25,7 @@ from cluster.config import RunConfig
 from cluster.fleet.placement import Fleet, RolloutSlot
 from cluster.fleet.weight_sync import Export, WeightSync
 from cluster.fleet.workers import RolloutWorkers
-from sync.calls import Outcome, RunError, late, settle
+from sync.calls import Outcome, late, settle
 from sync.verify import SyncError
 
 SPEED_BAND = 0.1  # relative speed differences treated as noise by `rollout.balance=speed`
@@ -153,18 +153,9 @@ class RolloutPool:
         self.weights.transport.close()
 
     def replace(self, slot: RolloutSlot, cause: str) -> None:
-        """Kill `slot`'s worker, start a new one in its bundle, load the current weights and probe them; then the
-        requests it held go to the new one."""
-        held = self.workers.restart(slot, cause)  # counts its own time in `recovery_seconds`
-        started = time.perf_counter()
-        failed = self.load_now([slot])
-        if failed:
-            raise RunError(f"{slot.name} was replaced after it {cause}, but its replacement {failed[slot.id]} while "
-                           "loading the weights")
-        if self.config.sync.probe:
-            self.weights.verify([slot])
-        self.workers.add_recovery(time.perf_counter() - started)
-        for request in held:
+        """Kill `slot`'s worker, start a new one in its bundle, load the current weights and probe them
+        (`RolloutWorkers.restart`); then the requests it held go to the new one."""
+        for request in self.workers.restart(slot, cause, self._join):
             self._submit(request)
 
     def resize(self, num_workers: int, remove_ids: list[int] = ()) -> None:

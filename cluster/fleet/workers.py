@@ -121,14 +121,13 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------------------------------------------ health
 
-    def add_recovery(self, seconds: float) -> None:
-        """Time a replacement took after its restart (loading and checking the weights) counts as recovery."""
-        self.recovery_seconds += seconds
-
-    def restart(self, slot: RolloutSlot, cause: str) -> list[Any]:
+    def restart(self, slot: RolloutSlot, cause: str,
+                join: Callable[[list[RolloutSlot]], dict[int, str]] | None = None) -> list[Any]:
         """Kill `slot`'s worker and start a new one in its bundle (counted against `rollout.max_restarts`), forget the
         old engine, and return the calls it held, in order, for the caller to send again. The new engine serves the
-        model's own weights until it loads others."""
+        model's own weights until it loads others: with `join` (the pool's: load the current weights, probe them;
+        {slot id: cause} of a failure), at once, else with the first call sent to it. All of it counts as
+        recovery."""
         limit = self.config.rollout.max_restarts
         if self.restarts >= limit:
             raise RunError(f"{slot.name} {cause}, and {self.restarts} rollout workers were already replaced "
@@ -143,7 +142,11 @@ class RolloutWorkers:
         get([slot.actor.__ray_ready__.remote()], self.config.timeouts.start, [slot.name], "start")
         for new_engine in self._new_engine:
             new_engine(slot)
+        failed = join([slot]) if join is not None else {}
         self.recovery_seconds += time.perf_counter() - started
+        if failed:
+            raise RunError(f"{slot.name} was replaced after it {cause}, but its replacement {failed[slot.id]} while "
+                           "loading the weights")
         return held
 
     def check_invariance(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -126,10 +126,8 @@ class Samplers:
 
         lora = self.config.learner.lora.model_copy(update={"rank": rank})
         config = self.config.model_copy(update={"learner": self.config.learner.model_copy(update={"lora": lora})})
-        launcher = RolloutLauncher(config, self.runs.model_path, rollout_cls=cls)
-        if cls is not None:
-            launcher.settings = replace(launcher.settings, lora=replace(launcher.settings.lora,
-                                                                        max_loras=ADAPTER_SLOTS))
+        launcher = RolloutLauncher(config, self.runs.model_path, rollout_cls=cls,
+                                   max_loras=ADAPTER_SLOTS if cls is not None else 1)
         workers = [launcher.start(launcher.reserve([])) for _ in range(self.config.rollout.num_workers)]
         ray.get([w.__ray_ready__.remote() for w in workers], timeout=self.config.timeouts.start)
         return workers
