@@ -18,6 +18,8 @@ needs (the learner's weights, gradients, AdamW state, activations at its token b
 and KV cache), from the config and the model's config.json alone: no Ray, no GPU, no weights. Exits 2 with one line
 when the GPUs cannot hold the run (what `relay train` refuses before any actor starts).
 The GPU size is --gpu-memory, else the smallest GPU on this machine; without either, memory is printed unchecked.
+With a GPU learner it also prints the largest learner token budget that fits, which
+`learner.max_tokens_per_micro_batch=auto` takes (printed first).
   relay plan configs/gpu_gsm8k_single.yaml model.path=configs/model_shapes/Qwen2.5-1.5B-Instruct --gpu-memory 80GiB
 configs/model_shapes/ holds the config.json of Qwen2.5-0.5B, 1.5B and 7B Instruct (docs/gpu.md, "Memory"): a
 model.path that is not here but ends in one of their names (the GPU presets' placeholders) is planned on it.
