@@ -153,7 +153,8 @@ def test_profile_script_profiles_a_step_of_a_variant_and_times_the_plain_loop(tm
     model_dir = tmp_path / "model"
     gpu_profile.build_model_dir(size, model_dir, torch.device("cpu"))
     assert gpu_profile.plain_seconds(model_dir, size, batches) > 0
-    text = gpu_profile.profile_step(model_dir, size, batches, tmp_path, "all")
+    with torch._dynamo.config.patch(disable=False):  # a CPU vLLM engine of another test turns it off process-wide
+        text = gpu_profile.profile_step(model_dir, size, batches, tmp_path, "all")
     assert text.startswith("variant a+b+c+d+e+f (passes of ") and "aten::logsumexp" in text
     assert (tmp_path / "profile-all.txt").read_text() == text
     assert (tmp_path / "trace-all.json.gz").stat().st_size > 0
