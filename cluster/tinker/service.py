@@ -392,7 +392,7 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     import uvicorn
 
     from cluster.demo.cache import ensure_demo_model
-    from cluster.plan import ModelShape, resolve_token_budget
+    from cluster.plan import resolve_token_budget
 
     key = token_from_env(key_env, "--key-env")
     keys = [k.strip() for k in key.split(",") if k.strip()] if key else []  # several: one tenant each
@@ -405,7 +405,7 @@ def serve(config: Any, host: str, port: int, key_env: str | None, allow_origins:
     model_path = (str(Path(config.model.path).resolve()) if config.model.path
                   else str(ensure_demo_model(log=lambda line: print(f"relay: {line}", flush=True))))
     model_config = json.loads((Path(model_path) / "config.json").read_text())
-    config, budget = resolve_token_budget(config, shape=ModelShape.read(model_path))
+    config, budget = resolve_token_budget(config)  # reads the model's shape only for `auto`
     if budget:
         print(f"relay: {budget}", flush=True)
     started = start_ray(config.ray)
